@@ -1,0 +1,94 @@
+"""The Plan: what the simulator and the runner both consume for one global batch.
+
+Plain data, no tensors; serialised with sorted keys and fixed float formatting so that
+the same inputs and seed give the same bytes (the runner test compares Plans byte for byte).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much attention one sequence gets.
+
+    ``p`` is the coverage target in (0, 1]: per query block keep the fewest KV blocks whose
+    routing-score mass reaches ``p`` (``p == 1`` is dense). ``kept_fraction``, when set,
+    fixes the fraction of causal KV blocks kept instead and ``p`` is then ignored.
+    """
+
+    p: float = 1.0
+    kept_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.p <= 1.0:
+            raise ValueError(f"budget p={self.p!r} is outside the allowed range (0, 1]")
+        if self.kept_fraction is not None and not 0.0 < self.kept_fraction <= 1.0:
+            raise ValueError(
+                f"budget kept_fraction={self.kept_fraction!r} is outside the allowed range (0, 1]"
+            )
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One sequence placed on (dp_rank, micro_batch) with its budget.
+
+    ``cp_budgets`` optionally holds one Budget per CP shard (empty: ``budget`` everywhere).
+    """
+
+    seq_id: int
+    length: int
+    sensitivity: float
+    dp_rank: int
+    micro_batch: int
+    budget: Budget = Budget()
+    cp_budgets: tuple[Budget, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Assignment of one global batch: sequence -> (dp_rank, micro_batch) and a budget each."""
+
+    step: int
+    dp: int
+    micro_batches: int
+    assignments: tuple[Assignment, ...]
+
+    def micro_batch(self, dp_rank: int, micro_batch: int) -> tuple[Assignment, ...]:
+        """Assignments of one (rank, micro-batch), in plan order."""
+        return tuple(
+            a for a in self.assignments if a.dp_rank == dp_rank and a.micro_batch == micro_batch
+        )
+
+    def with_budgets(self, budgets: dict[int, Budget]) -> Plan:
+        """A copy with the budgets of the given sequence ids replaced."""
+        return replace(
+            self,
+            assignments=tuple(
+                replace(a, budget=budgets.get(a.seq_id, a.budget)) for a in self.assignments
+            ),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        raw = json.loads(text)
+        assignments = tuple(
+            Assignment(
+                **{
+                    **a,
+                    "budget": Budget(**a["budget"]),
+                    "cp_budgets": tuple(Budget(**b) for b in a["cp_budgets"]),
+                }
+            )
+            for a in raw["assignments"]
+        )
+        return cls(
+            step=raw["step"],
+            dp=raw["dp"],
+            micro_batches=raw["micro_batches"],
+            assignments=assignments,
+        )
