@@ -1,0 +1,266 @@
+"""Block selection: which key/value blocks each query block attends to.
+
+Routing scores are MoBA/NSA-style: queries and keys are mean-pooled per block (queries also over the query
+heads of a KV group, so a GQA group shares one selection), ``score[g, c] = qbar_g . kbar_c / sqrt(D)`` over
+the causal blocks ``c <= g`` of the same document, softmax-normalised per query block.
+
+* ``p`` mode (top-p): per (KV head, query block) keep the fewest blocks, in descending score order, whose
+  probability mass reaches ``p``; ``p = 1`` keeps every causal block (dense).
+* ``kept_fraction`` mode: per (KV head, query block) keep the ``round(kf * n_causal)`` highest-scoring blocks
+  (at least one).
+
+In both modes the diagonal block is always kept. Budgets are per document (float or ``[n]`` tensor).
+
+Storage (all plain tensors, memory O(NB x max kept), never O(T^2)):
+  ``q2k_idx [Hkv, NB, W]`` int32 selected KV blocks of each query block, ascending (the diagonal is last),
+  ``q2k_cnt [Hkv, NB]`` int32 how many of the W slots are used,
+  ``k2q_ptr [Hkv*NB+1]`` / ``k2q_idx`` int32: reverse lists (CSR, ascending; the diagonal is first), built
+  by one sort, used by the dK/dV backward, ``q_order`` / ``k_order`` int32: longest rows first (scheduling).
+The score matrix is built per bucket of similar-length documents and in row chunks of at most
+``_CHUNK_ELEMS`` entries, so a 128K-token document costs a few MB at a time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .layout import BlockLayout, block_layout
+
+__all__ = ["BlockSelection", "select_blocks", "selection_from_mask", "pool_blocks"]
+
+_CHUNK_ELEMS = 1 << 23
+
+
+@dataclass
+class BlockSelection:
+    layout: BlockLayout
+    num_kv_heads: int
+    q2k_idx: torch.Tensor  # int32 [Hkv, NB, W]
+    q2k_cnt: torch.Tensor  # int32 [Hkv, NB]
+    k2q_ptr: torch.Tensor  # int32 [Hkv*NB + 1]
+    k2q_idx: torch.Tensor  # int32 [>= nnz]
+    q_order: torch.Tensor  # int32 [NB]
+    k_order: torch.Tensor  # int32 [NB]
+    kept_fraction: torch.Tensor  # float32 [n] kept blocks / causal blocks (over KV heads)
+    coverage: torch.Tensor  # float32 [n] mean routing-score mass kept per (KV head, query block)
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    def kept_blocks(self) -> int:
+        return int(self.q2k_cnt.sum())
+
+    def to_dense_mask(self) -> torch.Tensor:
+        """``[Hkv, NB, NB]`` bool block mask (tests, FlexAttention; O(NB^2), small inputs only)."""
+        H, NB, W = self.q2k_idx.shape
+        mask = torch.zeros(H, NB, NB + 1, dtype=torch.bool, device=self.q2k_idx.device)
+        slot = torch.arange(W, device=self.q2k_idx.device)
+        valid = slot[None, None, :] < self.q2k_cnt[:, :, None]
+        idx = torch.where(valid, self.q2k_idx.long(), NB)
+        mask.scatter_(2, idx, True)
+        return mask[:, :, :NB]
+
+    def kept_block_pairs_tokens(self) -> int:
+        """Number of (query token, key token) pairs attended, summed over KV heads (for FLOP counts)."""
+        lay = self.layout
+        H, NB, W = self.q2k_idx.shape
+        qlen = (lay.block_end - lay.block_start).long()
+        slot = torch.arange(W, device=self.q2k_idx.device)
+        valid = slot[None, None, :] < self.q2k_cnt[:, :, None]
+        klen = qlen[self.q2k_idx.long().clamp(0, NB - 1)]
+        g = torch.arange(NB, device=qlen.device)
+        diag = self.q2k_idx.long() == g[None, :, None]
+        pairs = torch.where(diag, qlen[None, :, None] * (qlen[None, :, None] + 1) // 2, qlen[None, :, None] * klen)
+        return int(torch.where(valid, pairs, 0).sum())
+
+
+def pool_blocks(x: torch.Tensor, lay: BlockLayout, num_kv_heads: int) -> torch.Tensor:
+    """Mean over the tokens of each block and over the heads of each KV group: ``[NB, Hkv, D]`` float32."""
+    T, H, D = x.shape
+    G = H // num_kv_heads
+    xs = x.view(T, num_kv_heads, G, D).float().sum(2)
+    out = torch.zeros(lay.num_blocks, num_kv_heads, D, dtype=torch.float32, device=x.device)
+    out.index_add_(0, lay.token_block, xs)
+    cnt = (lay.block_end - lay.block_start).to(torch.float32) * G
+    return out / cnt[:, None, None]
+
+
+def _per_doc(value, n: int, name: str, device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to(device=device, dtype=torch.float32).reshape(-1)
+        if t.numel() == 1:
+            t = t.expand(n)
+        if t.numel() != n:
+            raise ValueError(f"{name} has {t.numel()} entries, expected one per sequence ({n})")
+    else:
+        t = torch.full((n,), float(value), dtype=torch.float32, device=device)
+    bad = (t <= 0) | (t > 1) | torch.isnan(t)
+    if bool(bad.any()):
+        raise ValueError(f"{name} must be in (0, 1], got {t[bad][0].item()!r}")
+    return t.contiguous()
+
+
+def _finalize(lay: BlockLayout, Hkv: int, q2k_idx, q2k_cnt, kept_fraction, coverage) -> BlockSelection:
+    """Build the reverse (KV block -> query blocks) CSR lists and the schedules; no host sync."""
+    dev = q2k_idx.device
+    NB = lay.num_blocks
+    H, _, W = q2k_idx.shape
+    slot = torch.arange(W, device=dev)
+    valid = slot[None, None, :] < q2k_cnt[:, :, None]
+    h = torch.arange(H, device=dev)[:, None, None]
+    g = torch.arange(NB, device=dev)[None, :, None]
+    c = q2k_idx.long()
+    row = h * NB + c  # reverse row = (kv head, kv block)
+    big = H * NB * NB
+    key = torch.where(valid, row * NB + g, big).reshape(-1)
+    skey = torch.sort(key).values
+    k2q_idx = (skey % NB).to(torch.int32)
+    k2q_cnt = torch.zeros(H * NB + 1, dtype=torch.int64, device=dev)
+    k2q_cnt.scatter_add_(0, torch.where(valid, row, H * NB).reshape(-1), torch.ones_like(key))
+    k2q_cnt = k2q_cnt[: H * NB]
+    k2q_ptr = torch.zeros(H * NB + 1, dtype=torch.int32, device=dev)
+    k2q_ptr[1:] = torch.cumsum(k2q_cnt, 0).to(torch.int32)
+    q_order = torch.argsort(q2k_cnt.sum(0), descending=True, stable=True).to(torch.int32)
+    k_order = torch.argsort(k2q_cnt.view(H, NB).sum(0), descending=True, stable=True).to(torch.int32)
+    return BlockSelection(lay, Hkv, q2k_idx.to(torch.int32).contiguous(), q2k_cnt.to(torch.int32).contiguous(),
+                          k2q_ptr, k2q_idx, q_order, k_order, kept_fraction, coverage)
+
+
+def _doc_buckets(lay: BlockLayout):
+    """Group documents by power-of-two block count (padding waste <= 2x per side)."""
+    buckets: dict[int, list[int]] = {}
+    for d, nb in enumerate(lay.doc_nblocks):
+        w = 1 << max(0, (nb - 1).bit_length())
+        buckets.setdefault(w, []).append(d)
+    return sorted(buckets.items(), reverse=True)
+
+
+@torch.no_grad()
+def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=None, kept_fraction=None,
+                  block_size: int = 64, softmax_scale: float | None = None) -> BlockSelection:
+    """Select KV blocks per (KV head, query block). See the module docstring.
+
+    q ``[T, Hq, D]``, k ``[T, Hkv, D]``, cu_seqlens int32 ``[n+1]``. Exactly one of ``p`` (top-p coverage
+    target) and ``kept_fraction`` may be given (float or ``[n]`` tensor, in (0, 1]); neither means dense.
+    """
+    if p is not None and kept_fraction is not None:
+        raise ValueError("give p or kept_fraction, not both")
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    dev = q.device
+    lay = block_layout(cu_seqlens, block_size, dev)
+    n, NB = lay.num_docs, lay.num_blocks
+    topp = kept_fraction is None
+    budget = _per_doc(1.0 if (p is None and kept_fraction is None) else (p if topp else kept_fraction), n,
+                      "p" if topp else "kept_fraction", dev)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    qbar = pool_blocks(q, lay, Hkv)  # [NB, Hkv, D]
+    kbar = pool_blocks(k, lay, Hkv)
+
+    kept_sum = torch.zeros(n, dtype=torch.float32, device=dev)
+    cov_sum = torch.zeros(n, dtype=torch.float32, device=dev)
+    pieces = []  # (global rows [nd, R], idx [nd, Hkv, R, w], cnt [nd, Hkv, R], rowvalid [nd, R])
+    for W, docs in _doc_buckets(lay):
+        nd = len(docs)
+        docs_t = torch.tensor(docs, device=dev)
+        first = lay.doc_first_block_t[docs_t]  # [nd]
+        nbs = lay.doc_first_block_t[docs_t + 1] - first
+        j = torch.arange(W, device=dev)
+        gidx = first[:, None] + j[None, :]  # [nd, W]
+        colvalid = j[None, :] < nbs[:, None]
+        gidx_c = torch.where(colvalid, gidx, 0)
+        Qp = qbar[gidx_c].permute(0, 2, 1, 3)  # [nd, Hkv, W, D]
+        Kp = kbar[gidx_c].permute(0, 2, 1, 3)
+        bud = budget[docs_t]
+        rows_per_chunk = max(1, _CHUNK_ELEMS // max(1, nd * Hkv * W))
+        for r0 in range(0, W, rows_per_chunk):
+            r1 = min(W, r0 + rows_per_chunk)
+            R = r1 - r0
+            r = torch.arange(r0, r1, device=dev)
+            rowvalid = r[None, :] < nbs[:, None]  # [nd, R]
+            valid = (j[None, None, :] <= r[None, :, None]) & rowvalid[:, :, None]  # [nd, R, W]
+            valid = valid | ((j == 0)[None, None, :] & ~rowvalid[:, :, None])  # keep softmax finite
+            s = torch.matmul(Qp[:, :, r0:r1], Kp.transpose(-1, -2)) * scale  # [nd, Hkv, R, W]
+            s = s.masked_fill(~valid[:, None], float("-inf"))
+            prob = torch.softmax(s, dim=-1)
+            isdiag = (j[None, :] == r[:, None])[None, None]  # [1, 1, R, W]
+            validh = valid[:, None].expand_as(prob)
+            if topp:
+                vals, order = torch.sort(prob, dim=-1, descending=True, stable=True)
+                excl = torch.cumsum(vals, -1) - vals
+                keep_sorted = excl < bud[:, None, None, None]
+                keep_sorted = keep_sorted | (bud >= 1.0)[:, None, None, None]
+                keep_sorted = keep_sorted & (order <= r[None, None, :, None])
+                keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+            else:
+                ncaus = (r + 1).to(torch.float32)
+                kk = torch.floor(bud[:, None] * ncaus[None, :] + 0.5).clamp(min=1)
+                kk = torch.minimum(kk, ncaus[None, :]).to(torch.int64)  # [nd, R]
+                key = torch.where(isdiag, 2.0, prob).masked_fill(~validh, -1.0)
+                order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+                keep_sorted = (j[None, None, None, :] < kk[:, None, :, None]).expand_as(key)
+                keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+            keep = (keep | isdiag) & validh & rowvalid[:, None, :, None]
+            cnt = keep.sum(-1)  # [nd, Hkv, R]
+            cov = (prob * keep).sum(-1)
+            kept_sum.index_add_(0, docs_t, cnt.sum((1, 2)).to(torch.float32))
+            cov_sum.index_add_(0, docs_t, torch.where(rowvalid[:, None], cov, 0).sum((1, 2)))
+            w = int(cnt.max()) if cnt.numel() else 1  # one host sync per chunk
+            w = max(w, 1)
+            pos = torch.cumsum(keep, -1) - 1
+            slot = torch.where(keep, pos, w)
+            out = torch.zeros(nd, Hkv, R, w + 1, dtype=torch.int32, device=dev)
+            out.scatter_(-1, slot, gidx.to(torch.int32)[:, None, None, :].expand(nd, Hkv, R, W))
+            grow = first[:, None] + r[None, :]
+            pieces.append((grow, out[..., :w], cnt, rowvalid))
+    Wmax = max(pc[1].shape[-1] for pc in pieces)
+    q2k_idx = torch.zeros(Hkv, NB + 1, Wmax, dtype=torch.int32, device=dev)
+    q2k_cnt = torch.zeros(Hkv, NB + 1, dtype=torch.int32, device=dev)
+    for grow, idx, cnt, rowvalid in pieces:
+        w = idx.shape[-1]
+        g = torch.where(rowvalid, grow, NB).reshape(-1)  # invalid rows go to a dummy row
+        q2k_idx[:, g, :w] = idx.permute(1, 0, 2, 3).reshape(Hkv, -1, w)
+        q2k_cnt[:, g] = cnt.permute(1, 0, 2).reshape(Hkv, -1).to(torch.int32)
+    q2k_idx = q2k_idx[:, :NB].contiguous()
+    q2k_cnt = q2k_cnt[:, :NB].contiguous()
+    causal = torch.tensor(lay.causal_blocks_per_doc(), dtype=torch.float32, device=dev) * Hkv
+    nbs_all = torch.tensor(lay.doc_nblocks, dtype=torch.float32, device=dev) * Hkv
+    return _finalize(lay, Hkv, q2k_idx, q2k_cnt, kept_sum / causal, cov_sum / nbs_all)
+
+
+def selection_from_mask(block_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int = 64,
+                        coverage: torch.Tensor | None = None) -> BlockSelection:
+    """An explicit selection from a ``[Hkv, NB, NB]`` bool mask over the layout's global blocks.
+
+    Entries outside the causal same-document pattern are dropped; the diagonal is added. ``coverage`` is
+    reported as NaN unless given (no routing scores are computed).
+    """
+    if block_mask.dim() != 3 or block_mask.dtype != torch.bool:
+        raise ValueError(f"block_mask must be a [Hkv, NB, NB] bool tensor, got {tuple(block_mask.shape)} "
+                         f"{block_mask.dtype}")
+    dev = block_mask.device
+    lay = block_layout(cu_seqlens, block_size, dev)
+    NB = lay.num_blocks
+    if block_mask.shape[1:] != (NB, NB):
+        raise ValueError(f"block_mask is {tuple(block_mask.shape)}, the layout has {NB} blocks")
+    Hkv = block_mask.shape[0]
+    g = torch.arange(NB, device=dev)
+    allowed = (lay.block_doc[:, None] == lay.block_doc[None, :]) & (g[None, :] <= g[:, None])
+    keep = (block_mask & allowed[None]) | torch.eye(NB, dtype=torch.bool, device=dev)[None]
+    cnt = keep.sum(-1)
+    w = max(1, int(cnt.max()))
+    pos = torch.cumsum(keep, -1) - 1
+    out = torch.zeros(Hkv, NB, NB + 1, dtype=torch.int32, device=dev)
+    out.scatter_(-1, torch.where(keep, pos, NB), g.to(torch.int32).expand(Hkv, NB, NB).contiguous())
+    n = lay.num_docs
+    kept = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(0, lay.block_doc, cnt.sum(0).float())
+    causal = torch.tensor(lay.causal_blocks_per_doc(), dtype=torch.float32, device=dev) * Hkv
+    cov = coverage if coverage is not None else torch.full((n,), float("nan"), device=dev)
+    return _finalize(lay, Hkv, out[:, :, :w].contiguous(), cnt.to(torch.int32), kept / causal, cov)

@@ -1,0 +1,320 @@
+"""Triton forward and backward of block-sparse varlen attention over a BlockSelection.
+
+Grids (axis 0 = head so that all heads of the longest rows start first):
+  forward / dQ : (Hq,  NB * BLOCK/BM)  one program per (query head, query tile), rows in ``q_order``;
+  dK/dV        : (Hkv, NB * BLOCK/BN)  one program per (KV head, KV tile), rows in ``k_order``; loops over the
+                 G query heads of the group and the reverse list of query blocks: no atomics, deterministic.
+Only the diagonal block needs a mask (causal, and the document end): every other selected block is a full
+block strictly in the past of the same document. The diagonal is the last entry of a forward list and the
+first of a reverse list. LSE is stored in the log2 domain (``m + log2(l)`` of ``qk * scale * log2(e)``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Tunables per (block_size, head_dim). warps/stages only matter on the GPU.
+DEFAULT_CONFIG = {
+    "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=3),
+    "dq": dict(BM=128, BN=64, num_warps=8, num_stages=2),
+    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=2),
+}
+CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, ...}} set by benchmarks / tuning
+
+
+def get_config(kind: str, block: int, D: int) -> dict:
+    cfg = dict(DEFAULT_CONFIG[kind])
+    cfg.update(CONFIG_OVERRIDES.get((block, D), {}).get(kind, {}))
+    for key in ("BM", "BN"):
+        cfg[key] = min(cfg[key], block)
+    return cfg
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_idx, q2k_cnt, q_order,
+                qk_scale, T, NB, WK,
+                sqt, sqh, skt, skh, svt, svh, sot, soh,
+                G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                D: tl.constexpr, PREC: tl.constexpr):
+    hq = tl.program_id(0)
+    pid = tl.program_id(1)
+    NSUB: tl.constexpr = BLOCK // BM
+    r = tl.load(q_order + pid // NSUB)
+    sub = pid % NSUB
+    hk = hq // G
+    qs = tl.load(blk_start + r)
+    qe = tl.load(blk_end + r)
+    m0 = qs + sub * BM
+    if m0 < qe:
+        offs_m = m0 + tl.arange(0, BM)
+        offs_n = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        mmask = offs_m < qe
+        q = tl.load(Q + hq * sqh + offs_m.to(tl.int64)[:, None] * sqt + offs_d[None, :],
+                    mask=mmask[:, None], other=0.0)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        row = hk * NB + r
+        cnt = tl.load(q2k_cnt + row)
+        lst = q2k_idx + row.to(tl.int64) * WK
+        Kh = K + hk * skh
+        Vh = V + hk * svh
+        for i in range(0, cnt - 1):
+            c = tl.load(lst + i)
+            ks = tl.load(blk_start + c).to(tl.int64)
+            for j in tl.static_range(BLOCK // BN):
+                kp = ks + j * BN + offs_n
+                kT = tl.load(Kh + kp[None, :] * skt + offs_d[:, None])
+                s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                pr = tl.math.exp2(s - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(pr, 1)
+                acc = acc * alpha[:, None]
+                vv = tl.load(Vh + kp[:, None] * svt + offs_d[None, :])
+                acc = tl.dot(pr.to(vv.dtype), vv, acc, input_precision=PREC)
+                m_i = m_new
+        # diagonal block, masked (causal + document end)
+        hi = tl.minimum(m0 + BM, qe)
+        for j in tl.static_range(BLOCK // BN):
+            n0 = qs + j * BN
+            if n0 < hi:
+                kp = n0 + offs_n
+                kmask = kp < qe
+                kT = tl.load(Kh + kp.to(tl.int64)[None, :] * skt + offs_d[:, None], mask=kmask[None, :], other=0.0)
+                s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+                s = tl.where((kp[None, :] <= offs_m[:, None]) & kmask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                pr = tl.math.exp2(s - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(pr, 1)
+                acc = acc * alpha[:, None]
+                vv = tl.load(Vh + kp.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kmask[:, None], other=0.0)
+                acc = tl.dot(pr.to(vv.dtype), vv, acc, input_precision=PREC)
+                m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(O + hq * soh + offs_m.to(tl.int64)[:, None] * sot + offs_d[None, :], acc.to(O.dtype.element_ty),
+                 mask=mmask[:, None])
+        tl.store(LSE + hq.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=mmask)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_idx, q2k_cnt, q_order,
+                   qk_scale, sm_scale, T, NB, WK,
+                   sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdqt, sdqh,
+                   G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   D: tl.constexpr, PREC: tl.constexpr):
+    hq = tl.program_id(0)
+    pid = tl.program_id(1)
+    NSUB: tl.constexpr = BLOCK // BM
+    r = tl.load(q_order + pid // NSUB)
+    sub = pid % NSUB
+    hk = hq // G
+    qs = tl.load(blk_start + r)
+    qe = tl.load(blk_end + r)
+    m0 = qs + sub * BM
+    if m0 < qe:
+        offs_m = m0 + tl.arange(0, BM)
+        offs_n = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        mmask = offs_m < qe
+        om = offs_m.to(tl.int64)
+        q = tl.load(Q + hq * sqh + om[:, None] * sqt + offs_d[None, :], mask=mmask[:, None], other=0.0)
+        do = tl.load(DO + hq * sdoh + om[:, None] * sdot + offs_d[None, :], mask=mmask[:, None], other=0.0)
+        lse = tl.load(LSE + hq.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
+        delta = tl.load(DELTA + hq.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
+        dq = tl.zeros([BM, D], tl.float32)
+        row = hk * NB + r
+        cnt = tl.load(q2k_cnt + row)
+        lst = q2k_idx + row.to(tl.int64) * WK
+        Kh = K + hk * skh
+        Vh = V + hk * svh
+        for i in range(0, cnt - 1):
+            c = tl.load(lst + i)
+            ks = tl.load(blk_start + c).to(tl.int64)
+            for j in tl.static_range(BLOCK // BN):
+                kp = ks + j * BN + offs_n
+                kk = tl.load(Kh + kp[:, None] * skt + offs_d[None, :])
+                vT = tl.load(Vh + kp[None, :] * svt + offs_d[:, None])
+                s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
+                pr = tl.math.exp2(s - lse[:, None])
+                dp = tl.dot(do, vT, input_precision=PREC)
+                ds = pr * (dp - delta[:, None])
+                dq = tl.dot(ds.to(kk.dtype), kk, dq, input_precision=PREC)
+        hi = tl.minimum(m0 + BM, qe)
+        for j in tl.static_range(BLOCK // BN):
+            n0 = qs + j * BN
+            if n0 < hi:
+                kp = n0 + offs_n
+                kmask = kp < qe
+                kk = tl.load(Kh + kp.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kmask[:, None], other=0.0)
+                vT = tl.load(Vh + kp.to(tl.int64)[None, :] * svt + offs_d[:, None], mask=kmask[None, :], other=0.0)
+                s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
+                pr = tl.math.exp2(s - lse[:, None])
+                pr = tl.where((kp[None, :] <= offs_m[:, None]) & kmask[None, :], pr, 0.0)
+                dp = tl.dot(do, vT, input_precision=PREC)
+                ds = pr * (dp - delta[:, None])
+                dq = tl.dot(ds.to(kk.dtype), kk, dq, input_precision=PREC)
+        dq = dq * sm_scale
+        tl.store(DQ + hq * sdqh + om[:, None] * sdqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=mmask[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_ptr, k2q_idx, k_order,
+                     qk_scale, sm_scale, T, NB,
+                     sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh,
+                     G: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                     D: tl.constexpr, PREC: tl.constexpr):
+    hk = tl.program_id(0)
+    pid = tl.program_id(1)
+    NSUB: tl.constexpr = BLOCK // BN
+    c = tl.load(k_order + pid // NSUB)
+    sub = pid % NSUB
+    ks = tl.load(blk_start + c)
+    ke = tl.load(blk_end + c)
+    n0 = ks + sub * BN
+    if n0 < ke:
+        offs_n = n0 + tl.arange(0, BN)
+        offs_m = tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        nmask = offs_n < ke
+        on = offs_n.to(tl.int64)
+        kk = tl.load(K + hk * skh + on[:, None] * skt + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        vv = tl.load(V + hk * svh + on[:, None] * svt + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        row = hk * NB + c
+        e0 = tl.load(k2q_ptr + row)
+        e1 = tl.load(k2q_ptr + row + 1)
+        for g in range(0, G):
+            hq = hk * G + g
+            Qh = Q + hq * sqh
+            DOh = DO + hq * sdoh
+            LSEh = LSE + hq.to(tl.int64) * T
+            DELh = DELTA + hq.to(tl.int64) * T
+            # diagonal block (first entry of the reverse list), masked
+            for j in tl.static_range(BLOCK // BM):
+                mq = ks + j * BM
+                if (mq + BM > n0) & (mq < ke):
+                    qp = mq + offs_m
+                    qmask = qp < ke
+                    qp64 = qp.to(tl.int64)
+                    qT = tl.load(Qh + qp64[None, :] * sqt + offs_d[:, None], mask=qmask[None, :], other=0.0)
+                    do = tl.load(DOh + qp64[:, None] * sdot + offs_d[None, :], mask=qmask[:, None], other=0.0)
+                    lse = tl.load(LSEh + qp, mask=qmask, other=float("inf"))
+                    delta = tl.load(DELh + qp, mask=qmask, other=0.0)
+                    sT = tl.dot(kk, qT, input_precision=PREC) * qk_scale
+                    pT = tl.math.exp2(sT - lse[None, :])
+                    pT = tl.where((offs_n[:, None] <= qp[None, :]) & qmask[None, :], pT, 0.0)
+                    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+                    dpT = tl.dot(vv, tl.trans(do), input_precision=PREC)
+                    dsT = pT * (dpT - delta[None, :])
+                    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PREC)
+            for e in range(e0 + 1, e1):
+                r = tl.load(k2q_idx + e)
+                qs = tl.load(blk_start + r)
+                qe = tl.load(blk_end + r)
+                for j in tl.static_range(BLOCK // BM):
+                    qp = qs + j * BM + offs_m
+                    qmask = qp < qe
+                    qp64 = qp.to(tl.int64)
+                    qT = tl.load(Qh + qp64[None, :] * sqt + offs_d[:, None], mask=qmask[None, :], other=0.0)
+                    do = tl.load(DOh + qp64[:, None] * sdot + offs_d[None, :], mask=qmask[:, None], other=0.0)
+                    lse = tl.load(LSEh + qp, mask=qmask, other=float("inf"))
+                    delta = tl.load(DELh + qp, mask=qmask, other=0.0)
+                    sT = tl.dot(kk, qT, input_precision=PREC) * qk_scale
+                    pT = tl.math.exp2(sT - lse[None, :])
+                    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+                    dpT = tl.dot(vv, tl.trans(do), input_precision=PREC)
+                    dsT = pT * (dpT - delta[None, :])
+                    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PREC)
+        dk = dk * sm_scale
+        tl.store(DK + hk * sdkh + on[:, None] * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=nmask[:, None])
+        tl.store(DV + hk * sdvh + on[:, None] * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                 mask=nmask[:, None])
+
+
+POISON_OUTPUTS = False  # tests set this: outputs start as NaN so a missed write fails
+
+
+def _empty(shape, like: torch.Tensor, dtype=None):
+    dtype = dtype or like.dtype
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _prec(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def sparse_attn_fwd(q, k, v, sel, sm_scale):
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    lay = sel.layout
+    B, NB = lay.block_size, lay.num_blocks
+    cfg = get_config("fwd", B, D)
+    o = _empty((T, Hq, D), q)
+    lse = _empty((Hq, T), q, torch.float32)
+    grid = (Hq, NB * (B // cfg["BM"]))
+    _fwd_kernel[grid](q, k, v, o, lse, lay.block_start, lay.block_end, sel.q2k_idx, sel.q2k_cnt, sel.q_order,
+                      sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
+                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                      o.stride(0), o.stride(1),
+                      G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype),
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o, lse
+
+
+def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    lay = sel.layout
+    B, NB = lay.block_size, lay.num_blocks
+    do = do.contiguous() if do.stride(-1) != 1 else do
+    delta = (do.float() * o.float()).sum(-1).t().contiguous()  # [Hq, T]
+    dq = _empty(q.shape, q)
+    dk = _empty(k.shape, k)
+    dv = _empty(v.shape, v)
+    prec = _prec(q.dtype)
+    cfg = get_config("dq", B, D)
+    _bwd_dq_kernel[(Hq, NB * (B // cfg["BM"]))](
+        q, k, v, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_idx, sel.q2k_cnt, sel.q_order,
+        sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    cfg = get_config("dkdv", B, D)
+    _bwd_dkdv_kernel[(Hkv, NB * (B // cfg["BN"]))](
+        q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_idx, sel.k_order,
+        sm_scale * LOG2E, sm_scale, T, NB,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq, dk, dv
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sel, sm_scale):
+        o, lse = sparse_attn_fwd(q, k, v, sel, sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.sel = sel
+        ctx.sm_scale = sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = sparse_attn_bwd(do, q, k, v, o, lse, ctx.sel, ctx.sm_scale)
+        return dq, dk, dv, None, None
