@@ -1,0 +1,24 @@
+"""``fixed``: one budget for every sequence, whatever the load (p = 1 is dense attention)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from policies.base import uniform_budget_plan, register_sparsity
+from policies.plan import Budget, Plan
+from sim.cluster import Layout
+from sim.cost import CostModel
+
+
+@register_sparsity("fixed")
+class Fixed:
+    @dataclass(frozen=True)
+    class Params:
+        p: float = 1.0  # coverage target in (0, 1]
+        kept_fraction: Optional[float] = None  # if set, fixes the kept-block fraction instead of p
+
+    def __init__(self, params: Params) -> None:
+        self.budget = Budget(p=params.p, kept_fraction=params.kept_fraction)
+
+    def tune(self, plan: Plan, layout: Layout, cost: CostModel) -> Plan:
+        return uniform_budget_plan(plan, self.budget)

@@ -1,0 +1,60 @@
+"""``karmarkar_karp``: the largest differencing method (Karmarkar & Karp 1982) for k-way partitioning.
+
+Every item starts as a k-tuple of partial parts; repeatedly the two tuples with the largest spread
+(max - min load) are merged, pairing the heavier parts of one with the lighter parts of the other,
+so large differences cancel early. ``equal_count`` starts from tuples that already hold one item per
+part (the balanced variant used by length-balanced batching), so every part ends with the same number
+of sequences (padding with zero-cost placeholders when k does not divide n).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from policies.base import PartitionPolicy, register_batching
+
+
+def _initial_tuples(costs: np.ndarray, k: int, equal_count: bool) -> list[tuple[list[float], list[list[int]]]]:
+    order = np.argsort(-costs, kind="stable").tolist()
+    if not equal_count:
+        return [([float(costs[i])] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]) for i in order]
+    order += [-1] * (-len(order) % k)  # -1: zero-cost placeholder, dropped at the end
+    tuples = []
+    for start in range(0, len(order), k):
+        chunk = order[start : start + k]  # descending costs, so the tuple is sorted heaviest first
+        tuples.append(([float(costs[i]) if i >= 0 else 0.0 for i in chunk], [[i] if i >= 0 else [] for i in chunk]))
+    return tuples
+
+
+def ldm_partition(costs: np.ndarray, k: int, equal_count: bool) -> list[list[int]]:
+    """Parts as index lists; within a tuple loads stay sorted heaviest first."""
+    heap = []
+    for n, (loads, members) in enumerate(_initial_tuples(costs, k, equal_count)):
+        heap.append((loads[-1] - loads[0], n, loads, members))  # key: minus the spread
+    heapq.heapify(heap)
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, loads_a, members_a = heapq.heappop(heap)
+        _, _, loads_b, members_b = heapq.heappop(heap)
+        merged = sorted(
+            zip((x + y for x, y in zip(loads_a, reversed(loads_b))), (m + o for m, o in zip(members_a, reversed(members_b)))),
+            key=lambda pair: -pair[0],
+        )
+        loads = [load for load, _ in merged]
+        heapq.heappush(heap, (loads[-1] - loads[0], counter, loads, [m for _, m in merged]))
+        counter += 1
+    if not heap:
+        return [[] for _ in range(k)]
+    return [sorted(part) for part in heap[0][3]]
+
+
+@register_batching("karmarkar_karp")
+class KarmarkarKarp(PartitionPolicy):
+    @dataclass(frozen=True)
+    class Params:
+        equal_count: bool = True  # every rank / micro-batch gets the same number of sequences
+
+    def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
+        return ldm_partition(costs, k, self.params.equal_count)

@@ -1,0 +1,18 @@
+"""``sorted``: sort by cost (longest first), then contiguous chunks.
+
+Groups similar sequences together (little padding inside a micro-batch) but piles the long ones on
+the first ranks: the classic imbalance that load balancing fixes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from policies.base import PartitionPolicy, register_batching
+from policies.sequential import contiguous
+
+
+@register_batching("sorted")
+class Sorted(PartitionPolicy):
+    def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
+        order = np.argsort(-costs, kind="stable")
+        return [order[chunk].tolist() for chunk in contiguous(costs.size, k)]

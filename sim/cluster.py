@@ -1,0 +1,117 @@
+"""Layout (parallel degrees) and the alpha-beta communication model.
+
+Rank placement follows Megatron's order with CP innermost: global rank =
+``cp_rank + cp * (dp_rank + dp * stage)``. A group whose ranks fit in one node uses the intra-node
+tier, otherwise the inter-node tier (the slowest link bounds a ring).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.config import ClusterConfig, ConfigError, LayoutConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    cp: int = 1
+    pp: int = 1
+    micro_batches: int = 1
+    gpus: int | None = None  # None: dp * cp * pp
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "cp", "pp", "micro_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"layout.{name}={value!r} must be a positive integer")
+        product = self.dp * self.cp * self.pp
+        if self.gpus is None:
+            object.__setattr__(self, "gpus", product)
+        elif product != self.gpus:
+            raise ConfigError(
+                f"layout dp={self.dp} x cp={self.cp} x pp={self.pp} = {product} GPUs, "
+                f"but the cluster has {self.gpus}; the product must equal the GPU count"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: LayoutConfig, gpus: int) -> Layout:
+        """The layout for ``gpus`` GPUs; ``dp: null`` takes what cp x pp leave."""
+        for name in ("cp", "pp"):
+            value = getattr(cfg, name)
+            if value < 1:
+                raise ConfigError(f"layout.{name}={value} must be a positive integer")
+        dp = cfg.dp
+        if dp is None:
+            if gpus % (cfg.cp * cfg.pp):
+                raise ConfigError(
+                    f"layout cp={cfg.cp} x pp={cfg.pp} does not divide the cluster's {gpus} GPUs; "
+                    f"allowed cp x pp: divisors of {gpus}"
+                )
+            dp = gpus // (cfg.cp * cfg.pp)
+        return cls(dp=dp, cp=cfg.cp, pp=cfg.pp, micro_batches=cfg.micro_batches, gpus=gpus)
+
+
+@dataclass(frozen=True)
+class Tier:
+    bandwidth_gbps: float  # GB/s per GPU
+    latency_us: float
+
+    def transfer_ms(self, nbytes: float) -> float:
+        """Point-to-point message: alpha + bytes / beta."""
+        return self.latency_us * 1e-3 + nbytes / (self.bandwidth_gbps * 1e6)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus_per_node: int
+    intra: Tier
+    inter: Tier
+    peak_tflops: float
+    hbm_tbps: float
+    grad_bytes: int
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig) -> Cluster:
+        for name in ("nodes", "gpus_per_node", "peak_tflops", "hbm_tbps", "grad_bytes"):
+            if getattr(cfg, name) <= 0:
+                raise ConfigError(f"cluster.{name}={getattr(cfg, name)} must be > 0")
+        tiers = {}
+        for name in ("intra", "inter"):
+            tier = getattr(cfg, name)
+            if tier.bandwidth_gbps <= 0 or tier.latency_us < 0:
+                raise ConfigError(
+                    f"cluster.{name}: bandwidth_gbps={tier.bandwidth_gbps} must be > 0 and "
+                    f"latency_us={tier.latency_us} >= 0"
+                )
+            tiers[name] = Tier(tier.bandwidth_gbps, tier.latency_us)
+        return cls(cfg.gpus_per_node, tiers["intra"], tiers["inter"], cfg.peak_tflops, cfg.hbm_tbps, cfg.grad_bytes)
+
+    @staticmethod
+    def gpus(cfg: ClusterConfig) -> int:
+        return cfg.nodes * cfg.gpus_per_node
+
+    def tier(self, span: int) -> Tier:
+        """The tier of a group whose ranks cover ``span`` consecutive global ranks."""
+        return self.intra if span <= self.gpus_per_node else self.inter
+
+    def allreduce_ms(self, nbytes: float, n: int, span: int) -> float:
+        """Ring all-reduce over n ranks: 2(n-1) hops of latency + 2(n-1)/n * bytes / busbw."""
+        if n == 1:
+            return 0.0
+        tier = self.tier(span)
+        return 2 * (n - 1) * tier.latency_us * 1e-3 + 2 * (n - 1) / n * nbytes / (tier.bandwidth_gbps * 1e6)
+
+    def grad_allreduce_ms(self, params_per_stage: float, layout: Layout) -> float:
+        """Gradients of one pipeline stage, reduced over its dp x cp replicas (CP ranks hold the same weights)."""
+        n = layout.dp * layout.cp
+        return self.allreduce_ms(params_per_stage * self.grad_bytes, n, span=n)
+
+    def cp_ring_ms(self, shard_bytes: float, cp: int) -> float:
+        """CP ring exchange: each rank passes a KV shard on cp - 1 times."""
+        if cp == 1:
+            return 0.0
+        return (cp - 1) * self.tier(cp).transfer_ms(shard_bytes)
+
+    def p2p_ms(self, nbytes: float, layout: Layout) -> float:
+        """Activation hand-off between neighbouring pipeline stages (stride dp x cp ranks)."""
+        return self.tier(2 * layout.dp * layout.cp).transfer_ms(nbytes)

@@ -1,0 +1,405 @@
+"""Cost models: time of a micro-batch on one pipeline stage and one CP rank, plus the coverage model.
+
+Both models share one decomposition, per transformer layer and direction:
+attention (proportional to the kept causal blocks of each document), block selection (only for
+sequences that are sparse), the other layers (proportional to tokens) and the CP ring KV exchange,
+which overlaps attention (a layer pays ``max(attention, transfer)``). They differ only in how a
+term's time follows from its features: ``roofline`` divides FLOPs (and bytes) by peak rates,
+``calibrated`` applies the fitted coefficients of a profile file (``time = sum(coef[f] * feature[f])``).
+
+Every entry point is vectorised over micro-batches (flat arrays of sequences plus a group index),
+because the engine costs thousands of micro-batches per simulated second.
+
+Coverage (the accuracy side) is a power law per sequence: ``coverage(kf) = kf ** s`` with
+``s = sensitivity`` in (0, 1]; ``kept_fraction(seq, p) = max(p ** (1/s), diag_fraction(length))``
+since the diagonal block of every query block is always kept.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+from sim.cluster import Cluster, Layout
+from sim.config import ConfigError, CostConfig, ModelConfig
+from sim.workload import Sequence, resolve_path
+
+PROFILE_SCHEMA_VERSION = 1
+TERMS = ("attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd")
+ATTENTION_FEATURES = ("const", "tokens", "blocks", "flops")
+LAYER_FEATURES = ("const", "tokens", "flops")
+BF16 = 2  # bytes per element of activations, K/V and weights
+
+
+# ----------------------------------------------------------------------------- model shape
+def params_per_layer(model: ModelConfig) -> float:
+    """Q/O projections, K/V projections (GQA) and a SwiGLU MLP (three matrices)."""
+    attn = 2 * model.hidden * model.heads * model.head_dim + 2 * model.hidden * model.kv_heads * model.head_dim
+    return float(attn + 3 * model.hidden * model.ffn)
+
+
+def total_params(model: ModelConfig) -> float:
+    """Layers plus untied input embedding and LM head."""
+    return model.layers * params_per_layer(model) + 2.0 * model.vocab * model.hidden
+
+
+# ----------------------------------------------------------------------------- features
+def diag_fraction(lengths: np.ndarray, block_size: int) -> np.ndarray:
+    """Share of a document's causal blocks that lie on the diagonal: nb / (nb (nb+1) / 2)."""
+    nb = np.ceil(np.asarray(lengths, dtype=np.float64) / block_size)
+    return 2.0 / (nb + 1.0)
+
+
+def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfig, block_size: int) -> dict:
+    """Per-sequence attention features of one layer's forward."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    nb = np.ceil(lengths / block_size)
+    causal = nb * (nb + 1.0) / 2.0
+    # QK^T and PV of one (query block, key block) pair: 2 matmuls x 2 FLOPs per MAC, every head.
+    pair_flops = 4.0 * block_size * block_size * model.head_dim * model.heads
+    return {
+        "const": np.ones_like(lengths),
+        "tokens": lengths,
+        "blocks": causal * model.heads,
+        "flops": np.asarray(kept, dtype=np.float64) * causal * pair_flops,
+    }
+
+
+def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
+    """Features of one attention call (one layer, forward) over a micro-batch of documents.
+
+    ``const`` counts the call, ``tokens`` the tokens, ``blocks`` the causal (query, key) block
+    pairs times heads (the selection's scoring work), ``flops`` the FLOPs of the kept blocks.
+    """
+    per_seq = _sequence_attention(np.asarray(lengths), np.asarray(kept_fractions), model, block_size)
+    feats = {k: float(v.sum()) for k, v in per_seq.items()}
+    feats["const"] = min(feats["const"], 1.0)
+    return feats
+
+
+def layer_features(tokens: float, model: ModelConfig) -> dict[str, float]:
+    """Features of one layer's non-attention work (forward); the embedding/LM head is spread over layers."""
+    per_token = 2.0 * (params_per_layer(model) + 2.0 * model.vocab * model.hidden / model.layers)
+    return {"const": float(tokens > 0), "tokens": float(tokens), "flops": per_token * tokens}
+
+
+def training_flops(lengths, kept_fractions, model: ModelConfig, block_size: int) -> float:
+    """FLOPs a training step executes for these documents (backward counted as 2x forward, as in MFU)."""
+    attn = attention_features(lengths, kept_fractions, model, block_size)["flops"]
+    layer = layer_features(float(np.sum(lengths)), model)["flops"]
+    return 3.0 * model.layers * (attn + layer)
+
+
+# ----------------------------------------------------------------------------- cost records
+@dataclass(frozen=True)
+class MicroBatchCost:
+    """One micro-batch on one pipeline stage and one CP rank, in milliseconds.
+
+    ``fwd_ms``/``bwd_ms`` are what the stage is busy for: per layer, ``max(attention, CP transfer)``
+    plus selection (forward only) plus the other layers. The component fields are totals over the
+    stage's layers; ``cp_comm_ms`` is the (overlapped) ring transfer time of both directions.
+    """
+
+    fwd_ms: float
+    bwd_ms: float
+    attn_fwd_ms: float
+    attn_bwd_ms: float
+    select_ms: float
+    other_fwd_ms: float
+    other_bwd_ms: float
+    cp_comm_ms: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class MicroBatchCosts:
+    """MicroBatchCost for many micro-batches at once: each field an array indexed by group."""
+
+    fwd_ms: np.ndarray
+    bwd_ms: np.ndarray
+    attn_fwd_ms: np.ndarray
+    attn_bwd_ms: np.ndarray
+    select_ms: np.ndarray
+    other_fwd_ms: np.ndarray
+    other_bwd_ms: np.ndarray
+    cp_comm_ms: np.ndarray
+    tokens: np.ndarray
+
+    def __getitem__(self, group: int) -> MicroBatchCost:
+        values = {f.name: getattr(self, f.name)[group] for f in fields(self)}
+        values["tokens"] = int(values["tokens"])
+        return MicroBatchCost(**{k: (v if k == "tokens" else float(v)) for k, v in values.items()})
+
+
+# ----------------------------------------------------------------------------- models
+class CostModel(ABC):
+    """Shared decomposition; subclasses say how a term's per-layer time follows from its features."""
+
+    def __init__(self, model: ModelConfig, cluster: Cluster, block_size: int) -> None:
+        if block_size < 1:
+            raise ConfigError(f"cost.block_size={block_size} must be a positive integer")
+        self.model = model
+        self.cluster = cluster
+        self.block_size = block_size
+
+    # --- coverage model
+    def kept_fraction(self, seq: Sequence, p: float) -> float:
+        return float(self.kept_fractions(np.array([seq.length]), np.array([seq.sensitivity]), np.array([p]))[0])
+
+    def coverage(self, seq: Sequence, kept_fraction: float) -> float:
+        return float(self.coverages(np.array([seq.sensitivity]), np.array([kept_fraction]))[0])
+
+    def kept_fractions(self, lengths, sensitivities, p, fixed=None) -> np.ndarray:
+        """Vectorised kept_fraction; where ``fixed`` (a kept fraction) is not NaN it replaces p."""
+        kf = np.power(np.asarray(p, dtype=np.float64), 1.0 / np.asarray(sensitivities, dtype=np.float64))
+        if fixed is not None:
+            fixed = np.asarray(fixed, dtype=np.float64)
+            kf = np.where(np.isnan(fixed), kf, fixed)
+        return np.maximum(kf, diag_fraction(lengths, self.block_size))
+
+    @staticmethod
+    def coverages(sensitivities, kept_fractions) -> np.ndarray:
+        return np.minimum(1.0, np.power(np.asarray(kept_fractions, dtype=np.float64), sensitivities))
+
+    # --- time
+    @abstractmethod
+    def term_ms(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
+        """Per-layer time of one term for feature arrays (one entry per micro-batch)."""
+
+    def micro_batch_cost(self, lengths, kept_fractions, layout: Layout) -> MicroBatchCost:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        return self.micro_batch_costs(lengths, kept_fractions, np.zeros(lengths.size, dtype=np.int64), 1, layout)[0]
+
+    def sequence_costs(self, lengths, kept_fractions, layout: Layout) -> np.ndarray:
+        """Busy time (fwd + bwd, ms) of each sequence as if alone in a micro-batch: the policies' workload cost."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        costs = self.micro_batch_costs(lengths, kept_fractions, np.arange(lengths.size), lengths.size, layout)
+        return costs.fwd_ms + costs.bwd_ms
+
+    def micro_batch_costs(self, lengths, kept_fractions, group, n_groups: int, layout: Layout) -> MicroBatchCosts:
+        """Costs of ``n_groups`` micro-batches; ``group[i]`` is the micro-batch of sequence i."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        kept = np.asarray(kept_fractions, dtype=np.float64)
+        group = np.asarray(group, dtype=np.int64)
+        per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
+        attn = self._group(per_seq, group, n_groups, layout.cp)
+        sparse = (kept < 1.0).astype(np.float64)
+        select = self._group({k: v * sparse for k, v in per_seq.items()}, group, n_groups, layout.cp)
+        tokens = attn["tokens"] * layout.cp  # back to the micro-batch's tokens (features are per CP rank)
+        layer = {k: v / layout.cp if k != "const" else v for k, v in self._layer(tokens).items()}
+
+        comm_f, comm_b = self._cp_comm(tokens, layout)
+        a_f, a_b = self.term_ms("attn_fwd", attn), self.term_ms("attn_bwd", attn)
+        sel = self.term_ms("select", select)
+        o_f, o_b = self.term_ms("layer_fwd", layer), self.term_ms("layer_bwd", layer)
+        n_layers = self.model.layers / layout.pp
+        return MicroBatchCosts(
+            fwd_ms=n_layers * (np.maximum(a_f, comm_f) + sel + o_f),
+            bwd_ms=n_layers * (np.maximum(a_b, comm_b) + o_b),
+            attn_fwd_ms=n_layers * a_f,
+            attn_bwd_ms=n_layers * a_b,
+            select_ms=n_layers * sel,
+            other_fwd_ms=n_layers * o_f,
+            other_bwd_ms=n_layers * o_b,
+            cp_comm_ms=n_layers * (comm_f + comm_b),
+            tokens=tokens.astype(np.int64),
+        )
+
+    @staticmethod
+    def _group(per_seq: dict, group: np.ndarray, n_groups: int, cp: int) -> dict[str, np.ndarray]:
+        """Sum per-sequence features per micro-batch; CP ranks each get 1/cp of the work (zigzag sharding)."""
+        out = {k: np.bincount(group, weights=v, minlength=n_groups) / cp for k, v in per_seq.items()}
+        out["const"] = np.minimum(out["const"] * cp, 1.0)  # one kernel call per non-empty micro-batch
+        return out
+
+    def _layer(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
+        per_token = layer_features(1.0, self.model)["flops"]
+        return {"const": (tokens > 0).astype(np.float64), "tokens": tokens, "flops": per_token * tokens}
+
+    def _cp_comm(self, tokens: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer ring exchange: forward passes K and V shards, backward K, V plus their gradients."""
+        if layout.cp == 1:
+            zero = np.zeros_like(tokens)
+            return zero, zero
+        tier = self.cluster.tier(layout.cp)
+        shard = tokens / layout.cp * self.model.kv_heads * self.model.head_dim * 2 * BF16
+        hops = layout.cp - 1
+        busy = (tokens > 0) * tier.latency_us * 1e-3
+        fwd = hops * (busy + shard / (tier.bandwidth_gbps * 1e6))
+        bwd = hops * (busy + 2 * shard / (tier.bandwidth_gbps * 1e6))
+        return fwd, bwd
+
+
+class RooflineCost(CostModel):
+    """FLOPs over peak x efficiency; dense layers also bounded below by streaming their weights."""
+
+    def __init__(self, model: ModelConfig, cluster: Cluster, cfg: CostConfig) -> None:
+        super().__init__(model, cluster, cfg.block_size)
+        for name in ("attn_efficiency", "matmul_efficiency"):
+            if not 0 < getattr(cfg, name) <= 1:
+                raise ConfigError(f"cost.{name}={getattr(cfg, name)} must be in (0, 1]")
+        self.cfg = cfg
+        self.attn_flops_per_ms = cluster.peak_tflops * 1e9 * cfg.attn_efficiency
+        self.mm_flops_per_ms = cluster.peak_tflops * 1e9 * cfg.matmul_efficiency
+        self.hbm_bytes_per_ms = cluster.hbm_tbps * 1e9
+
+    def term_ms(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
+        launch = self.cfg.launch_ms * feats["const"]
+        if term == "attn_fwd":
+            return launch + feats["flops"] / self.attn_flops_per_ms
+        if term == "attn_bwd":
+            return launch + self.cfg.attn_bwd_ratio * feats["flops"] / self.attn_flops_per_ms
+        if term == "select":
+            # Scores of pooled query/key blocks (one dot product per block pair and head), and reading
+            # Q and K once to pool them.
+            scores = 2.0 * self.model.head_dim * feats["blocks"] / self.attn_flops_per_ms
+            pooled = feats["tokens"] * (self.model.heads + self.model.kv_heads) * self.model.head_dim * BF16
+            return launch + scores + pooled / self.hbm_bytes_per_ms
+        weights = feats["const"] * params_per_layer(self.model) * BF16 / self.hbm_bytes_per_ms
+        passes = 1.0 if term == "layer_fwd" else 2.0  # backward: activation and weight gradients
+        return launch + passes * np.maximum(feats["flops"] / self.mm_flops_per_ms, weights)
+
+
+class CalibratedCost(CostModel):
+    """Linear model over the features, coefficients (ms per feature unit) from a profile file."""
+
+    def __init__(self, model: ModelConfig, cluster: Cluster, cfg: CostConfig) -> None:
+        self.profile = load_profile(cfg.profile)
+        super().__init__(model, cluster, self.profile["block_size"])
+
+    def term_ms(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
+        coefs = self.profile["terms"][term]
+        return sum((c * feats[f] for f, c in coefs.items()), np.zeros_like(feats["const"]))
+
+
+COST_MODELS: dict[str, type[CostModel]] = {"roofline": RooflineCost, "calibrated": CalibratedCost}
+
+
+def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster) -> CostModel:
+    if cfg.name not in COST_MODELS:
+        raise ConfigError(f"cost.name={cfg.name!r} is unknown; allowed: {', '.join(sorted(COST_MODELS))}")
+    return COST_MODELS[cfg.name](model, cluster, cfg)
+
+
+# ----------------------------------------------------------------------------- profiles
+def load_profile(path: str) -> dict:
+    """Read and validate a profile; any problem is one ConfigError line naming the file."""
+    file = resolve_path(path)
+    if not file.is_file():
+        raise ConfigError(f"cost.profile={path!r}: no such file (profiles live in calibrate/profiles/)")
+    try:
+        profile = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cost.profile={path!r}: not valid JSON ({exc})") from None
+    problem = _profile_problem(profile)
+    if problem:
+        raise ConfigError(f"cost.profile={path!r}: {problem}")
+    return profile
+
+
+def _profile_problem(profile) -> str | None:
+    if not isinstance(profile, dict):
+        return "top level must be a JSON object"
+    if profile.get("schema_version") != PROFILE_SCHEMA_VERSION:
+        return f"schema_version={profile.get('schema_version')!r}, this simulator reads {PROFILE_SCHEMA_VERSION}"
+    for key in ("gpu", "provisional", "meta", "block_size", "terms"):
+        if key not in profile:
+            return f"missing key {key!r}"
+    if not isinstance(profile["block_size"], int) or profile["block_size"] < 1:
+        return f"block_size={profile['block_size']!r} must be a positive integer"
+    terms = profile["terms"]
+    if not isinstance(terms, dict) or set(terms) != set(TERMS):
+        return f"terms must be exactly {list(TERMS)}"
+    for term, coefs in terms.items():
+        allowed = LAYER_FEATURES if term.startswith("layer") else ATTENTION_FEATURES
+        if not isinstance(coefs, dict) or not coefs:
+            return f"terms.{term} must map features {list(allowed)} to coefficients"
+        for feat, coef in coefs.items():
+            if feat not in allowed:
+                return f"terms.{term}.{feat}: unknown feature; allowed: {', '.join(allowed)}"
+            if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not math.isfinite(coef) or coef < 0:
+                return f"terms.{term}.{feat}={coef!r}: coefficients must be finite and >= 0 (no negative times)"
+    return None
+
+
+def provisional_profile(model: ModelConfig, cluster: Cluster, cfg: CostConfig, command: str) -> dict:
+    """The roofline model written as profile coefficients, until the calibration harness measures them."""
+    attn = cluster.peak_tflops * 1e9 * cfg.attn_efficiency
+    mm = cluster.peak_tflops * 1e9 * cfg.matmul_efficiency
+    hbm = cluster.hbm_tbps * 1e9
+    launch = cfg.launch_ms
+    return {
+        "schema_version": PROFILE_SCHEMA_VERSION,
+        "gpu": "h200",
+        "provisional": True,
+        "meta": {
+            "command": command,
+            "date": date.today().isoformat(),
+            "source": "roofline (sim.cost.RooflineCost) with the default cluster, model and cost configs",
+            "model": model.name,
+            "torch": None,
+            "triton": None,
+            "driver": None,
+            "grid": {},
+        },
+        "block_size": cfg.block_size,
+        "terms": {
+            "attn_fwd": {"const": launch, "flops": 1.0 / attn},
+            "attn_bwd": {"const": launch, "flops": cfg.attn_bwd_ratio / attn},
+            "select": {
+                "const": launch,
+                "blocks": 2.0 * model.head_dim / attn,
+                "tokens": (model.heads + model.kv_heads) * model.head_dim * BF16 / hbm,
+            },
+            # The roofline's weight-streaming floor is not linear; at micro-batch sizes the FLOPs dominate.
+            "layer_fwd": {"const": launch, "flops": 1.0 / mm},
+            "layer_bwd": {"const": launch, "flops": 2.0 / mm},
+        },
+        "comm": {"allreduce_busbw_gbps": None, "p2p_gbps": None},
+        "fit": {"heldout_mape": {}},
+    }
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as out:
+        json.dump(payload, out, indent=2, sort_keys=True)
+        out.write("\n")
+    os.replace(tmp, path)
+
+
+def _write_provisional(out: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from sim.config import register
+
+    register()
+    with initialize_config_dir(config_dir=str(resolve_path("conf").resolve()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["cost=roofline"])
+    command = f"python -m sim.cost --write-provisional --out {out}"
+    profile = provisional_profile(cfg.model, Cluster.from_config(cfg.cluster), cfg.cost, command)
+    write_json_atomic(resolve_path(out), profile)
+    print(f"wrote provisional profile {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Cost model utilities")
+    parser.add_argument("--write-provisional", action="store_true", help="write the roofline-derived profile")
+    parser.add_argument("--out", default="calibrate/profiles/h200.json")
+    args = parser.parse_args()
+    if not args.write_provisional:
+        parser.error("nothing to do; pass --write-provisional")
+    _write_provisional(args.out)
+
+
+if __name__ == "__main__":
+    main()

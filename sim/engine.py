@@ -1,0 +1,203 @@
+"""SimPy engine: one optimiser step of a dp x cp x pp layout under a Plan.
+
+Granularity, chosen so that a step costs O(dp x pp x micro-batches) events, independent of cp and
+of the number of sequences:
+
+* one process per (DP rank, pipeline stage); a CP group is folded into it, because its ranks hold
+  equal zigzag shards and so are busy for the same time (the CostModel returns per-CP-rank costs
+  with the ring KV exchange already overlapped);
+* one timeout per forward and per backward of a micro-batch;
+* stages exchange activations/gradients through events that fire a p2p transfer after the sender
+  finishes; the stage order is 1F1B (warm-up forwards, steady one-forward-one-backward, cool-down);
+  with pp = 1 this is plain gradient accumulation;
+* the gradient all-reduce starts when every rank is done (the barrier); a rank's idle time before
+  the barrier (pipeline waits included) is the bubble.
+
+All sequence-level work is vectorised with numpy before the event loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import simpy
+
+from policies.plan import Plan
+from sim.cluster import Cluster, Layout
+from sim.cost import BF16, CostModel, total_params, training_flops
+from sim.results import StepRecord
+
+
+@dataclass(frozen=True)
+class PlanArrays:
+    """A Plan flattened to one numpy row per sequence."""
+
+    dp_rank: np.ndarray
+    micro_batch: np.ndarray
+    length: np.ndarray
+    sensitivity: np.ndarray
+    p: np.ndarray
+    fixed_kf: np.ndarray  # NaN where the budget sets p rather than the kept fraction
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> PlanArrays:
+        rows = [
+            (a.dp_rank, a.micro_batch, a.length, a.sensitivity, a.budget.p,
+             np.nan if a.budget.kept_fraction is None else a.budget.kept_fraction)
+            for a in plan.assignments
+        ]
+        cols = np.array(rows, dtype=np.float64).reshape(-1, 6).T
+        return cls(cols[0].astype(np.int64), cols[1].astype(np.int64), cols[2].astype(np.int64), cols[3], cols[4], cols[5])
+
+
+def one_f_one_b(stage: int, pp: int, m: int) -> list[tuple[bool, int]]:
+    """(is_forward, micro_batch) in 1F1B order for one stage."""
+    warmup = min(pp - stage - 1, m)
+    ops = [(True, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        ops += [(True, warmup + i), (False, i)]
+    return ops + [(False, i) for i in range(m - warmup, m)]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Event-loop outcome: per (rank, micro-batch, stage) waits and per (rank, stage) finish times."""
+
+    idle_ms: np.ndarray  # [dp, m, pp], barrier wait included (on the last op of the stage)
+    finish_ms: np.ndarray  # [dp, pp]
+    trace: list[tuple[float, float, int, int, str, int]]  # (start, end, rank, stage, 'F'/'B', mb)
+
+
+def run_pipeline(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, trace: bool = False) -> Timeline:
+    """Simulate one step. fwd/bwd: [dp, m] busy ms of a micro-batch on any one stage; p2p: [dp, m] hand-off ms."""
+    dp, m = fwd.shape
+    env = simpy.Environment()
+    idle = np.zeros((dp, m, pp))
+    finish = np.zeros((dp, pp))
+    events: list = []
+    fwd_l, bwd_l, p2p_l = fwd.tolist(), bwd.tolist(), p2p.tolist()
+
+    def send(event: simpy.Event, delay: float) -> None:
+        if delay > 0:
+            env.timeout(delay).callbacks.append(lambda _: event.succeed())
+        else:
+            event.succeed()
+
+    def accumulate(rank: int) -> simpy.events.Process:
+        # pp = 1: no pipeline hand-offs, so the rank just runs its micro-batches back to back.
+        f, b = fwd_l[rank], bwd_l[rank]
+        for mb in range(m):
+            if trace:
+                events.append((env.now, env.now + f[mb], rank, 0, "F", mb))
+            yield env.timeout(f[mb])
+            if trace:
+                events.append((env.now, env.now + b[mb], rank, 0, "B", mb))
+            yield env.timeout(b[mb])
+        finish[rank, 0] = env.now
+
+    def stage_proc(rank: int, stage: int, fwd_in: list, bwd_in: list):
+        f, b, hop = fwd_l[rank], bwd_l[rank], p2p_l[rank]
+        for is_fwd, mb in one_f_one_b(stage, pp, m):
+            waits_on = fwd_in[stage][mb] if is_fwd else bwd_in[stage][mb]
+            if waits_on is not None and not waits_on.processed:
+                start = env.now
+                yield waits_on
+                idle[rank, mb, stage] += env.now - start
+            busy = f[mb] if is_fwd else b[mb]
+            if trace:
+                events.append((env.now, env.now + busy, rank, stage, "F" if is_fwd else "B", mb))
+            yield env.timeout(busy)
+            if is_fwd and stage < pp - 1:
+                send(fwd_in[stage + 1][mb], hop[mb])
+            elif is_fwd:
+                bwd_in[stage][mb].succeed()  # the last stage turns straight around
+            elif stage > 0:
+                send(bwd_in[stage - 1][mb], hop[mb])
+        finish[rank, stage] = env.now
+
+    for rank in range(dp):
+        if pp == 1:
+            env.process(accumulate(rank))
+            continue
+        fwd_in = [[None] * m] + [[env.event() for _ in range(m)] for _ in range(pp - 1)]
+        bwd_in = [[env.event() for _ in range(m)] for _ in range(pp)]
+        for stage in range(pp):
+            env.process(stage_proc(rank, stage, fwd_in, bwd_in))
+    env.run()
+
+    barrier = finish.max(initial=0.0)
+    last_mb = [one_f_one_b(stage, pp, m)[-1][1] for stage in range(pp)] if m else []
+    for stage, mb in enumerate(last_mb):
+        idle[:, mb, stage] += barrier - finish[:, stage]
+    events.sort()
+    return Timeline(idle, finish, events)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    record: StepRecord
+    rows: dict[str, np.ndarray]  # MicroBatchRecord columns
+    timeline: Timeline
+
+
+class Engine:
+    def __init__(self, layout: Layout, cost: CostModel, cluster: Cluster) -> None:
+        self.layout = layout
+        self.cost = cost
+        self.cluster = cluster
+        self.allreduce_ms = cluster.grad_allreduce_ms(total_params(cost.model) / layout.pp, layout)
+
+    def step(self, plan: Plan, trace: bool = False) -> StepOutcome:
+        layout, cost = self.layout, self.cost
+        dp, m, pp = layout.dp, layout.micro_batches, layout.pp
+        arrays = PlanArrays.from_plan(plan)
+        kept = cost.kept_fractions(arrays.length, arrays.sensitivity, arrays.p, arrays.fixed_kf)
+        coverage = cost.coverages(arrays.sensitivity, kept)
+        group = arrays.dp_rank * m + arrays.micro_batch
+        mb_cost = cost.micro_batch_costs(arrays.length, kept, group, dp * m, layout)
+        p2p = np.zeros(dp * m)
+        if pp > 1:  # a stage hands on its CP shard of the activations (or their gradients)
+            nbytes = mb_cost.tokens * (cost.model.hidden * BF16 / layout.cp)
+            p2p = np.where(mb_cost.tokens > 0, self.cluster.p2p_ms(nbytes, layout), 0.0)
+
+        timeline = run_pipeline(
+            mb_cost.fwd_ms.reshape(dp, m), mb_cost.bwd_ms.reshape(dp, m), p2p.reshape(dp, m), pp, trace
+        )
+        barrier = float(timeline.finish_ms.max(initial=0.0))
+        step_ms = barrier + self.allreduce_ms
+        tokens = int(arrays.length.sum())
+        flops = training_flops(arrays.length, kept, cost.model, cost.block_size)
+        record = StepRecord(
+            step=plan.step,
+            step_ms=step_ms,
+            bubble_fraction=float(timeline.idle_ms.sum() / (dp * pp * barrier)) if barrier > 0 else 0.0,
+            tokens_per_s=tokens / step_ms * 1e3 if step_ms > 0 else 0.0,
+            mfu=flops / (layout.gpus * self.cluster.peak_tflops * 1e9 * step_ms) if step_ms > 0 else 0.0,
+            mean_coverage=float(coverage.mean()) if coverage.size else 1.0,
+            min_coverage=float(coverage.min()) if coverage.size else 1.0,
+        )
+        return StepOutcome(record, self._rows(plan.step, group, kept, coverage, mb_cost, p2p, timeline), timeline)
+
+    def _rows(self, step, group, kept, coverage, mb_cost, p2p, timeline) -> dict[str, np.ndarray]:
+        """MicroBatchRecord columns, ordered (dp_rank, micro_batch, stage)."""
+        dp, m, pp = self.layout.dp, self.layout.micro_batches, self.layout.pp
+        n = dp * m
+        count = np.bincount(group, minlength=n)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean_kept = np.bincount(group, weights=kept, minlength=n) / count
+            mean_cov = np.bincount(group, weights=coverage, minlength=n) / count
+        # A stage receives activations (forward) and gradients (backward) unless it is first/last.
+        hops = np.array([(stage > 0) + (stage < pp - 1) for stage in range(pp)], dtype=np.float64)
+        cols = {
+            "step": np.full(n * pp, step, dtype=np.int64),
+            "dp_rank": np.repeat(np.arange(dp), m * pp),
+            "micro_batch": np.tile(np.repeat(np.arange(m), pp), dp),
+            "stage": np.tile(np.arange(pp), n),
+            "compute_ms": np.repeat(mb_cost.fwd_ms + mb_cost.bwd_ms, pp),
+            "comm_ms": np.repeat(mb_cost.cp_comm_ms, pp) + np.outer(p2p, hops).ravel(),
+            "idle_ms": timeline.idle_ms.reshape(-1),
+            "tokens": np.repeat(mb_cost.tokens, pp),
+            "kept_fraction": np.repeat(mean_kept, pp),
+            "coverage": np.repeat(mean_cov, pp),
+        }
+        return cols

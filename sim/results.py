@@ -1,0 +1,106 @@
+"""Results schema (shared with the runner) and its atomic writer.
+
+Files in the run directory: ``micro_batches.csv`` (one MicroBatchRecord per row), ``steps.csv``
+(StepRecord), ``summary.json`` and ``plans.jsonl`` (one Plan per line). They are written into a
+temporary directory inside the run directory and moved into place with ``os.replace``, so a reader
+never sees a half-written file; ``summary.json`` moves last and marks a complete run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+FLOAT_FORMAT = "%.9g"  # fixed formatting: same values -> same bytes
+
+
+@dataclass(frozen=True)
+class MicroBatchRecord:
+    step: int
+    dp_rank: int
+    micro_batch: int
+    stage: int
+    compute_ms: float
+    comm_ms: float
+    idle_ms: float
+    tokens: int
+    kept_fraction: float
+    coverage: float
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    step_ms: float
+    bubble_fraction: float
+    tokens_per_s: float
+    mfu: float
+    mean_coverage: float
+    min_coverage: float
+
+
+def _columns(record_type) -> list[str]:
+    return [f.name for f in fields(record_type)]
+
+
+def records_frame(records: list, record_type) -> pd.DataFrame:
+    """Typed records (the runner's path) as a frame with the schema's column order."""
+    return pd.DataFrame([asdict(r) for r in records], columns=_columns(record_type))
+
+
+class Results:
+    """Accumulates one run's steps; micro-batch rows arrive as columns (the engine's vectorised output)."""
+
+    def __init__(self) -> None:
+        self._rows: list[dict[str, np.ndarray]] = []
+        self.steps: list[StepRecord] = []
+        self.plans: list[str] = []
+
+    def add(self, record: StepRecord, rows: dict[str, np.ndarray], plan_json: str | None) -> None:
+        self.steps.append(record)
+        self._rows.append(rows)
+        if plan_json is not None:
+            self.plans.append(plan_json)
+
+    def micro_batches(self) -> pd.DataFrame:
+        names = _columns(MicroBatchRecord)
+        if not self._rows:
+            return pd.DataFrame(columns=names)
+        return pd.DataFrame({n: np.concatenate([r[n] for r in self._rows]) for n in names})
+
+    def steps_frame(self) -> pd.DataFrame:
+        return records_frame(self.steps, StepRecord)
+
+    def summary(self, **extra) -> dict:
+        steps = self.steps_frame()
+        total_ms = float(steps["step_ms"].sum())
+        tokens = float((steps["tokens_per_s"] * steps["step_ms"]).sum() / 1e3)
+        return {
+            **extra,
+            "steps": len(steps),
+            "step_ms": float(steps["step_ms"].mean()),
+            "bubble_fraction": float(steps["bubble_fraction"].mean()),
+            "tokens_per_s": tokens / total_ms * 1e3 if total_ms else 0.0,
+            "mfu": float(steps["mfu"].mean()),
+            "mean_coverage": float(steps["mean_coverage"].mean()),
+            "min_coverage": float(steps["min_coverage"].min()),
+        }
+
+    def write(self, run_dir: Path, summary: dict) -> list[Path]:
+        """Write all files atomically into run_dir; returns their final paths."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".results-", dir=run_dir))
+        self.micro_batches().to_csv(tmp / "micro_batches.csv", index=False, float_format=FLOAT_FORMAT)
+        self.steps_frame().to_csv(tmp / "steps.csv", index=False, float_format=FLOAT_FORMAT)
+        (tmp / "plans.jsonl").write_text("".join(p + "\n" for p in self.plans))
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        names = ["micro_batches.csv", "steps.csv", "plans.jsonl", "summary.json"]
+        for name in names:
+            os.replace(tmp / name, run_dir / name)
+        tmp.rmdir()
+        return [run_dir / name for name in names]

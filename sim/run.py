@@ -1,0 +1,159 @@
+"""``python -m sim.run policy=<name> ...``: simulate a policy, compare with the baseline, write Results.
+
+Bad input is reported as one line on stderr with a non-zero exit and leaves no run directory behind.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import pandas as pd
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from tqdm import tqdm
+
+import policies  # noqa: F401  (registers every policy)
+from policies.base import make_batching, make_sparsity
+from sim.cluster import Cluster, Layout
+from sim.config import ConfigError, PolicyConfig, RunConfig, register
+from sim.cost import make_cost
+from sim.engine import Engine
+from sim.results import Results
+from sim.workload import Workload
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("policy", "cluster", "model", "workload", "cost")
+EXIT_BAD_INPUT = 2
+
+
+@dataclass
+class RunOutput:
+    results: Results
+    summary: dict
+
+
+def load_policy(name: str) -> PolicyConfig:
+    """A policy config by name, outside Hydra's composition (the baseline of a run)."""
+    path = CONF_DIR / "policy" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"baseline={name!r} is not a policy; allowed: {', '.join(group_options('policy'))}")
+    return OmegaConf.merge(OmegaConf.structured(PolicyConfig), OmegaConf.load(path))
+
+
+def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | None = None, progress: bool = False) -> RunOutput:
+    """Run ``cfg.steps`` steps of one policy (default ``cfg.policy``) in memory."""
+    policy = cfg.policy if policy is None else policy
+    if cfg.steps < 1:
+        raise ConfigError(f"steps={cfg.steps} must be >= 1")
+    cluster = Cluster.from_config(cfg.cluster)
+    layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
+    if layout.pp > cfg.model.layers:
+        raise ConfigError(f"layout.pp={layout.pp} exceeds the model's {cfg.model.layers} layers")
+    cost = make_cost(cfg.cost, cfg.model, cluster)
+    workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
+    batching = make_batching(policy.batching.name, policy.batching.params)
+    sparsity = make_sparsity(policy.sparsity.name, policy.sparsity.params)
+    engine = Engine(layout, cost, cluster)
+    results = Results()
+    for step in tqdm(range(cfg.steps), desc=policy.name, disable=None if progress else True, leave=False):
+        plan = sparsity.tune(batching.plan(workload.batch(step), layout, cost, step), layout, cost)
+        outcome = engine.step(plan)
+        results.add(outcome.record, outcome.rows, plan.to_json() if cfg.write_plans else None)
+    summary = results.summary(
+        policy=policy.name, dp=layout.dp, cp=layout.cp, pp=layout.pp, micro_batches=layout.micro_batches,
+        gpus=layout.gpus, seed=cfg.seed, model=cfg.model.name, workload=cfg.workload.name, cost=cfg.cost.name,
+    )
+    return RunOutput(results, summary)
+
+
+def run(cfg: DictConfig, run_dir: Path) -> pd.DataFrame:
+    """Simulate the policy and its baseline, write the Results, return the summary table."""
+    main_run = simulate(cfg, progress=True)
+    rows = [main_run.summary]
+    if cfg.baseline and cfg.baseline != cfg.policy.name:
+        rows.append(simulate(cfg, load_policy(cfg.baseline), progress=True).summary)
+    baseline_ms = rows[-1]["step_ms"] if cfg.baseline else None
+    main_run.summary["baseline"] = cfg.baseline
+    main_run.summary["speedup_vs_baseline"] = baseline_ms / main_run.summary["step_ms"] if baseline_ms else None
+    files = main_run.results.write(run_dir, main_run.summary)
+    print(summary_table(rows, baseline_ms).to_string(index=False))
+    print(f"results: {files[0].parent}  ({', '.join(f.name for f in files)})")
+    return summary_table(rows, baseline_ms)
+
+
+def summary_table(rows: list[dict], baseline_ms: float | None) -> pd.DataFrame:
+    frame = pd.DataFrame(rows)
+    table = pd.DataFrame({
+        "policy": frame["policy"],
+        "layout": [f"dp{r['dp']}xcp{r['cp']}xpp{r['pp']}" for r in rows],
+        "step_ms": frame["step_ms"].round(2),
+        "bubble_%": (100 * frame["bubble_fraction"]).round(2),
+        "tokens/s": frame["tokens_per_s"].round(0).astype(int),
+        "MFU_%": (100 * frame["mfu"]).round(2),
+        "mean_cov": frame["mean_coverage"].round(4),
+        "min_cov": frame["min_coverage"].round(4),
+    })
+    if baseline_ms:
+        table["speedup"] = (baseline_ms / frame["step_ms"]).round(3)
+    return table
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Reject unknown config-group options in one line before Hydra prints its multi-line report."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        group = key.lstrip("+~").split("@")[0]
+        if not sep or group not in GROUPS:
+            continue
+        inner = value[value.find("(") + 1 : value.rfind(")")] if value.startswith("choice(") else value
+        for option in filter(None, (v.strip() for v in inner.split(","))):
+            if option not in group_options(group):
+                raise ConfigError(f"unknown {group} {option!r}; allowed: {', '.join(group_options(group))}")
+
+
+def _discard(run_dir: Path) -> None:
+    """Remove the run directory Hydra created for this job, unless it holds complete results."""
+    if run_dir.is_dir() and not (run_dir / "summary.json").exists():
+        shutil.rmtree(run_dir)
+        try:
+            run_dir.parent.rmdir()  # the date (or sweep) directory, if this run was its only one
+        except OSError:
+            pass
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+register()
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        run(cfg, run_dir)
+    except (ConfigError, OmegaConfBaseException) as exc:
+        _discard(run_dir)
+        fail(str(exc).splitlines()[0])
+
+
+def cli() -> None:
+    try:
+        check_group_overrides(sys.argv[1:])
+    except ConfigError as exc:
+        fail(str(exc))
+    main()
+
+
+if __name__ == "__main__":
+    cli()
