@@ -1,0 +1,182 @@
+"""The calibration grid: which batches are timed, which are held out of the fit, and what each should cost.
+
+A point is one packed varlen batch (sequence lengths + a kept fraction per sequence) on one model. Its
+``kind`` says what is timed: ``attn`` (selection, attention forward and backward), ``layer`` (the
+non-attention work of one transformer layer) or ``layer_full`` (a whole layer, forward and backward, with
+the real kernel: never fitted, used to check that the fitted terms add up to a layer).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from calibrate.shapes import ModelShape
+
+K = 1024
+SINGLE_LENGTHS = (1 * K, 2 * K, 4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K)
+KEPT_FRACTIONS = (1.0, 0.5, 0.25, 0.1, 0.05, 0.02)
+# Packed micro-batches as a length-sorted dataloader would build them (one long sequence plus a tail).
+PACKS = (
+    (4 * K,) * 4,
+    (2 * K,) * 16,
+    (16 * K, 8 * K, 4 * K, 2 * K, 1 * K, 1 * K),
+    (32 * K, 16 * K, 8 * K, 4 * K, 2 * K, 1 * K, 1 * K),
+    (64 * K, 32 * K, 16 * K, 8 * K, 4 * K, 4 * K),
+)
+# Per-sequence budgets cycled over a pack: the mixed-budget batches a sparsity policy produces.
+MIXED_BUDGETS = (1.0, 0.25, 0.05, 0.5, 0.1, 0.02)
+# Whole layers timed to check the sum of the fitted terms (all held out).
+LAYER_FULL = (
+    ((4 * K,), (1.0,)),
+    ((16 * K,), (0.25,)),
+    ((64 * K,), (0.1,)),
+    (PACKS[2], None),  # None: MIXED_BUDGETS cycled
+    (PACKS[3], None),
+)
+# Validation micro-batches: packed, mixed budgets, lengths and budgets that appear nowhere in the grid
+# (including lengths that are not block multiples); all within the shortest model context (32K).
+VALIDATION = (
+    ((24 * K, 6 * K, 1536, 512), (0.15, 0.6, 1.0, 1.0)),
+    ((30000, 20 * K, 10 * K, 3000), (0.04, 0.3, 0.8, 0.08)),
+    ((12 * K, 12 * K, 5 * K, 2560, 777), (0.5, 0.03, 0.2, 1.0, 0.07)),
+)
+# The kernel's cost grows with kept causal work ~ kf * T^2; beyond dense 64K a point costs seconds per
+# timing while adding no new range to a fit that is linear in that work, so such points are left out.
+MAX_KEPT_WORK = (64 * K) ** 2
+TERMS = {
+    "attn": ("select", "attn_fwd", "attn_bwd"),
+    "layer": ("layer_fwd", "layer_bwd"),
+    "layer_full": ("layer_full",),
+}
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    kind: str
+    model: str
+    lengths: tuple[int, ...]
+    kept_fractions: tuple[float, ...]
+    split: str = "fit"
+
+    @property
+    def key(self) -> str:
+        lengths = "+".join(map(str, self.lengths))
+        kept = "+".join(f"{f:g}" for f in self.kept_fractions)
+        return f"{self.kind}|{self.model}|{lengths}|{kept}"
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        return TERMS[self.kind]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def kept_work(lengths: tuple[int, ...], kept_fractions: tuple[float, ...]) -> float:
+    """Kept causal query-key pairs / 0.5 (so dense T tokens gives T^2): the grid's size measure."""
+    return sum(f * n * n for n, f in zip(lengths, kept_fractions))
+
+
+def _heldout(key: str, edge: bool) -> bool:
+    """A stable third of the interior points; edges stay in the fit so held-out points interpolate."""
+    return not edge and zlib.crc32(key.encode()) % 3 == 0
+
+
+def _with_split(point: GridPoint, edge: bool) -> GridPoint:
+    split = "heldout" if _heldout(point.key, edge) else "fit"
+    return GridPoint(point.kind, point.model, point.lengths, point.kept_fractions, split)
+
+
+def _cycle(values: tuple[float, ...], n: int) -> tuple[float, ...]:
+    return tuple(values[i % len(values)] for i in range(n))
+
+
+def _singles(shape: ModelShape) -> list[tuple[int, ...]]:
+    return [(n,) for n in SINGLE_LENGTHS if n <= shape.max_context]
+
+
+def _packs(shape: ModelShape) -> list[tuple[int, ...]]:
+    return [p for p in PACKS if max(p) <= shape.max_context]
+
+
+def attention_points(shape: ModelShape) -> list[GridPoint]:
+    singles = _singles(shape)
+    edges = (singles[0], singles[-1])
+    points = []
+    batches = [(n, f) for n in singles for f in KEPT_FRACTIONS]
+    batches += [(pack, f) for pack in _packs(shape) for f in KEPT_FRACTIONS[::2]]
+    for lengths, f in batches:
+        kept = (f,) * len(lengths)
+        if kept_work(lengths, kept) > MAX_KEPT_WORK:
+            continue
+        edge = lengths in edges or f in (1.0, KEPT_FRACTIONS[-1])
+        points.append(_with_split(GridPoint("attn", shape.name, lengths, kept), edge))
+    for pack in _packs(shape):
+        kept = _cycle(MIXED_BUDGETS, len(pack))
+        points.append(_with_split(GridPoint("attn", shape.name, pack, kept), edge=False))
+    return points
+
+
+def layer_points(shape: ModelShape) -> list[GridPoint]:
+    singles = _singles(shape)
+    return [
+        _with_split(GridPoint("layer", shape.name, b, (1.0,) * len(b)), edge=b in (singles[0], singles[-1]))
+        for b in singles + _packs(shape)
+    ]
+
+
+def layer_full_points(shape: ModelShape) -> list[GridPoint]:
+    return [
+        GridPoint("layer_full", shape.name, lengths, kept or _cycle(MIXED_BUDGETS, len(lengths)), "heldout")
+        for lengths, kept in LAYER_FULL
+        if max(lengths) <= shape.max_context
+    ]
+
+
+def validation_points(shape: ModelShape) -> list[GridPoint]:
+    return [
+        GridPoint("layer_full", shape.name, lengths, kept, "validate")
+        for lengths, kept in VALIDATION
+        if max(lengths) <= shape.max_context
+    ]
+
+
+def build_grid(models: list[ModelShape]) -> list[GridPoint]:
+    """Every point for these models; validation first so a cut-short run still has it, then cheap to dear.
+
+    Sequences never exceed a model's context (``max_context``).
+    """
+    points: list[GridPoint] = []
+    for m in models:
+        points += attention_points(m) + layer_points(m) + layer_full_points(m)
+    by_name = {m.name: m for m in models}
+    points.sort(key=lambda p: estimate_point_ms(p, by_name[p.model]))
+    return [v for m in models for v in validation_points(m)] + points
+
+
+# Rough H200 rates for sizing the run (repetitions, ordering, the dry-run estimate), not for the fit.
+_ATTN_TFLOPS = 250.0
+_GEMM_TFLOPS = 600.0
+_LAUNCH_MS = 0.05
+
+
+def estimate_term_ms(term: str, point: GridPoint, shape: ModelShape) -> float:
+    """Roofline guess of one call's time in ms."""
+    attn_fwd = 2.0 * kept_work(point.lengths, point.kept_fractions) * shape.heads * shape.head_dim
+    attn_ms = attn_fwd / (_ATTN_TFLOPS * 1e9)
+    gemm_ms = 2.0 * point.tokens * shape.params_per_layer / (_GEMM_TFLOPS * 1e9)
+    select_ms = 4.0 * point.tokens * shape.heads * shape.head_dim / (_ATTN_TFLOPS * 1e9)
+    by_term = {
+        "select": select_ms,
+        "attn_fwd": attn_ms,
+        "attn_bwd": 2.5 * attn_ms,
+        "layer_fwd": gemm_ms,
+        "layer_bwd": 2.0 * gemm_ms,
+        "layer_full": select_ms + 3.5 * attn_ms + 3.0 * gemm_ms,
+    }
+    return _LAUNCH_MS + by_term[term]
+
+
+def estimate_point_ms(point: GridPoint, shape: ModelShape) -> float:
+    return sum(estimate_term_ms(t, point, shape) for t in point.terms)

@@ -1,0 +1,179 @@
+"""Timing the terms of one grid point with the real kernel and the runner's transformer layer.
+
+``kernel`` is anything with the pinned API of ``kernels.sparse_attention`` (``select_blocks``,
+``sparse_attention``) and ``attention`` the runner's attention callable (``runner.attention.make_attention``)
+that whole layers use; tests pass CPU stand-ins. Features are fitted on the kept fractions the kernel
+actually realised (the diagonal block is always kept, counts round), so those are what the rows record.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from calibrate.grid import GridPoint, estimate_term_ms
+from calibrate.shapes import ModelShape
+from calibrate.timing import Timing
+from runner.model import Block, packed_positions, rope_angles
+from runner.model import ModelShape as RunnerShape
+
+Bench = Callable[..., Timing]
+
+
+class Measurer:
+    def __init__(
+        self,
+        shapes: list[ModelShape],
+        kernel,
+        attention: Callable,
+        bench: Bench,
+        device: str = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        block_size: int = 64,
+        seed: int = 0,
+    ):
+        self.shapes = {s.name: s for s in shapes}
+        self.kernel = kernel
+        self.attention = attention
+        self.bench = bench
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.seed = seed
+        self._blocks: dict[str, Block] = {}
+
+    def measure(self, point: GridPoint) -> list[dict]:
+        """Rows for the store, one per term of the point."""
+        by_kind = {"attn": self._attention, "layer": self._layer, "layer_full": self._layer_full}
+        timings, kept = by_kind[point.kind](point)
+        return [_row(point, term, timings[term], kept) for term in point.terms]
+
+    # -- inputs -------------------------------------------------------------------------------------
+    def _randn(self, *shape: int) -> torch.Tensor:
+        # Random data, never zeros: zeros run measurably faster on the tensor cores than real data.
+        return torch.randn(*shape, device=self.device, dtype=self.dtype)
+
+    def _cu_seqlens(self, lengths: tuple[int, ...]) -> torch.Tensor:
+        ends = torch.tensor(lengths, device=self.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch.cat([ends.new_zeros(1), ends])
+
+    def _kept(self, point: GridPoint) -> torch.Tensor:
+        return torch.tensor(point.kept_fractions, device=self.device, dtype=torch.float32)
+
+    def _expected(self, term: str, point: GridPoint) -> float:
+        return estimate_term_ms(term, point, self.shapes[point.model])
+
+    # -- terms --------------------------------------------------------------------------------------
+    def _attention(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
+        s = self.shapes[point.model]
+        torch.manual_seed(self.seed)
+        q = self._randn(point.tokens, s.heads, s.head_dim).requires_grad_()
+        k = self._randn(point.tokens, s.kv_heads, s.head_dim).requires_grad_()
+        v = self._randn(point.tokens, s.kv_heads, s.head_dim).requires_grad_()
+        cu, kept = self._cu_seqlens(point.lengths), self._kept(point)
+        bs, K = self.block_size, self.kernel
+
+        def select():
+            with torch.no_grad():
+                return K.select_blocks(q, k, cu, kept_fraction=kept, block_size=bs)
+
+        sel = select()
+        out = K.sparse_attention(q, k, v, cu, selection=sel)
+        grad_out = torch.randn_like(out)
+        timings = {
+            "select": self.bench(select, self._expected("select", point)),
+            "attn_fwd": self.bench(
+                lambda: K.sparse_attention(q, k, v, cu, selection=sel), self._expected("attn_fwd", point)
+            ),
+            "attn_bwd": self.bench(
+                lambda: out.backward(grad_out, retain_graph=True),
+                self._expected("attn_bwd", point),
+                grad_to_none=[q, k, v],
+            ),
+        }
+        return timings, tuple(sel.kept_fraction.tolist())
+
+    def _layer(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
+        """The layer's non-attention work: the runner's Block with a pass-through in place of attention."""
+        block, x, cu, rotary = self._block_inputs(point)
+        budgets = (torch.ones(len(point.lengths), device=self.device), None)
+        y = block(x, rotary, cu, budgets, _pass_through)[0]
+        grad_y = torch.randn_like(y)
+        timings = {
+            "layer_fwd": self.bench(
+                lambda: block(x, rotary, cu, budgets, _pass_through), self._expected("layer_fwd", point)
+            ),
+            "layer_bwd": self.bench(
+                lambda: y.backward(grad_y, retain_graph=True),
+                self._expected("layer_bwd", point),
+                grad_to_none=[x, *block.parameters()],
+            ),
+        }
+        return timings, point.kept_fractions
+
+    def _layer_full(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
+        """Forward and backward of a whole layer through the runner's attention path (selection included).
+
+        The kept fractions are read after timing: a device-to-host read inside the timed step would add
+        a synchronisation that training does not have.
+        """
+        block, x, cu, rotary = self._block_inputs(point)
+        budgets = (torch.ones(len(point.lengths), device=self.device), self._kept(point))
+        y, kept, _ = block(x, rotary, cu, budgets, self.attention)
+        grad_y = torch.randn_like(y)
+
+        def step():
+            block(x, rotary, cu, budgets, self.attention)[0].backward(grad_y)
+
+        timing = self.bench(step, self._expected("layer_full", point), grad_to_none=[x, *block.parameters()])
+        return {"layer_full": timing}, tuple(kept.tolist())
+
+    def _block_inputs(self, point: GridPoint):
+        """The model's Block (built once per model), a random input and the RoPE angles.
+
+        RoPE angles are computed once per model forward and shared by all layers, so they stay outside
+        the timed call, as in the runner.
+        """
+        shape = self.shapes[point.model]
+        if point.model not in self._blocks:
+            torch.manual_seed(self.seed)
+            block = Block(RunnerShape.from_config(shape)).to(device=self.device, dtype=self.dtype)
+            self._blocks[point.model] = block
+        torch.manual_seed(self.seed)
+        x = self._randn(point.tokens, shape.hidden).requires_grad_()
+        cu = self._cu_seqlens(point.lengths)
+        rotary = rope_angles(packed_positions(cu, point.tokens), shape.head_dim, RunnerShape.rope_theta)
+        return self._blocks[point.model], x, cu, rotary
+
+
+class _PassThrough(torch.autograd.Function):
+    """Attention stand-in: returns a copy of q, sends the gradient back to q and none to k and v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def _pass_through(q, k, v, cu_seqlens, budgets):
+    """The runner's attention signature; the copy is the only work, so the layer times exclude attention."""
+    ones = torch.ones(cu_seqlens.numel() - 1, device=q.device)
+    return _PassThrough.apply(q, k, v), ones, ones
+
+
+def _row(point: GridPoint, term: str, t: Timing, kept: tuple[float, ...]) -> dict:
+    return {
+        "key": point.key,
+        "term": term,
+        "split": point.split,
+        "model": point.model,
+        "lengths": ";".join(map(str, point.lengths)),
+        "kept_fractions": ";".join(f"{f:.6g}" for f in kept),
+        "median_ms": f"{t.median_ms:.6g}",
+        "p20_ms": f"{t.p20_ms:.6g}",
+        "p80_ms": f"{t.p80_ms:.6g}",
+        "reps": t.reps,
+    }

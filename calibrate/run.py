@@ -1,0 +1,189 @@
+"""Measure the cost-model terms on this machine's GPU: ``python -m calibrate.run``.
+
+A small argparse CLI rather than Hydra (which sim.run uses): the GPU boxes this runs on carry torch and
+Triton but no Hydra/OmegaConf, and the calibration has a handful of flags, no config composition.
+
+Each finished point is appended to the CSV at once; a rerun with the same CSV skips what is there, so a
+run cut short by a time limit resumes where it stopped. Run facts (GPU, driver, versions, grid, command)
+go to ``<csv>.meta.json`` beside it, one entry per run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from calibrate import grid, store, timing
+from calibrate.grid import GridPoint, build_grid
+from calibrate.shapes import ModelShape, load_shapes
+
+DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / "h200_raw.csv"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m calibrate.run", description=__doc__.splitlines()[0])
+    ap.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="raw measurements, appended per point")
+    ap.add_argument("--models", nargs="*", default=None, help="conf/model/ names (default: all)")
+    ap.add_argument("--block-size", type=int, default=128, help="kernel block size in tokens (the simulator's, conf/cost)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="only points with at most this many tokens")
+    ap.add_argument("--time-budget-s", type=float, default=None, help="start no new point after this long")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: Triton interpreter, fp32")
+    ap.add_argument("--dry-run", action="store_true", help="print the grid and its estimated cost, time nothing")
+    return ap.parse_args(argv)
+
+
+def select_points(points: list[GridPoint], max_tokens: int | None) -> list[GridPoint]:
+    return [p for p in points if max_tokens is None or p.tokens <= max_tokens]
+
+
+def pending(points: list[GridPoint], csv: Path) -> list[GridPoint]:
+    """The points not yet fully on disk, in grid order."""
+    done = store.done_keys(csv, {p.key: p.terms for p in points})
+    return [p for p in points if p.key not in done]
+
+
+def measure_all(points: list[GridPoint], measurer, csv: Path, time_budget_s: float | None) -> int:
+    """Time and append each point; returns how many were measured. Stops starting points past the budget."""
+    start = time.monotonic()
+    measured = 0
+    bar = tqdm(points, desc="calibrate", unit="pt", file=sys.stderr)
+    for point in bar:
+        if time_budget_s is not None and time.monotonic() - start > time_budget_s:
+            bar.write(f"time budget of {time_budget_s:.0f}s spent; {len(points) - measured} points left for a rerun")
+            break
+        bar.set_postfix_str(point.key[:60])
+        store.append_rows(csv, measurer.measure(point))
+        measured += 1
+    bar.close()
+    return measured
+
+
+def estimated_seconds(points: list[GridPoint], shapes: dict[str, ModelShape]) -> float:
+    """GPU seconds do_bench will take: 6 untimed calls, the warm-up and the repetition windows per term."""
+    total_ms = 0.0
+    for p in points:
+        for term in p.terms:
+            t = grid.estimate_term_ms(term, p, shapes[p.model])
+            total_ms += 6 * t + max(timing.WARMUP_MS, t) + max(timing.REP_MS, timing.MIN_REPS * t)
+    return total_ms / 1e3
+
+
+def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int | None, n_points: int) -> dict:
+    return {
+        "models": {s.name: vars(s) for s in shapes},
+        "block_size": block_size,
+        "single_lengths": list(grid.SINGLE_LENGTHS),
+        "kept_fractions": list(grid.KEPT_FRACTIONS),
+        "packs": [list(p) for p in grid.PACKS],
+        "mixed_budgets": list(grid.MIXED_BUDGETS),
+        "validation": [{"lengths": list(l), "kept_fractions": list(f)} for l, f in grid.VALIDATION],
+        "max_kept_work": grid.MAX_KEPT_WORK,
+        "max_tokens": max_tokens,
+        "points": n_points,
+        "do_bench": {"warmup_ms": timing.WARMUP_MS, "rep_ms": timing.REP_MS, "min_reps": timing.MIN_REPS},
+    }
+
+
+def machine_facts(device: str) -> dict:
+    import torch
+    import triton
+
+    facts = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": device,
+    }
+    if device == "cuda":
+        facts |= {
+            "gpu_name": torch.cuda.get_device_name(),
+            "gpu_count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda,
+            "driver": _driver_version(),
+            # One GPU cannot time NCCL collectives; the simulator keeps the cluster config's figures.
+            "comm": "not measured: one GPU" if torch.cuda.device_count() < 2 else "not measured: single-process run",
+        }
+    return facts
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as e:
+        return f"unknown ({type(e).__name__})"
+
+
+def write_meta(csv: Path, entry: dict, replace_last: bool = False) -> Path:
+    """Append this run's facts to the meta file (a resumed calibration lists each of its runs).
+
+    Written when the run starts and rewritten (``replace_last``) when it ends, so a killed run still
+    leaves its machine facts and command behind.
+    """
+    path = meta_path(csv)
+    runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    runs = runs[:-1] if replace_last else runs
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"runs": runs + [entry]}, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def meta_path(csv: Path) -> Path:
+    return csv.with_name(csv.stem + ".meta.json")
+
+
+def make_measurer(shapes: list[ModelShape], device: str, block_size: int):
+    if device == "cpu":
+        # The interpreter must be chosen before Triton is imported; it has no bf16 arithmetic, hence fp32.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from calibrate.measure import Measurer
+    from kernels import sparse_attention as kernel
+    from runner.attention import make_attention
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bench = timing.bench_gpu if device == "cuda" else timing.bench_cpu
+    attention = make_attention("kernel", block_size)
+    return Measurer(shapes, kernel, attention, bench, device=device, dtype=dtype, block_size=block_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shapes = load_shapes(args.models)
+    by_name = {s.name: s for s in shapes}
+    points = select_points(build_grid(shapes), args.max_tokens)
+    todo = pending(points, args.csv)
+    estimate_s = estimated_seconds(todo, by_name)
+    print(f"{len(points)} points, {len(todo)} to measure, roughly {estimate_s:.0f}s of GPU time", file=sys.stderr)
+    if args.dry_run or not todo:
+        return 0
+    command = shlex.join(["python", "-m", "calibrate.run", *(sys.argv[1:] if argv is None else argv)])
+    entry = {"command": command, **machine_facts(args.device),
+             "grid": grid_description(shapes, args.block_size, args.max_tokens, len(points))}
+    write_meta(args.csv, entry | {"points_measured": None, "points_left": len(todo)})
+    started = time.monotonic()
+    measured = measure_all(todo, make_measurer(shapes, args.device, args.block_size), args.csv, args.time_budget_s)
+    write_meta(args.csv, entry | {"points_measured": measured, "points_left": len(todo) - measured,
+                                  "seconds": round(time.monotonic() - started, 1)}, replace_last=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Model shapes read from conf/model/*.yaml with plain YAML.
+
+The GPU box has no Hydra/OmegaConf (and no simpy, so no ``sim`` import either): the measuring side reads the
+model files itself. Field names are those of ``sim.config.ModelConfig``, so the same object also serves
+``runner.model.ModelShape.from_config`` and ``sim.cost``'s feature helpers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+CONF_MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    max_context: int
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one layer's matrices (QKV, output projection, SwiGLU MLP)."""
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        out = self.heads * self.head_dim * self.hidden
+        return qkv + out + 3 * self.hidden * self.ffn
+
+
+def load_shape(path: Path) -> ModelShape:
+    raw = yaml.safe_load(path.read_text()) or {}
+    values = {"name": raw.get("name", path.stem)}
+    for f in fields(ModelShape):
+        if f.name == "name":
+            continue
+        if f.name not in raw:
+            raise ValueError(f"{path}: model config lacks key {f.name!r}")
+        values[f.name] = int(raw[f.name])
+    return ModelShape(**values)
+
+
+def load_shapes(names: list[str] | None = None, conf_dir: Path = CONF_MODEL_DIR) -> list[ModelShape]:
+    """The named models (all of conf/model/ when ``names`` is None), in a stable order."""
+    paths = sorted(conf_dir.glob("*.yaml")) if names is None else [conf_dir / f"{n}.yaml" for n in names]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"no such model config: {', '.join(missing)}")
+    if not paths:
+        raise FileNotFoundError(f"no model configs in {conf_dir}")
+    return [load_shape(p) for p in paths]
