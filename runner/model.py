@@ -30,7 +30,7 @@ class ModelShape:
     head_dim: int
     ffn: int
     max_context: int
-    rope_theta: float = 10000.0
+    rope_theta: float = 500000.0  # as calibrate.layer
 
     @classmethod
     def from_config(cls, model) -> ModelShape:
@@ -44,18 +44,6 @@ class ModelShape:
             )
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 so bf16 activations keep their scale.
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position of every token inside its own sequence, for a packed stream of ``total`` tokens."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -63,63 +51,44 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=cu_seqlens.device) - starts
 
 
-class Rotary(nn.Module):
-    def __init__(self, head_dim: int, max_context: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, H, D]`` by the angles of ``positions [T]`` (half-split convention)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [T, 1, D/2], computed once per forward and shared by every layer."""
+    half = head_dim // 2
+    inv = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angles = positions.float()[:, None, None] * inv
+    return angles.cos(), angles.sin()
 
 
-class Attention(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
-        self.wq = nn.Linear(shape.hidden, shape.heads * shape.head_dim, bias=False)
-        self.wk = nn.Linear(shape.hidden, shape.kv_heads * shape.head_dim, bias=False)
-        self.wv = nn.Linear(shape.hidden, shape.kv_heads * shape.head_dim, bias=False)
-        self.wo = nn.Linear(shape.heads * shape.head_dim, shape.hidden, bias=False)
-
-    def forward(self, x, positions, rotary, cu_seqlens, budgets, attention: AttentionFn):
-        t = x.shape[0]
-        q = rotary(self.wq(x).view(t, self.heads, self.head_dim), positions)
-        k = rotary(self.wk(x).view(t, self.kv_heads, self.head_dim), positions)
-        v = self.wv(x).view(t, self.kv_heads, self.head_dim)
-        o, kept, coverage = attention(q, k, v, cu_seqlens, budgets)
-        return self.wo(o.reshape(t, -1)), kept, coverage
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
 class Block(nn.Module):
+    """One layer, built like ``calibrate.layer.Layer`` (fused QKV and gate/up projections, torch's
+    RMSNorm) so that the calibrated layer times describe this model's layers."""
+
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(shape.hidden)
-        self.attn = Attention(shape)
-        self.mlp_norm = RMSNorm(shape.hidden)
-        self.mlp = SwiGLU(shape.hidden, shape.ffn)
+        s = self.shape = shape
+        self.attn_norm = nn.RMSNorm(s.hidden)
+        self.wqkv = nn.Linear(s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, bias=False)
+        self.wo = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        self.mlp_norm = nn.RMSNorm(s.hidden)
+        self.w13 = nn.Linear(s.hidden, 2 * s.ffn, bias=False)
+        self.w2 = nn.Linear(s.ffn, s.hidden, bias=False)
 
-    def forward(self, x, positions, rotary, cu_seqlens, budgets, attention):
-        a, kept, coverage = self.attn(self.attn_norm(x), positions, rotary, cu_seqlens, budgets, attention)
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x)), kept, coverage
+    def forward(self, x, rotary, cu_seqlens, budgets, attention: AttentionFn):
+        s, t = self.shape, x.shape[0]
+        q, k, v = self.wqkv(self.attn_norm(x)).split(
+            [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1
+        )
+        q = rope(q.view(t, s.heads, s.head_dim), *rotary)
+        k = rope(k.view(t, s.kv_heads, s.head_dim), *rotary)
+        o, kept, coverage = attention(q, k, v.reshape(t, s.kv_heads, s.head_dim), cu_seqlens, budgets)
+        x = x + self.wo(o.reshape(t, -1))
+        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up), kept, coverage
 
 
 @dataclass
@@ -134,9 +103,8 @@ class TinyLlama(nn.Module):
         super().__init__()
         self.shape = shape
         self.embed = nn.Embedding(shape.vocab, shape.hidden)
-        self.rotary = Rotary(shape.head_dim, shape.max_context, shape.rope_theta)
         self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
-        self.norm = RMSNorm(shape.hidden)
+        self.norm = nn.RMSNorm(shape.hidden)
         self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
         self.apply(self._init)
 
@@ -148,11 +116,12 @@ class TinyLlama(nn.Module):
     def forward(self, tokens, cu_seqlens, budgets, target_positions, attention: AttentionFn) -> ForwardOut:
         """Logits at ``target_positions`` only: the task scores a few answer tokens per sequence,
         and a full ``[T, vocab]`` projection would dominate memory at long context."""
-        positions = packed_positions(cu_seqlens, tokens.shape[0])
+        rotary = rope_angles(packed_positions(cu_seqlens, tokens.shape[0]), self.shape.head_dim,
+                             self.shape.rope_theta)
         x = self.embed(tokens)
         kept_sum = cov_sum = 0.0
         for block in self.blocks:
-            x, kept, coverage = block(x, positions, self.rotary, cu_seqlens, budgets, attention)
+            x, kept, coverage = block(x, rotary, cu_seqlens, budgets, attention)
             kept_sum = kept_sum + kept.float()
             cov_sum = cov_sum + coverage.float()
         logits = self.lm_head(self.norm(x[target_positions]))
