@@ -1,0 +1,353 @@
+"""Benchmark and GPU checks of kernels.sparse_attention (run on an H200).
+
+    python benchmarks/attention.py --check            # bf16/fp16 fwd + grads vs the fp32 naive reference
+    python benchmarks/attention.py --tune             # time a few (BM, BN, warps, stages) per kernel
+    python benchmarks/attention.py --csv out.csv      # the benchmark grid (default)
+
+Grid: single sequences L in {8K, 32K, 128K} x sparsity {0, .5, .75, .9, .95} and a packed 64K-token batch of
+long-tail documents; H=16, D=128, bf16, block 128. Sparsity s means ``kept_fraction = 1 - s`` (selection by
+routing score, diagonal always kept). Compared in the same run: FlexAttention (``torch.compile(flex_attention)``
+with a BlockMask built from the very same selection) and cuDNN SDPA (dense causal). Effective TFLOP/s count the
+attended (query, key) pairs of kept blocks: fwd = 4*D*pairs*Hq, fwd+bwd = 3.5x that. If a config fails its
+error is recorded in the CSV and the run continues.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kernels.sparse_attention import (dense_causal_varlen, select_blocks, sparse_attention,  # noqa: E402
+                                      sparse_attention_naive)
+from kernels.sparse_attention import triton_kernels as tk  # noqa: E402
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench(fn, rep=60, warmup=15):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep)
+
+
+def make_qkv(T, Hq, Hkv, D, dtype, seed=0, grad=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, Hq, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(T, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(T, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    return [x.requires_grad_(grad) for x in (q, k, v)]
+
+
+def cu_from_lens(lens):
+    c = [0]
+    for n in lens:
+        c.append(c[-1] + n)
+    return torch.tensor(c, dtype=torch.int32, device="cuda")
+
+
+def long_tail_lengths(total=65536, seed=0):
+    """Long-tail document lengths (lognormal, 16..32K tokens) summing to exactly ``total``."""
+    g = torch.Generator().manual_seed(seed)
+    lens = []
+    while sum(lens) < total:
+        x = int(math.exp(6.5 + 1.6 * torch.randn(1, generator=g).item()))
+        lens.append(max(16, min(32768, x)))
+    lens[-1] -= sum(lens) - total
+    if lens[-1] <= 0:
+        lens.pop()
+        lens[-1] += total - sum(lens)
+    return lens
+
+
+# ---------------------------------------------------------------------------------------------- check
+def check(args):
+    torch.manual_seed(0)
+    lens = [1, 17, 300, 1000, 64, 129, 1, 2047, 130]
+    cu = cu_from_lens(lens)
+    T = sum(lens)
+    tol = {torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 5e-3)}
+    rows = []
+    ok_all = True
+    for dtype in (torch.bfloat16, torch.float16):
+        for D in (64, 128):
+            for B in (64, 128):
+                for (Hq, Hkv), budget in (((8, 2), dict(p=0.9)), ((4, 4), dict(kept_fraction=0.3)),
+                                          ((8, 1), dict(p=1.0))):
+                    q, k, v = make_qkv(T, Hq, Hkv, D, dtype, seed=D + B)
+                    sel = select_blocks(q, k, cu, block_size=B, **budget)
+                    tk.POISON_OUTPUTS = True
+                    o = sparse_attention(q, k, v, cu, selection=sel, backend="triton")
+                    do = torch.randn_like(o)
+                    g = torch.autograd.grad(o, (q, k, v), do)
+                    g2 = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel, backend="triton"),
+                                             (q, k, v), do)
+                    tk.POISON_OUTPUTS = False
+                    det = all(torch.equal(a, b) for a, b in zip(g, g2))
+                    qf, kf, vf = [x.detach().float().requires_grad_() for x in (q, k, v)]
+                    ref = sparse_attention_naive(qf, kf, vf, cu, sel)
+                    gr = torch.autograd.grad(ref, (qf, kf, vf), do.float())
+                    errs = {}
+                    for name, a, b in (("o", o, ref), ("dq", g[0], gr[0]), ("dk", g[1], gr[1]),
+                                       ("dv", g[2], gr[2])):
+                        e = (a.float() - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+                        errs[name] = e if math.isfinite(e) else float("inf")
+                    ft, gt = tol[dtype]
+                    ok = errs["o"] <= ft and max(errs["dq"], errs["dk"], errs["dv"]) <= gt and det
+                    ok_all &= ok
+                    row = dict(dtype=str(dtype).split(".")[-1], D=D, B=B, Hq=Hq, Hkv=Hkv, budget=str(budget),
+                               **{f"rel_err_{k_}": f"{v_:.2e}" for k_, v_ in errs.items()},
+                               deterministic=det, ok=ok)
+                    rows.append(row)
+                    log(json.dumps(row))
+    log("CHECK", "PASS" if ok_all else "FAIL")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return ok_all
+
+
+# ---------------------------------------------------------------------------------------------- tune
+def tune(args):
+    H, D, B = 16, 128, 128
+    res = {}
+    for L, kf in ((32768, 0.1), (16384, 1.0)):
+        q, k, v = make_qkv(L, H, H, D, torch.bfloat16)
+        cu = cu_from_lens([L])
+        sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
+        o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
+        do = torch.randn_like(o)
+        for kind, cands in args.tune_cands.items():
+            for cand in cands:
+                keys = ("BM", "BN", "num_warps", "num_stages")
+                cfg = dict(zip(keys, cand))
+                tk.CONFIG_OVERRIDES[(B, D)] = {kind: cfg}
+                try:
+                    if kind == "fwd":
+                        ms = bench(lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5))
+                    else:
+                        ms = bench(lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5))
+                except Exception as e:  # noqa: BLE001
+                    ms = float("nan")
+                    log("tune fail", kind, cand, repr(e)[:200])
+                res.setdefault((kind, cand), []).append(ms)
+                log(f"tune L={L} kf={kf} {kind} {cand} {ms:.3f} ms")
+        tk.CONFIG_OVERRIDES.clear()
+    best = {}
+    for kind, cands in args.tune_cands.items():
+        scored = [(sum(res[(kind, c)]), c) for c in cands if all(math.isfinite(x) for x in res[(kind, c)])]
+        best[kind] = min(scored)[1] if scored else None
+    log("TUNE_BEST", json.dumps(best))
+
+
+TUNE_CANDS = {
+    "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
+    "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 32, 4, 3)],
+    "dkdv": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 3), (128, 64, 4, 2), (64, 128, 4, 2)],
+}
+# dkdv: BN is the program's KV tile, BM the query sub-tile it loops over.
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def _dense_to_ordered(dense):
+    """[1, H, NB, NB] bool -> (num [1, H, NB], indices [1, H, NB, NB]) with kept blocks first, ascending, and
+    the rest of each row a permutation of the other blocks (what create_block_mask produces)."""
+    num = dense.sum(-1).to(torch.int32)
+    idx = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num, idx
+
+
+def flex_block_mask_single(sel, H, L, B):
+    """BlockMask for one sequence (blocks aligned with Flex's): diagonal = partial (causal mask_mod),
+    other kept blocks = full."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dense = sel.to_dense_mask()[None]  # [1, H, NB, NB]
+    assert dense.shape[1] == H
+    eye = torch.eye(dense.shape[-1], dtype=torch.bool, device=dense.device)
+    part_num, part_idx = _dense_to_ordered(dense & eye)
+    full_num, full_idx = _dense_to_ordered(dense & ~eye)
+
+    sel_dense = dense[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):  # only evaluated on partial (diagonal) blocks by the fused kernel
+        return (q_idx >= kv_idx) & sel_dense[h, q_idx // B, kv_idx // B]
+
+    return BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=B, mask_mod=mask_mod,
+                                    seq_lengths=(L, L))
+
+
+def flex_block_mask_packed(sel, cu, H, T, B):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lay = sel.layout
+    dense = sel.to_dense_mask()  # [H, NB, NB]
+    tok_doc = lay.block_doc[lay.token_block]
+    tok_blk = lay.token_block
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = tok_doc[q_idx] == tok_doc[kv_idx]
+        return same & (kv_idx <= q_idx) & dense[h, tok_blk[q_idx], tok_blk[kv_idx]]
+
+    dev = sel.q2k_idx.device
+    return create_block_mask(mask_mod, 1, H, T, T, device=dev, BLOCK_SIZE=B, _compile=dev.type == "cuda")
+
+
+def run_bench(args):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import triton
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    H, D, B = 16, 128, 128
+    dtype = torch.bfloat16
+    fields = ["case", "T", "ndocs", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms", "fwd_tflops",
+              "fwdbwd_tflops", "speedup_vs_flex_fwdbwd", "error"]
+    out = open(args.csv, "w", newline="")
+    w = csv.DictWriter(out, fieldnames=fields)
+    w.writeheader()
+    meta = dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
+                configs=tk.CONFIG_OVERRIDES.get((B, D), "default"))
+    log("META", json.dumps(meta, default=str))
+
+    def emit(row):
+        w.writerow({k: row.get(k, "") for k in fields})
+        out.flush()
+        log(json.dumps(row))
+
+    cases = [("single", [L]) for L in args.lengths] + [("packed64k", long_tail_lengths(65536))]
+    for case, lens in cases:
+        T = sum(lens)
+        cu = cu_from_lens(lens)
+        log(f"== {case} T={T} ndocs={len(lens)} max_doc={max(lens)}")
+        q, k, v = make_qkv(T, H, H, D, dtype)
+        do = torch.randn_like(q)
+        qb, kb, vb = [x.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for x in (q, k, v)]
+        dob = do.transpose(0, 1).unsqueeze(0).contiguous()
+        dense_pairs = sum(n * (n + 1) // 2 for n in lens)
+        if case == "single":
+            # cuDNN dense causal reference
+            try:
+                def cudnn_fwd():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+                f_ms = bench(cudnn_fwd)
+                fb_ms = bench(lambda: torch.autograd.grad(cudnn_fwd(), (qb, kb, vb), dob))
+                fl = 4 * D * H * dense_pairs
+                emit(dict(case=case, T=T, ndocs=len(lens), sparsity=0.0, kept_fraction=1.0, impl="cudnn_dense",
+                          fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4), fwd_tflops=round(fl / f_ms / 1e9, 1),
+                          fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1)))
+            except Exception as e:  # noqa: BLE001
+                emit(dict(case=case, T=T, ndocs=len(lens), impl="cudnn_dense", error=repr(e)[:300]))
+        for sp in args.sparsities:
+            kf = 1.0 - sp
+            try:
+                sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
+                pairs = sel.kept_block_pairs_tokens()  # over KV heads == H here
+                fl = 4 * D * pairs
+                kept = float((sel.kept_fraction * torch.tensor(lens, device="cuda").float() ** 2).sum()
+                             / (torch.tensor(lens, device="cuda").float() ** 2).sum())
+            except Exception as e:  # noqa: BLE001
+                emit(dict(case=case, T=T, ndocs=len(lens), sparsity=sp, impl="select", error=repr(e)[:300]))
+                continue
+            base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp, kept_fraction=round(kept, 4))
+            ours = None
+            try:
+                fwd = lambda: sparse_attention(q, k, v, cu, selection=sel, backend="triton")  # noqa: E731
+                f_ms = bench(fwd)
+                fb_ms = bench(lambda: torch.autograd.grad(fwd(), (q, k, v), do))
+                ours = fb_ms
+                row_ours = dict(base, impl="triton_sparse", fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4),
+                                fwd_tflops=round(fl / f_ms / 1e9, 1), fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1))
+            except Exception as e:  # noqa: BLE001
+                row_ours = dict(base, impl="triton_sparse", error=repr(e)[:300])
+                traceback.print_exc()
+            flex_fb = None
+            if case == "single" and sp == 0.0 and T > args.flex_dense_max:
+                emit(dict(base, impl="flex", error=f"skipped: dense flex at T={T} > --flex-dense-max"))
+            else:
+                try:
+                    t0 = time.time()
+                    bm = (flex_block_mask_single(sel, H, T, B) if case == "single"
+                          else flex_block_mask_packed(sel, cu, H, T, B))
+                    t_mask = time.time() - t0
+                    ffwd = lambda: flex(qb, kb, vb, block_mask=bm)  # noqa: E731
+                    f_ms = bench(ffwd)
+                    fb_ms = bench(lambda: torch.autograd.grad(ffwd(), (qb, kb, vb), dob))
+                    flex_fb = fb_ms
+                    diff = (ffwd()[0].transpose(0, 1).float() - fwd().float()).abs().max().item()
+                    emit(dict(base, impl="flex", fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4),
+                              fwd_tflops=round(fl / f_ms / 1e9, 1), fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1),
+                              error=f"block_mask_build_s={t_mask:.2f} maxdiff_vs_triton={diff:.2e}"))
+                except Exception as e:  # noqa: BLE001
+                    emit(dict(base, impl="flex", error=repr(e)[:300]))
+                    traceback.print_exc()
+            if ours is not None and flex_fb is not None:
+                row_ours["speedup_vs_flex_fwdbwd"] = round(flex_fb / ours, 3)
+            emit(row_ours)
+            del sel
+        del q, k, v, qb, kb, vb
+        torch.cuda.empty_cache()
+    # selection cost vs attention at 32K, sparsity 0.9
+    try:
+        L = 32768
+        q, k, v = make_qkv(L, H, H, D, dtype)
+        cu = cu_from_lens([L])
+        do = torch.randn_like(q)
+        for mode, kw in (("kept_fraction=0.1", dict(kept_fraction=0.1)), ("p=0.9", dict(p=0.9))):
+            s_ms = bench(lambda: select_blocks(q, k, cu, block_size=B, **kw))
+            sel = select_blocks(q, k, cu, block_size=B, **kw)
+            fb_ms = bench(lambda: torch.autograd.grad(
+                sparse_attention(q, k, v, cu, selection=sel, backend="triton"), (q, k, v), do))
+            emit(dict(case="selection_32k", T=L, ndocs=1, sparsity=round(1 - float(sel.kept_fraction[0]), 4),
+                      kept_fraction=round(float(sel.kept_fraction[0]), 4), impl=f"select[{mode}]",
+                      fwd_ms=round(s_ms, 4), fwdbwd_ms=round(fb_ms, 4),
+                      error=f"select/attn_fwdbwd={s_ms / fb_ms:.3f}"))
+    except Exception as e:  # noqa: BLE001
+        emit(dict(case="selection_32k", impl="select", error=repr(e)[:300]))
+    out.close()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--config", default=None, help="json {kind: [BM, BN, warps, stages]} for block 128, D 128")
+    ap.add_argument("--lengths", default="8192,32768,131072")
+    ap.add_argument("--sparsities", default="0,0.5,0.75,0.9,0.95")
+    ap.add_argument("--flex-dense-max", type=int, default=1 << 30)
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.sparsities = [float(x) for x in args.sparsities.split(",")]
+    args.tune_cands = {k: [tuple(c) for c in v] for k, v in TUNE_CANDS.items()}
+    if args.config:
+        cfg = json.loads(args.config)
+        tk.CONFIG_OVERRIDES[(128, 128)] = {
+            kind: dict(zip(("BM", "BN", "num_warps", "num_stages"), c)) for kind, c in cfg.items() if c}
+    if args.check:
+        check(args)
+    if args.tune:
+        tune(args)
+    if args.bench or not (args.check or args.tune):
+        if args.csv is None:
+            args.csv = "attention_bench.csv"
+        run_bench(args)
+
+
+if __name__ == "__main__":
+    main()
