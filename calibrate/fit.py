@@ -109,13 +109,15 @@ def fit_all(measurements: list[Measurement], features: FeatureSource) -> dict[st
     """Coefficients of every term from the ``fit`` split."""
     terms: dict[str, dict[str, float]] = {}
     for term in TERMS:
-        rows = [m for m in measurements if m.term == term and m.split == "fit"]
+        rows = [(m, features(m)[term]) for m in measurements if m.term == term and m.split == "fit"]
+        # A point whose features are all zero (selection of an all-dense batch, which the simulator prices
+        # at zero) says nothing about the coefficients; it is reported, not fitted.
+        rows = [(m, f) for m, f in rows if any(f.values())]
         if not rows:
             raise ValueError(f"no 'fit' measurements of term {term!r}; cannot fit it")
-        feats = [features(m)[term] for m in rows]
-        names = list(feats[0])
-        X = np.array([[f[n] for n in names] for f in feats])
-        y = np.array([m.median_ms for m in rows])
+        names = list(rows[0][1])
+        X = np.array([[f[n] for n in names] for _, f in rows])
+        y = np.array([m.median_ms for m, _ in rows])
         terms[term] = {n: float(c) for n, c in zip(names, fit_term(X, y))}
     return terms
 

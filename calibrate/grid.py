@@ -24,7 +24,7 @@ PACKS = (
     (64 * K, 32 * K, 16 * K, 8 * K, 4 * K, 4 * K),
 )
 # Per-sequence budgets cycled over a pack: the mixed-budget batches a sparsity policy produces.
-MIXED_BUDGETS = (1.0, 0.25, 0.05, 0.5, 0.1, 0.02)
+MIXED_BUDGETS = (0.25, 1.0, 0.05, 0.5, 0.1, 0.02)
 # Whole layers timed to check the sum of the fitted terms (all held out).
 LAYER_FULL = (
     ((4 * K,), (1.0,)),
@@ -104,17 +104,15 @@ def attention_points(shape: ModelShape) -> list[GridPoint]:
     singles = _singles(shape)
     edges = (singles[0], singles[-1])
     points = []
-    batches = [(n, f) for n in singles for f in KEPT_FRACTIONS]
-    batches += [(pack, f) for pack in _packs(shape) for f in KEPT_FRACTIONS[::2]]
-    for lengths, f in batches:
-        kept = (f,) * len(lengths)
+    batches = [(n, (f,)) for n in singles for f in KEPT_FRACTIONS]
+    batches += [(pack, (f,) * len(pack)) for pack in _packs(shape) for f in KEPT_FRACTIONS[::2]]
+    batches += [(pack, _cycle(MIXED_BUDGETS, len(pack))) for pack in _packs(shape)]
+    for lengths, kept in batches:
         if kept_work(lengths, kept) > MAX_KEPT_WORK:
             continue
-        edge = lengths in edges or f in (1.0, KEPT_FRACTIONS[-1])
+        uniform = len(set(kept)) == 1
+        edge = lengths in edges or (uniform and kept[0] in (1.0, KEPT_FRACTIONS[-1]))
         points.append(_with_split(GridPoint("attn", shape.name, lengths, kept), edge))
-    for pack in _packs(shape):
-        kept = _cycle(MIXED_BUDGETS, len(pack))
-        points.append(_with_split(GridPoint("attn", shape.name, pack, kept), edge=False))
     return points
 
 

@@ -1,0 +1,122 @@
+"""The runner side of calibration: the grid, the per-point CSV and resuming a killed run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from calibrate import grid, run, store
+from calibrate.grid import GridPoint, build_grid
+from calibrate.shapes import load_shapes
+
+
+class FakeMeasurer:
+    """Rows with made-up times; ``die_after`` points, it raises as a kill at the time limit would."""
+
+    def __init__(self, die_after: int | None = None):
+        self.die_after = die_after
+        self.seen: list[str] = []
+
+    def measure(self, point: GridPoint) -> list[dict]:
+        if self.die_after is not None and len(self.seen) == self.die_after:
+            raise KeyboardInterrupt("killed")
+        self.seen.append(point.key)
+        return [
+            {"key": point.key, "term": t, "split": point.split, "model": point.model,
+             "lengths": ";".join(map(str, point.lengths)),
+             "kept_fractions": ";".join(map(str, point.kept_fractions)),
+             "median_ms": 1.0, "p20_ms": 0.9, "p80_ms": 1.1, "reps": 5}
+            for t in point.terms
+        ]
+
+
+@pytest.fixture
+def points():
+    return build_grid(load_shapes())[:12]
+
+
+def test_killed_run_keeps_points_and_rerun_measures_only_the_rest(tmp_path, points):
+    csv = tmp_path / "raw.csv"
+    with pytest.raises(KeyboardInterrupt):
+        run.measure_all(points, FakeMeasurer(die_after=5), csv, time_budget_s=None)
+    assert len(run.pending(points, csv)) == len(points) - 5
+
+    second = FakeMeasurer()
+    run.measure_all(run.pending(points, csv), second, csv, time_budget_s=None)
+    assert second.seen == [p.key for p in points[5:]]
+    rows = store.read_rows(csv)
+    assert sorted({r["key"] for r in rows}) == sorted(p.key for p in points)
+    assert len(rows) == sum(len(p.terms) for p in points)
+    assert run.pending(points, csv) == []
+
+
+def test_half_written_line_is_dropped_and_the_point_measured_again(tmp_path, points):
+    csv = tmp_path / "raw.csv"
+    run.measure_all(points[:2], FakeMeasurer(), csv, time_budget_s=None)
+    with csv.open("a") as f:  # a kill in the middle of writing the third point's first row
+        f.write(f"{points[2].key},{points[2].terms[0]},fit,mod")
+    assert [p.key for p in run.pending(points, csv)][0] == points[2].key
+    run.measure_all(run.pending(points, csv), FakeMeasurer(), csv, time_budget_s=None)
+    assert run.pending(points, csv) == []
+    assert all(r["model"] != "mod" for r in store.read_rows(csv))
+
+
+def test_point_missing_a_term_is_not_done(tmp_path, points):
+    csv = tmp_path / "raw.csv"
+    attn = next(p for p in points if p.kind == "attn")
+    store.append_rows(csv, FakeMeasurer().measure(attn)[:1])
+    assert store.done_keys(csv, {attn.key: attn.terms}) == set()
+
+
+def test_time_budget_stops_starting_points(tmp_path, points):
+    csv = tmp_path / "raw.csv"
+    assert run.measure_all(points, FakeMeasurer(), csv, time_budget_s=0.0) <= 1
+
+
+def test_csv_with_foreign_columns_is_refused(tmp_path):
+    csv = tmp_path / "raw.csv"
+    csv.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="columns"):
+        store.read_rows(csv)
+
+
+def test_grid_keys_unique_lengths_within_context_and_validation_outside_grid():
+    shapes = load_shapes()
+    points = build_grid(shapes)
+    assert len({p.key for p in points}) == len(points)
+    context = {s.name: s.max_context for s in shapes}
+    assert all(max(p.lengths) <= context[p.model] for p in points)
+    assert all(grid.kept_work(p.lengths, p.kept_fractions) <= grid.MAX_KEPT_WORK for p in points if p.kind == "attn")
+    fitted = {(p.lengths, p.kept_fractions) for p in points if p.split == "fit"}
+    validate = [p for p in points if p.split == "validate"]
+    assert len(validate) == 3 * len(shapes)
+    assert not any((p.lengths, p.kept_fractions) in fitted for p in validate)
+    assert all(len(set(p.kept_fractions)) > 1 and len(p.lengths) > 1 for p in validate)
+
+
+def test_heldout_points_are_interior_and_a_real_share():
+    shapes = load_shapes()
+    for s in shapes:
+        attn = grid.attention_points(s)
+        held = [p for p in attn if p.split == "heldout"]
+        assert 0.1 < len(held) / len(attn) < 0.5
+        longest = max(max(p.lengths) for p in attn)
+        for p in held:
+            assert p.lengths not in ((1024,), (longest,))
+            assert len(set(p.kept_fractions)) > 1 or p.kept_fractions[0] not in (1.0, grid.KEPT_FRACTIONS[-1])
+
+
+def test_dry_run_prints_estimate_and_writes_nothing(tmp_path, capsys):
+    csv = tmp_path / "raw.csv"
+    assert run.main(["--csv", str(csv), "--dry-run"]) == 0
+    assert "points" in capsys.readouterr().err
+    assert not csv.exists()
+
+
+def test_meta_lists_each_run_and_the_last_is_rewritten_at_its_end(tmp_path):
+    csv = tmp_path / "raw.csv"
+    run.write_meta(csv, {"command": "first", "points_measured": 3})
+    run.write_meta(csv, {"command": "second", "points_measured": None})
+    run.write_meta(csv, {"command": "second", "points_measured": 7}, replace_last=True)
+    runs = json.loads(run.meta_path(csv).read_text())["runs"]
+    assert [(r["command"], r["points_measured"]) for r in runs] == [("first", 3), ("second", 7)]
