@@ -206,9 +206,16 @@ def build_profile(gpu: str, runs: list[dict], coefs: dict, report: dict, fit_com
         },
         "block_size": last["grid"]["block_size"],
         "terms": coefs,
-        "comm": {"allreduce_busbw_gbps": None, "p2p_gbps": None, "measured": last.get("comm", "not measured")},
+        "comm": comm_section(last.get("comm", "not measured")),
         "fit": report,
     }
+
+
+def comm_section(comm: dict | str) -> dict:
+    """Large-message bandwidths when the run measured them, else nulls (the cluster config's figures stand)."""
+    if isinstance(comm, str):
+        return {"allreduce_busbw_gbps": None, "p2p_gbps": None, "measured": comm}
+    return {"allreduce_busbw_gbps": comm["allreduce_busbw_gbps"], "p2p_gbps": comm["p2p_gbps"], "measured": comm}
 
 
 def write_profile(path: Path, profile: dict) -> None:

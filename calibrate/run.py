@@ -111,8 +111,6 @@ def machine_facts(device: str) -> dict:
             "gpu_count": torch.cuda.device_count(),
             "cuda": torch.version.cuda,
             "driver": _driver_version(),
-            # One GPU cannot time NCCL collectives; the simulator keeps the cluster config's figures.
-            "comm": "not measured: one GPU" if torch.cuda.device_count() < 2 else "not measured: single-process run",
         }
     return facts
 
@@ -148,6 +146,18 @@ def meta_path(csv: Path) -> Path:
     return csv.with_name(csv.stem + ".meta.json")
 
 
+def comm_figures(device: str) -> dict | str:
+    """NCCL bandwidths where there are GPUs to exchange between; one GPU keeps the cluster config's figures."""
+    import torch
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    if gpus < 2:
+        return f"not measured: {gpus} GPU(s); the simulator keeps the cluster config's figures"
+    from calibrate.comm import measure_comm
+
+    return measure_comm(gpus)
+
+
 def make_measurer(shapes: list[ModelShape], device: str, block_size: int):
     if device == "cpu":
         # The interpreter must be chosen before Triton is imported; it has no bf16 arithmetic, hence fp32.
@@ -181,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     measured = measure_all(todo, make_measurer(shapes, args.device, args.block_size), args.csv, args.time_budget_s)
     write_meta(args.csv, entry | {"points_measured": measured, "points_left": len(todo) - measured,
-                                  "seconds": round(time.monotonic() - started, 1)}, replace_last=True)
+                                  "seconds": round(time.monotonic() - started, 1), "comm": comm_figures(args.device)},
+               replace_last=True)
     return 0
 
 

@@ -120,3 +120,16 @@ def test_meta_lists_each_run_and_the_last_is_rewritten_at_its_end(tmp_path):
     run.write_meta(csv, {"command": "second", "points_measured": 7}, replace_last=True)
     runs = json.loads(run.meta_path(csv).read_text())["runs"]
     assert [(r["command"], r["points_measured"]) for r in runs] == [("first", 3), ("second", 7)]
+
+
+@pytest.mark.slow
+def test_comm_bandwidth_over_message_sizes_with_two_processes():
+    from calibrate.comm import measure_comm
+
+    comm = measure_comm(2, backend="gloo", sizes=(1 << 12, 1 << 16))
+    assert [r["bytes"] for r in comm["allreduce"]] == [1 << 12, 1 << 16] == [r["bytes"] for r in comm["p2p"]]
+    assert comm["allreduce_busbw_gbps"] > 0 and comm["p2p_gbps"] > 0
+
+
+def test_one_device_records_comm_as_not_measured():
+    assert run.comm_figures("cpu").startswith("not measured")
