@@ -77,7 +77,7 @@ def _make(registry: dict, kind: str, name: str, params: Mapping[str, Any]):
         merged = OmegaConf.merge(schema, dict(params))
     except OmegaConfBaseException as exc:
         first = str(exc).splitlines()[0]
-        raise ConfigError(f"policy.{kind}.params for {name!r}: {first}") from None
+        raise ConfigError(f"policy.{kind}.params.{exc.full_key} for {name!r}: {first}") from None
     try:
         return cls(OmegaConf.to_object(merged))
     except ValueError as exc:  # e.g. a Budget outside (0, 1]

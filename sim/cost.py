@@ -378,13 +378,9 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 
 
 def _write_provisional(out: str) -> None:
-    from hydra import compose, initialize_config_dir
+    from sim.run import compose_config
 
-    from sim.config import register
-
-    register()
-    with initialize_config_dir(config_dir=str(resolve_path("conf").resolve()), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["cost=roofline"])
+    cfg = compose_config(["cost=roofline"])
     command = f"python -m sim.cost --write-provisional --out {out}"
     profile = provisional_profile(cfg.model, Cluster.from_config(cfg.cluster), cfg.cost, command)
     write_json_atomic(resolve_path(out), profile)

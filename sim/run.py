@@ -12,6 +12,7 @@ from pathlib import Path
 import hydra
 import pandas as pd
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
@@ -34,6 +35,15 @@ EXIT_BAD_INPUT = 2
 class RunOutput:
     results: Results
     summary: dict
+
+
+def compose_config(overrides: list[str] = ()) -> DictConfig:
+    """The composed, validated run config outside ``python -m sim.run`` (tests, benchmarks, notebooks)."""
+    from hydra import compose, initialize_config_dir
+
+    check_group_overrides(list(overrides))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
 
 
 def load_policy(name: str) -> PolicyConfig:
@@ -119,6 +129,23 @@ def check_group_overrides(argv: list[str]) -> None:
                 raise ConfigError(f"unknown {group} {option!r}; allowed: {', '.join(group_options(group))}")
 
 
+def check_composition(argv: list[str]) -> None:
+    """Compose a single run's config up front so that Hydra's multi-line reports become one line.
+
+    Sweeps (``-m``) are composed per job by Hydra; their values are checked by check_group_overrides.
+    """
+    if any(arg in ("-m", "--multirun") for arg in argv):
+        return
+    overrides = [a for a in argv if "=" in a and not a.startswith(("-", "hydra."))]
+    try:
+        compose_config(overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        reason = str(exc).splitlines()[0]
+        if exc.__cause__ is not None:
+            reason += f" ({str(exc.__cause__).splitlines()[0]})"
+        raise ConfigError(reason) from None
+
+
 def _discard(run_dir: Path) -> None:
     """Remove the run directory Hydra created for this job, unless it holds complete results."""
     if run_dir.is_dir() and not (run_dir / "summary.json").exists():
@@ -150,6 +177,7 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     try:
         check_group_overrides(sys.argv[1:])
+        check_composition(sys.argv[1:])
     except ConfigError as exc:
         fail(str(exc))
     main()

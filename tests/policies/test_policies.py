@@ -1,0 +1,110 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from policies.base import BATCHING, SPARSITY, make_batching, make_sparsity
+from policies.karmarkar_karp import kk_partition, ldm_partition
+from policies.lpt import lpt_partition
+from sim.cluster import Cluster, Layout
+from sim.config import ConfigError
+from sim.cost import make_cost
+from sim.run import compose_config
+from sim.workload import Workload
+
+costs_strategy = st.lists(st.floats(0.01, 1000.0, allow_nan=False), min_size=1, max_size=200)
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs_strategy, st.integers(1, 16))
+def test_karmarkar_karp_never_worse_than_lpt(costs, k):
+    costs = np.array(costs)
+    kk_parts, lpt_parts = kk_partition(costs, k, equal_count=False), lpt_partition(costs, k)
+    kk_max = max(costs[p].sum() for p in kk_parts)
+    lpt_max = max(costs[p].sum() for p in lpt_parts)
+    assert kk_max <= lpt_max * (1 + 1e-12)
+
+
+@given(costs_strategy, st.integers(1, 16), st.booleans())
+def test_partitions_cover_every_item_once(costs, k, equal):
+    parts = ldm_partition(np.array(costs), k, equal)
+    assert len(parts) == k and sorted(i for p in parts for i in p) == list(range(len(costs)))
+    if equal:
+        sizes = [len(p) for p in parts]
+        assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = compose_config(["cost=roofline", "cluster.nodes=2"])
+    cluster = Cluster.from_config(cfg.cluster)
+    layout = Layout(dp=16, micro_batches=4, gpus=16)
+    return Workload(cfg.workload, cfg.model.max_context, 0), layout, make_cost(cfg.cost, cfg.model, cluster)
+
+
+@pytest.mark.parametrize("name", sorted(BATCHING))
+def test_every_batching_policy_places_every_sequence_once(name, setup):
+    workload, layout, cost = setup
+    batch = workload.batch(0)
+    plan = make_batching(name, {}).plan(batch, layout, cost, step=0)
+    assert sorted(a.seq_id for a in plan.assignments) == sorted(s.id for s in batch)
+    assert {a.dp_rank for a in plan.assignments} <= set(range(layout.dp))
+    assert {a.micro_batch for a in plan.assignments} <= set(range(layout.micro_batches))
+    assert plan == type(plan).from_json(plan.to_json())
+
+
+def test_equal_count_kk_gives_equal_counts(setup):
+    workload, layout, cost = setup
+    plan = make_batching("karmarkar_karp", {"equal_count": True}).plan(workload.batch(0), layout, cost, 0)
+    counts = np.bincount([a.dp_rank for a in plan.assignments], minlength=layout.dp)
+    assert (counts == counts[0]).all()
+
+
+def test_kk_balances_better_than_sequential(setup):
+    workload, layout, cost = setup
+    def max_load(name):
+        plan = make_batching(name, {}).plan(workload.batch(0), layout, cost, 0)
+        seqc = cost.sequence_costs([a.length for a in plan.assignments], np.ones(len(plan.assignments)), layout)
+        return np.bincount([a.dp_rank for a in plan.assignments], weights=seqc).max()
+    assert max_load("karmarkar_karp") < max_load("sequential")
+
+
+def test_fixed_sets_every_budget(setup):
+    workload, layout, cost = setup
+    plan = make_batching("sequential", {}).plan(workload.batch(0), layout, cost, 0)
+    tuned = make_sparsity("fixed", {"p": 0.8}).tune(plan, layout, cost)
+    assert {a.budget.p for a in tuned.assignments} == {0.8}
+
+
+@pytest.mark.parametrize("kind,name,params,needle", [
+    ("batching", "karmarkar_karp", {"equal_count": "maybe"}, "equal_count"),
+    ("batching", "karmarkar_karp", {"typo": 1}, "typo"),
+    ("sparsity", "fixed", {"p": 1.5}, "outside the allowed range"),
+    ("batching", "nope", {}, "allowed: karmarkar_karp, lpt, sequential, sorted"),
+])
+def test_policy_params_are_type_checked(kind, name, params, needle):
+    make = make_batching if kind == "batching" else make_sparsity
+    with pytest.raises(ConfigError, match=needle):
+        make(name, params)
+
+
+def test_registries_hold_the_baselines():
+    assert {"sequential", "sorted", "lpt", "karmarkar_karp"} <= set(BATCHING) and "fixed" in SPARSITY
+
+
+
+@settings(max_examples=50, deadline=None)
+@given(lengths=st.lists(st.integers(256, 32768), min_size=1, max_size=128), dp=st.sampled_from([1, 2, 4, 8, 16]))
+def test_kk_plan_max_rank_load_never_above_lpt(setup, lengths, dp):
+    from sim.workload import Sequence
+
+    cost = setup[2]
+    layout = Layout(dp=dp, micro_batches=2)
+    batch = [Sequence(i, n, 0.5) for i, n in enumerate(lengths)]
+
+    def max_rank_load(plan) -> float:
+        loads = cost.sequence_costs([a.length for a in plan.assignments], np.ones(len(lengths)), layout)
+        return np.bincount([a.dp_rank for a in plan.assignments], weights=loads, minlength=dp).max()
+
+    kk = make_batching("karmarkar_karp", {"equal_count": False}).plan(batch, layout, cost, 0)
+    lpt = make_batching("lpt", {}).plan(batch, layout, cost, 0)
+    assert max_rank_load(kk) <= max_rank_load(lpt) * (1 + 1e-12)

@@ -1,0 +1,112 @@
+"""Hand-computed step times, zero bubble when balanced, exact event traces and the 1F1B bubble."""
+import math
+
+import numpy as np
+import pytest
+
+from policies.plan import Assignment, Plan
+from sim.cluster import Cluster, Layout
+from sim.cost import make_cost
+from sim.engine import Engine, run_pipeline
+from sim.run import compose_config
+
+# 2 GPUs on one node: DP=2 with the roofline cost.
+OVERRIDES = ["cost=roofline", "cluster.nodes=1", "cluster.gpus_per_node=2", "layout.dp=2", "layout.micro_batches=1"]
+
+
+def engine_for(overrides):
+    cfg = compose_config(overrides)
+    cluster = Cluster.from_config(cfg.cluster)
+    layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
+    return cfg, Engine(layout, make_cost(cfg.cost, cfg.model, cluster), cluster)
+
+
+def hand_seq_ms(length, cfg):
+    """Forward + backward of one dense document, written out from first principles."""
+    m, c, cl = cfg.model, cfg.cost, cfg.cluster
+    nb = math.ceil(length / c.block_size)
+    attn_flops = 4 * c.block_size**2 * m.head_dim * m.heads * nb * (nb + 1) / 2
+    layer_params = 2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn
+    layer_flops = 2 * (layer_params + 2 * m.vocab * m.hidden / m.layers) * length
+    attn_rate = cl.peak_tflops * 1e12 * c.attn_efficiency / 1e3  # FLOP per ms
+    mm_rate = cl.peak_tflops * 1e12 * c.matmul_efficiency / 1e3
+    weights_ms = layer_params * 2 / (cl.hbm_tbps * 1e12 / 1e3)
+    fwd = attn_flops / attn_rate + max(layer_flops / mm_rate, weights_ms)
+    bwd = c.attn_bwd_ratio * attn_flops / attn_rate + 2 * max(layer_flops / mm_rate, weights_ms)
+    return m.layers * (fwd + bwd)
+
+
+def hand_allreduce_ms(cfg, n):
+    m, tier = cfg.model, cfg.cluster.intra
+    params = m.layers * (2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn) + 2 * m.vocab * m.hidden
+    nbytes = params * cfg.cluster.grad_bytes
+    return 2 * (n - 1) * tier.latency_us / 1e3 + 2 * (n - 1) / n * nbytes / (tier.bandwidth_gbps * 1e9 / 1e3)
+
+
+def two_rank_plan(lengths):
+    return Plan(0, 2, 1, tuple(Assignment(i, n, 0.5, i, 0) for i, n in enumerate(lengths)))
+
+
+def test_dp2_step_time_matches_hand_computation():
+    cfg, engine = engine_for(OVERRIDES)
+    outcome = engine.step(two_rank_plan([3000, 17000]))
+    expected = max(hand_seq_ms(3000, cfg), hand_seq_ms(17000, cfg)) + hand_allreduce_ms(cfg, 2)
+    assert outcome.record.step_ms == pytest.approx(expected, rel=1e-9)
+    idle = hand_seq_ms(17000, cfg) - hand_seq_ms(3000, cfg)
+    assert outcome.record.bubble_fraction == pytest.approx(idle / (2 * hand_seq_ms(17000, cfg)), rel=1e-9)
+
+
+def test_balanced_batch_has_zero_bubble():
+    _, engine = engine_for(OVERRIDES)
+    assert engine.step(two_rank_plan([8192, 8192])).record.bubble_fraction == 0.0
+
+
+def test_exact_event_trace_1f1b_two_stages():
+    timeline = run_pipeline(np.ones((1, 2)), 2 * np.ones((1, 2)), np.zeros((1, 2)), pp=2, trace=True)
+    assert timeline.trace == [
+        (0.0, 1.0, 0, 0, "F", 0),
+        (1.0, 2.0, 0, 0, "F", 1),
+        (1.0, 2.0, 0, 1, "F", 0),
+        (2.0, 4.0, 0, 1, "B", 0),
+        (4.0, 5.0, 0, 1, "F", 1),
+        (4.0, 6.0, 0, 0, "B", 0),
+        (5.0, 7.0, 0, 1, "B", 1),
+        (7.0, 9.0, 0, 0, "B", 1),
+    ]
+    assert timeline.finish_ms.tolist() == [[9.0, 7.0]]
+    # Stage 0 waits for both gradients (2 + 1); stage 1 waits for its first input (1) and the barrier (2).
+    assert timeline.idle_ms[0].sum(axis=0).tolist() == [3.0, 3.0]
+
+
+def test_exact_event_trace_gradient_accumulation():
+    fwd, bwd = np.array([[1.0, 2.0], [3.0, 0.5]]), np.array([[2.0, 4.0], [6.0, 1.0]])
+    timeline = run_pipeline(fwd, bwd, np.zeros((2, 2)), pp=1, trace=True)
+    assert timeline.trace == [
+        (0.0, 1.0, 0, 0, "F", 0), (0.0, 3.0, 1, 0, "F", 0), (1.0, 3.0, 0, 0, "B", 0),
+        (3.0, 5.0, 0, 0, "F", 1), (3.0, 9.0, 1, 0, "B", 0), (5.0, 9.0, 0, 0, "B", 1),
+        (9.0, 9.5, 1, 0, "F", 1), (9.5, 10.5, 1, 0, "B", 1),
+    ]
+    assert timeline.idle_ms[:, :, 0].tolist() == [[0.0, 1.5], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4), (8, 16), (3, 5)])
+def test_1f1b_bubble_is_textbook(pp, m):
+    timeline = run_pipeline(np.full((2, m), 1.0), np.full((2, m), 2.0), np.zeros((2, m)), pp=pp)
+    barrier = timeline.finish_ms.max()
+    assert barrier == pytest.approx((m + pp - 1) * 3.0)
+    bubble = timeline.idle_ms.sum() / (2 * pp * barrier)
+    assert bubble == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-12)
+
+
+def test_pipeline_layout_runs_end_to_end():
+    cfg, engine = engine_for(["cost=roofline", "layout.pp=4", "layout.micro_batches=8"])
+    from policies.base import make_batching
+    from sim.workload import Workload
+
+    workload = Workload(cfg.workload, cfg.model.max_context, 0)
+    plan = make_batching("karmarkar_karp", {}).plan(workload.batch(0), engine.layout, engine.cost, 0)
+    outcome = engine.step(plan)
+    assert outcome.rows["stage"].max() == 3
+    assert 0 < outcome.record.bubble_fraction < 1
+    # Each stage runs every micro-batch once, forward and backward.
+    assert len(outcome.rows["stage"]) == engine.layout.dp * 8 * 4

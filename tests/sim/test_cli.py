@@ -1,0 +1,96 @@
+"""End to end through ``python -m sim.run``: determinism and one-line errors on bad input."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FILES = ("micro_batches.csv", "steps.csv", "summary.json", "plans.jsonl")
+
+
+def sim_run(run_dir, *overrides):
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run(
+        [sys.executable, "-m", "sim.run", f"hydra.run.dir={run_dir}", "steps=3", *overrides],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
+    )
+
+
+def test_same_seed_gives_byte_identical_files(tmp_path):
+    runs = [sim_run(tmp_path / name, "policy=kk", "seed=7") for name in ("a", "b")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    for name in FILES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["policy"] == "kk" and summary["speedup_vs_baseline"] > 0
+    assert "results:" in runs[0].stdout and "speedup" in runs[0].stdout
+
+
+def test_different_seed_changes_results(tmp_path):
+    for seed in (1, 2):
+        assert sim_run(tmp_path / str(seed), f"seed={seed}").returncode == 0
+    assert (tmp_path / "1" / "steps.csv").read_bytes() != (tmp_path / "2" / "steps.csv").read_bytes()
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+BAD_PROFILE = {
+    "schema_version": 1, "gpu": "h200", "provisional": True, "meta": {}, "block_size": 128,
+    "terms": {t: {"const": 0.0, "flops": 1e-12} for t in ("attn_fwd", "attn_bwd", "select", "layer_fwd")}
+    | {"layer_bwd": {"flops": -1.0}},
+}
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["policy=nope"], "unknown policy 'nope'; allowed: baseline"),
+        (["cluster=nope"], "unknown cluster 'nope'"),
+        (["layout.cp=-2"], "layout.cp=-2 must be a positive integer"),
+        (["layout.cp=3"], "cp=3 x pp=1 does not divide the cluster's 8 GPUs"),
+        (["layout.dp=3"], "= 3 GPUs, but the cluster has 8"),
+        (["workload.max_len=40000"], "workload.max_len=40000 exceeds the model's max context 32768"),
+        (["cost.profile=calibrate/profiles/missing.json"], "no such file"),
+        (["policy=kk", "policy.batching.params.equal_count=maybe"], "equal_count"),
+        (["policy.batching.params.equal_count=true"], "Key 'equal_count' is not in struct"),
+        (["layout.cp=abc"], "could not be converted to Integer"),
+        (["workload.distribution=zipf"], "expected one of [longtail, bimodal, trace]"),
+        (["baseline=nope"], "baseline='nope' is not a policy"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, overrides, needle):
+    run_dir = tmp_path / "run"
+    run = sim_run(run_dir, *overrides)
+    assert run.returncode != 0
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps({"schema_version": 99}), "schema_version=99, this simulator reads 1"),
+        (json.dumps(BAD_PROFILE), "terms.layer_bwd.flops=-1.0: coefficients must be finite and >= 0"),
+    ],
+)
+def test_malformed_profile_is_rejected(tmp_path, content, needle):
+    profile = write(tmp_path / "bad.json", content)
+    run = sim_run(tmp_path / "run", f"cost.profile={profile}")
+    assert run.returncode != 0 and needle in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_trace_lengths_above_max_context_are_rejected(tmp_path):
+    trace = write(tmp_path / "t.jsonl", '{"length": 100}\n{"length": 50000}\n')
+    run = sim_run(tmp_path / "run", "workload=trace", f"workload.trace_path={trace}")
+    assert run.returncode != 0 and "length 50000 is outside the allowed range [1, 32768]" in run.stderr

@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from sim.cluster import Cluster, Layout
+from sim.config import ConfigError
+from sim.cost import attention_features, load_profile, make_cost, params_per_layer
+from sim.run import compose_config
+from sim.workload import Sequence
+
+
+def cost_for(*overrides):
+    cfg = compose_config(list(overrides))
+    return make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster))
+
+
+def test_provisional_profile_reproduces_roofline_when_compute_bound():
+    roof, cal = cost_for("cost=roofline"), cost_for("cost=calibrated")
+    lengths, kept = np.array([4096, 9000, 30000, 700]), np.array([1.0, 0.3, 0.5, 1.0])
+    layout = Layout(dp=8)
+    a = roof.micro_batch_costs(lengths, kept, np.array([0, 0, 1, 2]), 3, layout)
+    b = cal.micro_batch_costs(lengths, kept, np.array([0, 0, 1, 2]), 3, layout)
+    np.testing.assert_allclose(a.fwd_ms, b.fwd_ms, rtol=1e-9)
+    np.testing.assert_allclose(a.bwd_ms, b.bwd_ms, rtol=1e-9)
+
+
+def test_attention_is_proportional_to_kept_blocks_and_layers_to_tokens():
+    cost = cost_for("cost=roofline")
+    layout = Layout(dp=8)
+    dense = cost.micro_batch_cost([8192], [1.0], layout)
+    half = cost.micro_batch_cost([8192], [0.5], layout)
+    assert half.attn_fwd_ms == pytest.approx(dense.attn_fwd_ms / 2)
+    assert half.other_fwd_ms == dense.other_fwd_ms and half.select_ms > 0 == dense.select_ms
+    two = cost.micro_batch_cost([8192, 8192], [1.0, 1.0], layout)
+    assert two.other_fwd_ms == pytest.approx(2 * dense.other_fwd_ms)
+
+
+def test_cp_splits_work_and_overlaps_the_ring():
+    cost = cost_for("cost=roofline")
+    one = cost.micro_batch_cost([32768], [1.0], Layout(dp=1, cp=1))
+    four = cost.micro_batch_cost([32768], [1.0], Layout(dp=1, cp=4))
+    assert four.attn_fwd_ms == pytest.approx(one.attn_fwd_ms / 4)
+    assert four.cp_comm_ms > 0 and four.fwd_ms >= four.attn_fwd_ms + four.other_fwd_ms
+
+
+def test_features_count_causal_blocks():
+    cfg = compose_config([])
+    feats = attention_features([256, 128], [1.0, 1.0], cfg.model, 128)
+    assert feats["blocks"] == (3 + 1) * cfg.model.heads and feats["const"] == 1.0
+    assert params_per_layer(cfg.model) > 0
+
+
+ROOFLINE = cost_for("cost=roofline")
+
+
+@given(st.integers(1, 131072), st.floats(0.01, 1.0), st.floats(0.01, 1.0))
+def test_coverage_model(length, s, p):
+    cost = ROOFLINE
+    seq = Sequence(0, length, s)
+    kf = cost.kept_fraction(seq, p)
+    assert 0 < kf <= 1 and kf >= 2 / (np.ceil(length / 128) + 1) - 1e-12
+    assert cost.coverage(seq, kf) >= min(p, 1.0) - 1e-9  # the diagonal floor only adds coverage
+    assert cost.coverage(seq, 1.0) == 1.0
+
+
+def test_load_profile_rejects_wrong_terms(tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text('{"schema_version": 1, "gpu": "x", "provisional": true, "meta": {}, "block_size": 64, "terms": {}}')
+    with pytest.raises(ConfigError, match="terms must be exactly"):
+        load_profile(str(bad))
