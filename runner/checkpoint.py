@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sim.config import ConfigError
+
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
@@ -47,12 +49,13 @@ def save(path: Path, *, model, optimizer, next_step: int, rng_states: list[dict]
 
 
 def load(path: Path, world_size: int, config: dict) -> dict:
+    """The checkpoint, if this run can continue it; otherwise one ConfigError line."""
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise ConfigError(f"checkpoint {path} does not exist")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     if len(ckpt["rng"]) != world_size:
-        raise ValueError(f"checkpoint {path} was written by {len(ckpt['rng'])} ranks, this run has {world_size}")
+        raise ConfigError(f"checkpoint {path} was written by {len(ckpt['rng'])} ranks, this run has {world_size}")
     changed = sorted(k for k in config if k != "steps" and ckpt["config"].get(k) != config[k])
     if changed:
-        raise ValueError(f"checkpoint {path} was written with a different config: {', '.join(changed)} differ")
+        raise ConfigError(f"checkpoint {path} was written with a different config: {', '.join(changed)} differ")
     return ckpt

@@ -65,7 +65,7 @@ class Comm:
 
     def barrier(self, what: str) -> float:
         """Wait for every rank, naming the missing ones after the timeout; returns the wait in ms."""
-        self._sync()
+        self.sync()
         t0 = time.perf_counter()
         try:
             dist.monitored_barrier(group=self.monitor, timeout=self.timeout, wait_all_ranks=True)
@@ -80,7 +80,7 @@ class Comm:
         """Sum gradients over ranks in one flat buffer (the loss is already normalised by the
         global number of scored tokens); returns the time in ms."""
         grads = [p.grad for p in params]
-        self._sync()
+        self.sync()
         t0 = time.perf_counter()
         if self.world.size > 1:
             flat = _flatten_dense_tensors(grads)
@@ -93,7 +93,7 @@ class Comm:
                 ) from err
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
-        self._sync()
+        self.sync()
         return (time.perf_counter() - t0) * 1e3
 
     def gather(self, obj):
@@ -107,7 +107,7 @@ class Comm:
         dist.broadcast_object_list(box, src=0, group=self.monitor)
         return box[0]
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
