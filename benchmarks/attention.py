@@ -228,7 +228,24 @@ def run_bench(args):
         out.flush()
         log(json.dumps(row))
 
-    cases = [("single", [L]) for L in args.lengths] + [("packed64k", long_tail_lengths(65536))]
+    # selection cost vs attention at 32K, sparsity 0.9
+    try:
+        L = 32768
+        q, k, v = make_qkv(L, H, H, D, dtype)
+        cu = cu_from_lens([L])
+        do = torch.randn_like(q)
+        for mode, kw in (("kept_fraction=0.1", dict(kept_fraction=0.1)), ("p=0.9", dict(p=0.9))):
+            s_ms = bench(lambda: select_blocks(q, k, cu, block_size=B, **kw))
+            sel = select_blocks(q, k, cu, block_size=B, **kw)
+            fb_ms = bench(lambda: torch.autograd.grad(
+                sparse_attention(q, k, v, cu, selection=sel, backend="triton"), (q, k, v), do))
+            emit(dict(case="selection_32k", T=L, ndocs=1, sparsity=round(1 - float(sel.kept_fraction[0]), 4),
+                      kept_fraction=round(float(sel.kept_fraction[0]), 4), impl=f"select[{mode}]",
+                      fwd_ms=round(s_ms, 4), fwdbwd_ms=round(fb_ms, 4),
+                      error=f"select/attn_fwdbwd={s_ms / fb_ms:.3f}"))
+    except Exception as e:  # noqa: BLE001
+        emit(dict(case="selection_32k", impl="select", error=repr(e)[:300]))
+    cases = [("packed64k", long_tail_lengths(65536))] + [("single", [L]) for L in args.lengths]
     for case, lens in cases:
         T = sum(lens)
         cu = cu_from_lens(lens)
@@ -301,23 +318,6 @@ def run_bench(args):
             del sel
         del q, k, v, qb, kb, vb
         torch.cuda.empty_cache()
-    # selection cost vs attention at 32K, sparsity 0.9
-    try:
-        L = 32768
-        q, k, v = make_qkv(L, H, H, D, dtype)
-        cu = cu_from_lens([L])
-        do = torch.randn_like(q)
-        for mode, kw in (("kept_fraction=0.1", dict(kept_fraction=0.1)), ("p=0.9", dict(p=0.9))):
-            s_ms = bench(lambda: select_blocks(q, k, cu, block_size=B, **kw))
-            sel = select_blocks(q, k, cu, block_size=B, **kw)
-            fb_ms = bench(lambda: torch.autograd.grad(
-                sparse_attention(q, k, v, cu, selection=sel, backend="triton"), (q, k, v), do))
-            emit(dict(case="selection_32k", T=L, ndocs=1, sparsity=round(1 - float(sel.kept_fraction[0]), 4),
-                      kept_fraction=round(float(sel.kept_fraction[0]), 4), impl=f"select[{mode}]",
-                      fwd_ms=round(s_ms, 4), fwdbwd_ms=round(fb_ms, 4),
-                      error=f"select/attn_fwdbwd={s_ms / fb_ms:.3f}"))
-    except Exception as e:  # noqa: BLE001
-        emit(dict(case="selection_32k", impl="select", error=repr(e)[:300]))
     out.close()
 
 

@@ -45,6 +45,18 @@ class BlockSelection:
     k_order: torch.Tensor  # int32 [NB]
     kept_fraction: torch.Tensor  # float32 [n] kept blocks / causal blocks (over KV heads)
     coverage: torch.Tensor  # float32 [n] mean routing-score mass kept per (KV head, query block)
+    # first token of each listed block (saves the kernels one dependent load per iteration)
+    q2k_start: torch.Tensor = None  # int32 [Hkv, NB, W]
+    k2q_start: torch.Tensor = None  # int32 like k2q_idx
+    k2q_end: torch.Tensor = None  # int32 like k2q_idx (query blocks may be partial)
+
+    def __post_init__(self):
+        lay = self.layout
+        if self.q2k_start is None:
+            self.q2k_start = lay.block_start[self.q2k_idx.long()].contiguous()
+        if self.k2q_start is None:
+            self.k2q_start = lay.block_start[self.k2q_idx.long()].contiguous()
+            self.k2q_end = lay.block_end[self.k2q_idx.long()].contiguous()
 
     @property
     def block_size(self) -> int:
@@ -82,9 +94,15 @@ class BlockSelection:
 
 
 def pool_blocks(x: torch.Tensor, lay: BlockLayout, num_kv_heads: int) -> torch.Tensor:
-    """Mean over the tokens of each block and over the heads of each KV group: ``[NB, Hkv, D]`` float32."""
+    """Mean over the tokens of each block and over the heads of each KV group: ``[NB, Hkv, D]`` float32.
+
+    One Triton launch on CUDA; a torch ``index_add_`` on CPU."""
     T, H, D = x.shape
     G = H // num_kv_heads
+    if x.is_cuda:
+        from .triton_kernels import pool_blocks_triton
+
+        return pool_blocks_triton(x, lay, num_kv_heads)
     xs = x.view(T, num_kv_heads, G, D).float().sum(2)
     out = torch.zeros(lay.num_blocks, num_kv_heads, D, dtype=torch.float32, device=x.device)
     out.index_add_(0, lay.token_block, xs)

@@ -21,8 +21,8 @@ LOG2E = 1.4426950408889634
 # Tunables per (block_size, head_dim). warps/stages only matter on the GPU.
 DEFAULT_CONFIG = {
     "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=3),
-    "dq": dict(BM=128, BN=64, num_warps=8, num_stages=2),
-    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=2),
+    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2),
+    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=3),
 }
 CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, ...}} set by benchmarks / tuning
 
@@ -36,7 +36,7 @@ def get_config(kind: str, block: int, D: int) -> dict:
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_idx, q2k_cnt, q_order,
+def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                 qk_scale, T, NB, WK,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
                 G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -62,12 +62,11 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_idx, q2k_cnt, q_order,
         acc = tl.zeros([BM, D], tl.float32)
         row = hk * NB + r
         cnt = tl.load(q2k_cnt + row)
-        lst = q2k_idx + row.to(tl.int64) * WK
+        lst = q2k_start + row.to(tl.int64) * WK
         Kh = K + hk * skh
         Vh = V + hk * svh
         for i in range(0, cnt - 1):
-            c = tl.load(lst + i)
-            ks = tl.load(blk_start + c).to(tl.int64)
+            ks = tl.load(lst + i).to(tl.int64)
             for j in tl.static_range(BLOCK // BN):
                 kp = ks + j * BN + offs_n
                 kT = tl.load(Kh + kp[None, :] * skt + offs_d[:, None])
@@ -105,7 +104,7 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_idx, q2k_cnt, q_order,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_idx, q2k_cnt, q_order,
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                    qk_scale, sm_scale, T, NB, WK,
                    sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdqt, sdqh,
                    G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -132,12 +131,11 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_idx, q2k
         dq = tl.zeros([BM, D], tl.float32)
         row = hk * NB + r
         cnt = tl.load(q2k_cnt + row)
-        lst = q2k_idx + row.to(tl.int64) * WK
+        lst = q2k_start + row.to(tl.int64) * WK
         Kh = K + hk * skh
         Vh = V + hk * svh
         for i in range(0, cnt - 1):
-            c = tl.load(lst + i)
-            ks = tl.load(blk_start + c).to(tl.int64)
+            ks = tl.load(lst + i).to(tl.int64)
             for j in tl.static_range(BLOCK // BN):
                 kp = ks + j * BN + offs_n
                 kk = tl.load(Kh + kp[:, None] * skt + offs_d[None, :])
@@ -167,7 +165,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_idx, q2k
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_ptr, k2q_idx, k_order,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end, k_order,
                      qk_scale, sm_scale, T, NB,
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh,
                      G: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
@@ -218,9 +216,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
                     dsT = pT * (dpT - delta[None, :])
                     dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PREC)
             for e in range(e0 + 1, e1):
-                r = tl.load(k2q_idx + e)
-                qs = tl.load(blk_start + r)
-                qe = tl.load(blk_end + r)
+                qs = tl.load(k2q_start + e)
+                qe = tl.load(k2q_end + e)
                 for j in tl.static_range(BLOCK // BM):
                     qp = qs + j * BM + offs_m
                     qmask = qp < qe
@@ -240,6 +237,31 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
                  mask=nmask[:, None])
         tl.store(DV + hk * sdvh + on[:, None] * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
                  mask=nmask[:, None])
+
+
+@triton.jit
+def _pool_kernel(X, OUT, blk_start, blk_end, sxt, sxh, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    s = tl.load(blk_start + b)
+    e = tl.load(blk_end + b)
+    offs = s + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    for g in tl.static_range(G):
+        x = tl.load(X + (hk * G + g) * sxh + offs.to(tl.int64)[:, None] * sxt + offs_d[None, :],
+                    mask=(offs < e)[:, None], other=0.0)
+        acc += tl.sum(x.to(tl.float32), 0)
+    acc = acc / ((e - s) * G).to(tl.float32)
+    tl.store(OUT + (b * tl.num_programs(1) + hk) * D + offs_d, acc)
+
+
+def pool_blocks_triton(x, lay, num_kv_heads):
+    T, H, D = x.shape
+    out = torch.empty(lay.num_blocks, num_kv_heads, D, dtype=torch.float32, device=x.device)
+    _pool_kernel[(lay.num_blocks, num_kv_heads)](x, out, lay.block_start, lay.block_end, x.stride(0), x.stride(1),
+                                                 G=H // num_kv_heads, BLOCK=lay.block_size, D=D, num_warps=4)
+    return out
 
 
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN so a missed write fails
@@ -265,7 +287,7 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
     grid = (Hq, NB * (B // cfg["BM"]))
-    _fwd_kernel[grid](q, k, v, o, lse, lay.block_start, lay.block_end, sel.q2k_idx, sel.q2k_cnt, sel.q_order,
+    _fwd_kernel[grid](q, k, v, o, lse, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
                       sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       o.stride(0), o.stride(1),
@@ -287,7 +309,7 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
     prec = _prec(q.dtype)
     cfg = get_config("dq", B, D)
     _bwd_dq_kernel[(Hq, NB * (B // cfg["BM"]))](
-        q, k, v, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_idx, sel.q2k_cnt, sel.q_order,
+        q, k, v, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
@@ -295,7 +317,7 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = get_config("dkdv", B, D)
     _bwd_dkdv_kernel[(Hkv, NB * (B // cfg["BN"]))](
-        q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_idx, sel.k_order,
+        q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start, sel.k2q_end, sel.k_order,
         sm_scale * LOG2E, sm_scale, T, NB,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
