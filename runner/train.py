@@ -32,7 +32,7 @@ from runner.loop import Trainer
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError
 from sim.cost import make_cost
-from sim.run import check_group_overrides, fail
+from sim.run import CONF_DIR, check_group_overrides, fail
 from sim.workload import Workload
 
 EXIT_RANK_FAILURE = 1
@@ -99,7 +99,8 @@ def pick_device(name: str, world: World) -> torch.device:
 register()
 
 
-@hydra.main(config_path="../conf", config_name="runner", version_base="1.3")
+# An absolute path: Hydra then reads files whether this module runs as __main__ or is imported by a wrapper.
+@hydra.main(config_path=str(CONF_DIR), config_name="runner", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     world = World.from_env()
     try:

@@ -1,0 +1,136 @@
+"""The real runner on the CPU: 2 gloo ranks of a tiny model under torchrun.
+
+One full run (module fixture) serves the training, Results and Plan-identity checks; a run stopped
+half-way and resumed from its checkpoint must reproduce its loss curve; bad input fails in one line
+before training; a rank that hangs or dies ends the job within the configured timeout.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from policies.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+TIMEOUT_S = 4
+
+# The same overrides drive runner.train and sim.run: a tiny model, short sequences, 2 GPUs of 2 micro-batches.
+SHARED = [
+    "cost=roofline", "cost.block_size=32", "cluster.gpus_per_node=2", "layout.micro_batches=2",
+    "model.hidden=64", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
+    "model.ffn=128", "model.vocab=256", "model.max_context=1024",
+    "workload.global_batch=8", "workload.min_len=128", "workload.max_len=1024", "workload.median=256",
+    "seed=3",
+]
+RUNNER = ["runner.task.n_keys=32", "runner.task.n_values=32", "runner.lr=1e-2", f"runner.timeout_s={TIMEOUT_S}"]
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(run_dir: Path, *overrides: str, nproc: int = 2, script: str | None = None, env: dict | None = None,
+             timeout: float = 150) -> subprocess.CompletedProcess:
+    target = [script] if script else ["-m", "runner.train"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target,
+           f"hydra.run.dir={run_dir}", *SHARED, *RUNNER, *overrides]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("runner") / "full"
+    ok(torchrun(run_dir, f"steps={STEPS}"))
+    return run_dir
+
+
+def test_training_writes_results_and_loss_decreases(full_run):
+    for name in ("micro_batches.csv", "steps.csv", "plans.jsonl", "summary.json", "train.csv", "sequences.csv"):
+        assert (full_run / name).is_file(), name
+    train = pd.read_csv(full_run / "train.csv")
+    assert list(train["step"]) == list(range(STEPS))
+    assert train["loss"].tail(2).mean() < train["loss"].iloc[0] - 0.2
+    steps = pd.read_csv(full_run / "steps.csv")
+    assert (steps["step_ms"] > 0).all() and steps["mean_coverage"].between(0, 1).all()
+    rows = pd.read_csv(full_run / "micro_batches.csv")
+    assert len(rows) == STEPS * 2 * 2  # steps x ranks x micro-batches
+    assert rows["kept_fraction"].dropna().between(0, 1).all()
+
+
+def test_plans_are_the_simulators_and_ranks_train_their_share(full_run):
+    from sim.run import compose_config, simulate
+
+    cfg = compose_config([*SHARED, f"steps={STEPS}"])
+    expected = "".join(p + "\n" for p in simulate(cfg).results.plans)
+    assert (full_run / "plans.jsonl").read_bytes() == expected.encode()
+
+    # Each rank packed exactly the sequences the Plan gave it.
+    rows = pd.read_csv(full_run / "micro_batches.csv").set_index(["step", "dp_rank", "micro_batch"])
+    for line in expected.splitlines():
+        plan = Plan.from_json(line)
+        for a_rank in range(plan.dp):
+            for mb in range(plan.micro_batches):
+                tokens = sum(a.length for a in plan.micro_batch(a_rank, mb))
+                assert rows.loc[(plan.step, a_rank, mb), "tokens"] == tokens
+
+
+def test_resume_continues_the_same_loss_curve(full_run, tmp_path):
+    half = tmp_path / "half"
+    ok(torchrun(half, f"steps={STEPS // 2}", f"runner.checkpoint_every={STEPS // 2}"))
+    resumed = tmp_path / "resumed"
+    ok(torchrun(resumed, f"steps={STEPS}", f"runner.resume={half / 'checkpoint.pt'}"))
+    full = pd.read_csv(full_run / "train.csv")
+    again = pd.read_csv(resumed / "train.csv")
+    pd.testing.assert_series_equal(full["loss"], again["loss"], rtol=1e-6)
+    assert (resumed / "plans.jsonl").read_bytes() == (full_run / "plans.jsonl").read_bytes()
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert lines, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_world_size_must_match_the_layout(tmp_path):
+    proc = torchrun(tmp_path / "run", "steps=2", "cluster.gpus_per_node=4")
+    assert proc.returncode != 0
+    assert "world size 2 does not match the layout dp*cp*pp = 4*1*1" in one_error_line(proc)
+    assert not (tmp_path / "run" / "train.csv").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("policy=no_such_policy", "unknown policy 'no_such_policy'"),
+    ("workload.max_len=4096", "exceeds the model's max context 1024"),
+])
+def test_bad_input_is_one_line_before_training(tmp_path, override, message):
+    cmd = [sys.executable, "-m", "runner.train", f"hydra.run.dir={tmp_path}", *SHARED, *RUNNER,
+           "cluster.gpus_per_node=1", override]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert message in one_error_line(proc)
+    assert not (tmp_path / "train.csv").exists()
+
+
+@pytest.mark.parametrize("kind", ["hang", "die"])
+def test_a_failed_rank_ends_the_job_within_the_timeout(tmp_path, kind):
+    started = time.monotonic()
+    proc = torchrun(tmp_path, "steps=4", script="tests/runner/faulty_train.py",
+                    env={"RUNNER_FAULT": kind, "RUNNER_FAULT_RANK": "1", "RUNNER_FAULT_STEP": "1"}, timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+    if kind == "hang":
+        assert "not every rank reached the gradient all-reduce of step 1" in one_error_line(proc)
+        assert "Rank 1" in proc.stderr
+    else:
+        assert "exitcode  : 17" in proc.stderr
