@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from sim.results import MicroBatchRecord, StepRecord
 
@@ -146,8 +147,8 @@ def read_runs(root: str | Path) -> list[Run]:
 def summary_frame(runs: list[Run]) -> pd.DataFrame:
     """One row per run: policy, setting, means over steps and the speedup over the run's baseline.
 
-    The speedup is sim.run's own (``speedup_vs_baseline``, same workload and seed); runs without one (the
-    runner's) are compared with the sweep's run of the baseline policy in the same setting.
+    The speedup is over the sweep's run of the baseline policy in the same setting (same overrides, so a
+    sweep over budgets compares like with like); without one, sim.run's own ``speedup_vs_baseline``.
     """
     rows = [{
         "policy": r.policy,
@@ -161,8 +162,8 @@ def summary_frame(runs: list[Run]) -> pd.DataFrame:
     } for r, setting in zip(runs, settings(runs))]
     frame = pd.DataFrame(rows)
     base_ms = {(r["policy"], r["setting"]): r["step_ms"] for r in rows}
-    fallback = [base_ms.get((b, s), np.nan) for b, s in zip(frame["baseline"], frame["setting"])]
-    frame["speedup"] = frame["speedup"].astype(float).fillna(pd.Series(fallback) / frame["step_ms"])
+    in_sweep = [base_ms.get((b, s), np.nan) for b, s in zip(frame["baseline"], frame["setting"])]
+    frame["speedup"] = (pd.Series(in_sweep) / frame["step_ms"]).fillna(frame["speedup"].astype(float))
     return frame
 
 
@@ -214,8 +215,12 @@ def plot_policies(runs: list[Run]) -> Figure:
     ax_bubble.set_ylabel("bubble fraction (% of GPU time idle)")
     ax_bubble.set_title("Bubble (lower is better)")
     for ax in (ax_speed, ax_bubble):
-        ax.set_xticks(x, groups, rotation=15 if len(groups) > 3 else 0)
-        ax.set_xlabel("sweep setting" if len(groups) > 1 else "")
+        if len(groups) == 1:  # one setting: name the bars themselves
+            ax.set_xticks(x[0] - 0.4 + (np.arange(len(policies)) + 0.5) * width, policies)
+            ax.set_xlabel("policy")
+        else:
+            ax.set_xticks(x, groups, rotation=15 if len(groups) > 3 else 0)
+            ax.set_xlabel("sweep setting (one bar per policy)")
         ax.grid(axis="y", alpha=0.3)
     ax_speed.margins(y=0.15)
     ax_bubble.legend(title="policy", fontsize=8, loc="upper right")
@@ -442,7 +447,7 @@ def calibration_frame(profile_path: str | Path) -> pd.DataFrame:
 
 def _profile_title(profile: dict) -> str:
     meta = profile.get("meta", {})
-    return f"{profile.get('gpu', '?')} profile fitted {meta.get('fitted', meta.get('date', '?'))}"
+    return f"{profile.get('gpu', '?')} profile of {str(meta.get('fitted') or meta.get('date', '?'))[:10]}"
 
 
 def plot_calibration(frame: pd.DataFrame, profile: dict, model: str | None = None) -> Figure:
@@ -485,6 +490,10 @@ def _viridis(n: int) -> list:
 
 def plot_residuals(frame: pd.DataFrame, profile: dict) -> Figure:
     """Relative error of the fitted model per measurement, by term, fit vs held-out vs validation points."""
+    # The simulator prices selection of an all-dense batch at zero by design (calibrate.fit does not fit
+    # those points either); their -100% would only squash the axis, so they are counted, not drawn.
+    zero = frame["predicted_ms"] <= 0
+    frame = frame[~zero]
     colours = dict(zip(sorted(frame["term"].unique()), OKABE_ITO[1:] * 2))
     markers = {"fit": "o", "heldout": "^", "validate": "s"}
     fig = Figure(figsize=(8.5, 4.8), layout="constrained")
@@ -500,7 +509,9 @@ def plot_residuals(frame: pd.DataFrame, profile: dict) -> Figure:
     ax.set_ylabel("residual: (fitted − measured) / measured (%)")
     held = frame.loc[frame["split"] == "heldout", "residual_pct"].abs()
     note = f"held-out median |error| {held.median():.1f}%" if len(held) else "no held-out points"
-    ax.set_title(f"Cost-model residuals per measurement ({_profile_title(profile)}; {note})", fontsize=10)
+    if zero.any():
+        note += f"; {int(zero.sum())} dense-selection points priced at 0 by design not shown"
+    ax.set_title(f"Fitted cost model vs measurements, per point ({_profile_title(profile)})\n{note}", fontsize=10)
     ax.legend(fontsize=7, ncols=2, loc="best")
     ax.grid(alpha=0.3)
     return fig
@@ -528,6 +539,16 @@ def read_benchmark(path: str | Path) -> pd.DataFrame:
     return timed.assign(failed=len(frame[frame["impl"].isin(IMPLS)]) - len(timed))
 
 
+def _plain_log(ax) -> None:
+    """Log axes labelled 0.1, 0.2, 0.5, 1, ... instead of crowded 2x10^-1 minor labels."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
+
+
 def plot_kernel_comparison(bench: pd.DataFrame, title: str = "") -> Figure:
     """Forward+backward time over kept fraction per case: our kernel vs FlexAttention vs dense cuDNN."""
     cases = list(dict.fromkeys(zip(bench["case"], bench["T"])))
@@ -543,8 +564,7 @@ def plot_kernel_comparison(bench: pd.DataFrame, title: str = "") -> Figure:
                 ax.axhline(pts["fwdbwd_ms"].iloc[0], color=colour, ls="--", lw=1.2, label=label)
             else:
                 ax.plot(pts["kept_fraction"], pts["fwdbwd_ms"], color=colour, marker=marker, label=label)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        _plain_log(ax)
         ax.set_xlabel("kept fraction of causal blocks")
         ax.set_title(f"{case}, {T // 1024}K tokens", fontsize=10)
         ax.grid(alpha=0.3, which="both")
@@ -585,7 +605,6 @@ def validation_frame(profile: dict) -> pd.DataFrame:
         "group": v["model"],
         "predicted_ms": v["predicted_ms"],
         "measured_ms": v["measured_ms"],
-        "label": f"{len(v['lengths'])} seqs, {sum(v['lengths']) // 1024}K tok",
     } for v in table])
 
 
@@ -602,9 +621,6 @@ def plot_fidelity(frame: pd.DataFrame, what: str, unit_title: str) -> Figure:
         mape = float((100 * (sub["predicted_ms"] - sub["measured_ms"]).abs() / sub["measured_ms"]).mean())
         ax.scatter(sub["measured_ms"], sub["predicted_ms"], color=colours[group], s=28,
                    label=f"{group} (mean |error| {mape:.1f}%)", zorder=3)
-        if "label" in sub:
-            for x, y, text in zip(sub["measured_ms"], sub["predicted_ms"], sub["label"]):
-                ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
     ax.set_xlim(0, hi)
     ax.set_ylim(0, hi)
     ax.set_aspect("equal")

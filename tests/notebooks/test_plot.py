@@ -1,0 +1,189 @@
+"""sim.plot: figures from real Results, calibration and benchmark files; one clear line on bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from sim import plot
+from sim.plot import PlotError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job(sweep, policy):
+    return next(r for r in plot.read_runs(sweep) if r.policy == policy)
+
+
+def assert_legible(fig):
+    """Every axes with data has labelled axes, a title and the figure a legend and a suptitle."""
+    axes = [ax for ax in fig.axes if ax.has_data()]
+    assert axes
+    for ax in axes:
+        assert ax.get_xlabel() and ax.get_title(), ax
+    assert any(ax.get_ylabel() for ax in axes)
+    assert fig.get_suptitle() or all(ax.get_title() for ax in axes)
+    assert fig.legends or any(ax.get_legend() for ax in axes)
+
+
+# ----------------------------------------------------------------------------- Results
+def test_sweep_is_read_in_job_order_with_settings(sweep):
+    runs = plot.read_runs(sweep)
+    assert [r.policy for r in runs] == ["baseline", "kk"]
+    frame = plot.summary_frame(runs)
+    assert list(frame["setting"]) == ["", ""]  # steps=2 is common to every job: not a sweep axis
+    assert frame.loc[0, "speedup"] == pytest.approx(1.0)
+    assert frame.loc[1, "speedup"] > 1.0
+
+
+@pytest.mark.parametrize("make", ["policies", "frontier"])
+def test_policy_figures(sweep, make, tmp_path):
+    fig = getattr(plot, f"plot_{make}")(plot.read_runs(sweep))
+    assert_legible(fig)
+    fig.savefig(tmp_path / "f.png")
+
+
+def test_timeline_replays_the_recorded_step(sweep):
+    runs = plot.pick_timeline_runs(plot.read_runs(sweep))
+    traces = [plot.replay_step(r, step=1) for r in runs]
+    for trace, run in zip(traces, runs):
+        assert trace.step_ms == pytest.approx(run.steps.loc[1, "step_ms"], rel=1e-6)
+        assert set(trace.ops["kind"]) == {"F", "B"}
+        assert len(trace.ops) == 2 * trace.dp * trace.pp * run.summary["micro_batches"]
+    assert_legible(plot.plot_timeline(traces))
+
+
+def test_timeline_with_pipeline_stages(tmp_path):
+    run_dir = tmp_path / "pp2"
+    done = subprocess.run([sys.executable, "-m", "sim.run", "policy=kk", "steps=1", "layout.pp=2",
+                           "layout.micro_batches=4", "baseline=null", f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    trace = plot.replay_step(plot.read_run(run_dir))
+    assert trace.pp == 2 and set(trace.ops["stage"]) == {0, 1}
+    assert_legible(plot.plot_timeline([trace]))
+
+
+def test_replay_refuses_a_run_the_current_model_would_time_differently(sweep_copy):
+    steps = sweep_copy / "0" / "steps.csv"
+    frame = pd.read_csv(steps)
+    frame.loc[0, "step_ms"] *= 1.5
+    frame.to_csv(steps, index=False)
+    with pytest.raises(PlotError, match="changed since, re-run it"):
+        plot.replay_step(plot.read_run(sweep_copy / "0"), step=0)
+
+
+def test_empty_directory_says_how_to_make_results(tmp_path):
+    with pytest.raises(PlotError, match=r"no Results found .*python -m sim.run"):
+        plot.read_runs(tmp_path)
+
+
+def test_partial_run_is_named(sweep_copy):
+    (sweep_copy / "1" / "summary.json").unlink()
+    with pytest.raises(PlotError, match=r"partial Results \(no summary.json\); the run did not finish"):
+        plot.read_run(sweep_copy / "1")
+    with pytest.warns(UserWarning, match="skipped: .*partial Results"):
+        runs = plot.read_runs(sweep_copy)  # the rest of the sweep still plots
+    assert [r.policy for r in runs] == ["baseline"]
+
+
+def test_older_schema_names_the_missing_column(sweep_copy):
+    path = sweep_copy / "0" / "micro_batches.csv"
+    pd.read_csv(path).drop(columns=["coverage"]).to_csv(path, index=False)
+    with pytest.raises(PlotError, match=r"older or unknown Results schema \(no column coverage\)"):
+        plot.read_run(sweep_copy / "0")
+
+
+def test_unknown_summary_is_refused(sweep_copy):
+    (sweep_copy / "0" / "summary.json").write_text(json.dumps({"schema": 99}))
+    with pytest.raises(PlotError, match="summary.json lacks policy"):
+        plot.read_run(sweep_copy / "0")
+
+
+@pytest.mark.parametrize("damage", ["empty", "partial", "schema"])
+def test_cli_bad_input_is_one_line_without_traceback(sweep_copy, tmp_path, damage):
+    target = tmp_path / "empty"
+    target.mkdir()
+    if damage == "partial":
+        target = sweep_copy / "0"
+        (target / "steps.csv").unlink()
+    elif damage == "schema":
+        target = sweep_copy / "0"
+        (target / "steps.csv").write_text("step,step_ms\n0,1.0\n")
+    done = subprocess.run([sys.executable, "-m", "sim.plot", str(target)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_cli_writes_every_results_figure(sweep, tmp_path):
+    out = tmp_path / "figs"
+    done = subprocess.run([sys.executable, "-m", "sim.plot", str(sweep), "--out", str(out), "--format", "svg",
+                           "--step", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["frontier.svg", "policies.svg", "timeline.svg"]
+    assert f"figure: {out / 'timeline.svg'}" in done.stdout
+
+
+# ----------------------------------------------------------------------------- fidelity
+def test_fidelity_pairs_policies_and_steps(sweep, sweep_copy):
+    for job_dir in sweep_copy.iterdir():  # the 'runner' measured 10% slower than predicted
+        if not (job_dir / "steps.csv").exists():
+            continue
+        steps = pd.read_csv(job_dir / "steps.csv")
+        steps["step_ms"] *= 1.1
+        steps.to_csv(job_dir / "steps.csv", index=False)
+    frame = plot.fidelity_frame(plot.read_runs(sweep), plot.read_runs(sweep_copy))
+    assert len(frame) == 4
+    assert (frame["measured_ms"] / frame["predicted_ms"]).round(6).eq(1.1).all()
+    assert_legible(plot.plot_fidelity(frame, "step time", "predicted vs measured"))
+
+
+def test_fidelity_without_common_policy_says_so(sweep):
+    runs = plot.read_runs(sweep)
+    with pytest.raises(PlotError, match="no policy appears in both"):
+        plot.fidelity_frame(runs[:1], runs[1:])
+
+
+# ----------------------------------------------------------------------------- calibration and kernels
+def test_calibration_figures_from_a_fitted_profile(fitted_profile, tmp_path):
+    frame = plot.calibration_frame(fitted_profile)
+    assert {"attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd", "layer_full"} <= set(frame["term"])
+    assert frame.loc[frame["split"] == "heldout", "residual_pct"].abs().median() < 10
+    figures = plot.profile_figures(fitted_profile)
+    assert sorted(figures) == ["calibration", "layer_fidelity", "residuals"]
+    for fig in figures.values():
+        assert_legible(fig)
+
+
+def test_provisional_profile_says_how_to_measure():
+    with pytest.raises(PlotError, match=r"no measurements to compare with .*python -m calibrate.run"):
+        plot.calibration_frame(ROOT / "calibrate" / "profiles" / "h200.json")
+
+
+def test_bad_profile_is_one_line(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"schema_version": 0}))
+    with pytest.raises(PlotError, match="schema_version=0"):
+        plot.read_profile(bad)
+
+
+def test_kernel_comparison_counts_failed_configs(bench_csv):
+    bench = plot.read_benchmark(bench_csv)
+    assert set(bench["impl"]) == {"flex", "triton_sparse", "cudnn_dense"}
+    fig = plot.plot_kernel_comparison(bench)
+    assert_legible(fig)
+    assert "1 config(s) failed" in fig.get_suptitle()
+
+
+def test_benchmark_with_foreign_columns_is_refused(tmp_path):
+    path = tmp_path / "b.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(PlotError, match="not a kernel benchmark CSV"):
+        plot.read_benchmark(path)
