@@ -104,18 +104,19 @@ class PartitionPolicy(ABC):
 
     @abstractmethod
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
-        """Indices into ``costs`` for each of k parts (order inside a part is execution order)."""
+        """Indices into ``costs`` for each of k parts (order inside a part is execution order).
+
+        The plan lists assignments by (rank, micro-batch), in that order.
+        """
 
     def plan(self, batch: list[Sequence], layout: Layout, cost: CostModel, step: int) -> Plan:
         costs = self.costs(batch, layout, cost)
         assignments = []
         for rank, members in enumerate(self.partition(costs, layout.dp)):
-            members = np.asarray(members, dtype=np.int64)
             for mb, sub in enumerate(self.partition(costs[members], layout.micro_batches)):
-                for i in members[np.asarray(sub, dtype=np.int64)]:
-                    seq = batch[i]
+                for i in sub:
+                    seq = batch[members[i]]
                     assignments.append(Assignment(seq.id, seq.length, seq.sensitivity, rank, mb))
-        assignments.sort(key=lambda a: (a.dp_rank, a.micro_batch))
         return Plan(step=step, dp=layout.dp, micro_batches=layout.micro_batches, assignments=tuple(assignments))
 
 

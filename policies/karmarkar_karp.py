@@ -24,20 +24,24 @@ from policies.lpt import lpt_partition
 
 def _initial_tuples(costs: np.ndarray, k: int, equal_count: bool) -> list[tuple[list[float], list[list[int]]]]:
     order = np.argsort(-costs, kind="stable").tolist()
+    costs = costs.tolist()  # Python floats: this runs once per rank and step, numpy scalars are slow here
     if not equal_count:
-        return [([float(costs[i])] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]) for i in order]
+        return [([costs[i]] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]) for i in order]
     order += [-1] * (-len(order) % k)  # -1: zero-cost placeholder, dropped at the end
     tuples = []
     for start in range(0, len(order), k):
         chunk = order[start : start + k]  # descending costs, so the tuple is sorted heaviest first
-        tuples.append(([float(costs[i]) if i >= 0 else 0.0 for i in chunk], [[i] if i >= 0 else [] for i in chunk]))
+        tuples.append(([costs[i] if i >= 0 else 0.0 for i in chunk], [[i] if i >= 0 else [] for i in chunk]))
     return tuples
 
 
 def ldm_partition(costs: np.ndarray, k: int, equal_count: bool) -> list[list[int]]:
     """Parts as index lists; within a tuple loads stay sorted heaviest first."""
+    tuples = _initial_tuples(costs, k, equal_count)
+    if len(tuples) == 1:  # common inside a rank (micro-batches of one sequence): nothing to merge
+        return [sorted(part) for part in tuples[0][1]]
     heap = []
-    for n, (loads, members) in enumerate(_initial_tuples(costs, k, equal_count)):
+    for n, (loads, members) in enumerate(tuples):
         heap.append((loads[-1] - loads[0], n, loads, members))  # key: minus the spread
     heapq.heapify(heap)
     counter = len(heap)

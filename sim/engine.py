@@ -6,7 +6,8 @@ of the number of sequences:
 * one process per (DP rank, pipeline stage); a CP group is folded into it, because its ranks hold
   equal zigzag shards and so are busy for the same time (the CostModel returns per-CP-rank costs
   with the ring KV exchange already overlapped);
-* one timeout per forward and per backward of a micro-batch;
+* one timeout per forward and per backward of a micro-batch (merged into one per micro-batch when
+  pp = 1, where nothing can come between them);
 * stages exchange activations/gradients through events that fire a p2p transfer after the sender
   finishes; the stage order is 1F1B (warm-up forwards, steady one-forward-one-backward, cool-down);
   with pp = 1 this is plain gradient accumulation;
@@ -84,15 +85,14 @@ def run_pipeline(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, tra
             event.succeed()
 
     def accumulate(rank: int) -> simpy.events.Process:
-        # pp = 1: no pipeline hand-offs, so the rank just runs its micro-batches back to back.
+        # pp = 1: nothing can interrupt a micro-batch between its forward and its backward, so one
+        # timeout covers both (half the events; the trace still has both phases at exact times).
         f, b = fwd_l[rank], bwd_l[rank]
         for mb in range(m):
             if trace:
                 events.append((env.now, env.now + f[mb], rank, 0, "F", mb))
-            yield env.timeout(f[mb])
-            if trace:
-                events.append((env.now, env.now + b[mb], rank, 0, "B", mb))
-            yield env.timeout(b[mb])
+                events.append((env.now + f[mb], env.now + f[mb] + b[mb], rank, 0, "B", mb))
+            yield env.timeout(f[mb] + b[mb])
         finish[rank, 0] = env.now
 
     def stage_proc(rank: int, stage: int, fwd_in: list, bwd_in: list):

@@ -116,6 +116,5 @@ class Workload:
         )
         first = step * self.cfg.global_batch
         return [
-            Sequence(id=first + i, length=int(length), sensitivity=float(s))
-            for i, (length, s) in enumerate(zip(lengths, sens))
+            Sequence(first + i, length, s) for i, (length, s) in enumerate(zip(lengths.tolist(), sens.tolist()))
         ]
