@@ -266,6 +266,10 @@ class Trainer:
         checkpoint.set_rng_state(ckpt["rng"][self.rank])
         self.history = ckpt["history"]
         self.start_step = ckpt["next_step"]
+        # Policies may carry state across steps (sab's budget EMA): replaying the planner over the steps
+        # already trained rebuilds it, so the resumed run plans what the uninterrupted run would have.
+        for step in range(self.start_step):
+            self.planner.plan(step)
 
 
 def _write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:

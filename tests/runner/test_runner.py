@@ -6,12 +6,14 @@ before training; a rank that hangs or dies ends the job within the configured ti
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -27,7 +29,7 @@ SHARED = [
     "model.hidden=64", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
     "model.ffn=128", "model.vocab=256", "model.max_context=1024",
     "workload.global_batch=8", "workload.min_len=128", "workload.max_len=1024", "workload.median=256",
-    "seed=3",
+    "seed=3", "policy=sparsebalance",
 ]
 RUNNER = ["runner.task.n_keys=32", "runner.task.n_values=32", "runner.lr=1e-2", f"runner.timeout_s={TIMEOUT_S}"]
 
@@ -93,6 +95,17 @@ def test_resume_continues_the_same_loss_curve(full_run, tmp_path):
     again = pd.read_csv(resumed / "train.csv")
     pd.testing.assert_series_equal(full["loss"], again["loss"], rtol=1e-6)
     assert (resumed / "plans.jsonl").read_bytes() == (full_run / "plans.jsonl").read_bytes()
+
+
+def test_compare_replays_the_run_through_the_simulator(full_run):
+    from runner.compare import main
+
+    assert main([str(full_run), "--profile", "calibrate/profiles/h200.json"]) == 0
+    table = pd.read_csv(full_run / "compare.csv")
+    assert list(table["step"]) == list(range(STEPS))
+    assert (table["sim_ms"] > 0).all() and np.isfinite(table["error_pct"]).all()
+    summary = json.loads((full_run / "compare.json").read_text())
+    assert summary["steps_compared"] == STEPS - 1 and summary["policy"] == "sparsebalance"
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
