@@ -67,8 +67,9 @@ class DynamicSparsityTuning:
             raise ValueError(f"levels={params.levels} must be >= 2")
         self.params = params
         self.start = Budget(p=params.p)
-        # Rounded so that budgets in plans read cleanly; p itself is a level, so `fixed` is reachable.
-        grid = np.round(np.linspace(params.floor, params.cap, params.levels), 6)
+        # Rounded so that budgets in plans read cleanly (clipped so rounding never leaves [floor, cap]);
+        # p itself is a level, so `fixed` is reachable.
+        grid = np.clip(np.round(np.linspace(params.floor, params.cap, params.levels), 6), params.floor, params.cap)
         self.grid = np.unique(np.append(grid, params.p))
         self.start_level = int(np.searchsorted(self.grid, params.p))
 

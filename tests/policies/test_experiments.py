@@ -1,0 +1,53 @@
+"""The paper-setting experiment and the entry points that report SparseBalance against the baseline."""
+import subprocess
+import sys
+
+import pytest
+
+from sim.compare import compare, hydra_overrides
+from sim.run import compose_config
+
+
+def test_paper_preset_is_the_papers_setting():
+    cfg = compose_config(hydra_overrides(["experiment=paper"]))
+    assert (cfg.layout.dp, cfg.layout.cp, cfg.layout.pp, cfg.layout.micro_batches) == (2, 1, 4, 4)
+    assert cfg.cluster.nodes * cfg.cluster.gpus_per_node == 8 and cfg.model.name == "qwen2.5-3b"
+    # global batch 16 over DP2 x 4 micro-batches: micro-batch size 2
+    assert cfg.workload.global_batch == 16 and cfg.workload.name == "longqa"
+    four = compose_config(hydra_overrides(["experiment=paper_4nodes"]))
+    assert four.cluster.nodes == 4 and four.layout.dp * four.layout.pp == 32
+    assert four.workload.global_batch // (four.layout.dp * four.layout.micro_batches) == 2
+
+
+@pytest.fixture(scope="module")
+def paper_table():
+    return compare(hydra_overrides(["experiment=paper"])).set_index("policy")
+
+
+def test_sparsebalance_beats_the_paper_at_no_coverage_cost(paper_table):
+    sb, base = paper_table.loc["sparsebalance"], paper_table.loc["baseline"]
+    assert sb["speedup"] >= 1.33
+    assert sb["mean_cov"] >= base["mean_cov"]
+    assert sb["min_cov"] >= 0.8  # the coverage floor
+
+
+def test_each_mechanism_alone_beats_the_baseline(paper_table):
+    assert paper_table.loc["dst", "speedup"] > 1.0 and paper_table.loc["sab", "speedup"] > 1.0
+    assert paper_table.loc["sab", "speedup"] >= paper_table.loc["lbb", "speedup"]
+    assert paper_table.loc["sparsebalance", "speedup"] > paper_table.loc["sab", "speedup"]
+
+
+def test_sim_run_reports_sparsebalance_against_the_baseline(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "sim.run", "policy=sparsebalance", "steps=3", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    header, sb, base = out.splitlines()[:3]
+    assert "speedup" in header and "mean_cov" in header and "min_cov" in header
+    assert sb.split()[0] == "sparsebalance" and base.split()[0] == "baseline"
+    assert float(sb.split()[-1]) > 1.0
+
+
+def test_compare_rejects_an_unknown_experiment():
+    done = subprocess.run([sys.executable, "-m", "sim.compare", "experiment=nope"], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1

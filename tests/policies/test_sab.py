@@ -1,0 +1,86 @@
+"""sab: equals LBB when sparsity carries no information, learns the paired policy's budgets per length
+bucket, stays inside the global batch and is deterministic."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from policies.base import make_batching
+from policies.plan import Budget
+from sim.cluster import Cluster, Layout
+from sim.config import ConfigError
+from sim.cost import make_cost
+from sim.run import compose_config, load_policy
+from sim.workload import Sequence, Workload
+
+DENSE = {"name": "fixed", "params": {"p": 1.0}}
+DST = {"name": "dst", "params": {"p": 0.9, "floor": 0.8}}
+
+
+@pytest.fixture(scope="module")
+def cost():
+    cfg = compose_config(["cluster.nodes=2"])
+    return make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster))
+
+
+def placement(plan):
+    return [(a.seq_id, a.dp_rank, a.micro_batch) for a in plan.assignments]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.floats(0.01, 1.0), st.data())
+def test_sab_equals_lbb_with_equal_sensitivity_and_dense_budgets(cost, dp, pp, m, sens, data):
+    layout = Layout(dp=dp, pp=pp, micro_batches=m)
+    lengths = data.draw(st.lists(st.integers(256, 32768), min_size=1, max_size=4 * dp * m))
+    batch = [Sequence(i, n, sens) for i, n in enumerate(lengths)]
+    lbb = make_batching("karmarkar_karp", {"equal_count": True})
+    sab = make_batching("sab", {"expect": DENSE})
+    for step in range(2):  # the second step plans with the learned (dense) budgets
+        assert placement(sab.plan(batch, layout, cost, step)) == placement(lbb.plan(batch, layout, cost, step))
+
+
+def test_expected_budgets_follow_the_paired_policy(cost):
+    layout = Layout(dp=2, pp=4, micro_batches=4)
+    cfg = compose_config(["+experiment=paper"])
+    workload = Workload(cfg.workload, cfg.model.max_context, 0)
+    sab = make_batching("sab", {"expect": DST, "ema": 1.0})
+    batch = workload.batch(0)
+    plan = sab.plan(batch, layout, cost, 0)
+    tuned = sab.expect.tune(plan, layout, cost)
+    lengths = np.array([a.length for a in tuned.assignments])
+    p = np.array([a.budget.p for a in tuned.assignments])
+    buckets = sab.bucket(lengths)
+    for b in np.unique(buckets):  # ema = 1: the newest step's per-bucket mean budget
+        assert sab.expected_p[int(b)] == pytest.approx(p[buckets == b].mean())
+
+
+def test_ema_blends_steps_and_unseen_buckets_take_the_mean(cost):
+    sab = make_batching("sab", {"expect": DENSE, "ema": 0.25, "prior_p": 0.7})
+    assert sab.expected(np.array([4096])).tolist() == [0.7]
+    plan = make_batching("karmarkar_karp", {}).plan([Sequence(0, 4096, 0.5)], Layout(dp=1), cost, 0)
+    sab.observe(plan.with_budgets({0: Budget(p=0.9)}))
+    sab.observe(plan.with_budgets({0: Budget(p=0.5)}))
+    assert sab.expected(np.array([4096, 300])) == pytest.approx([0.8, 0.8])  # 0.9 + 0.25 (0.5 - 0.9)
+
+
+def test_same_seed_same_plans_and_batches_stay_whole(cost):
+    cfg = compose_config(["+experiment=paper"])
+    workload = Workload(cfg.workload, cfg.model.max_context, 0)
+    layout = Layout(dp=2, pp=4, micro_batches=4)
+    params = load_policy("sparsebalance").batching.params
+    runs = []
+    for _ in range(2):
+        sab = make_batching("sab", params)
+        runs.append([sab.plan(workload.batch(step), layout, cost, step).to_json() for step in range(5)])
+    assert runs[0] == runs[1]
+    for step in range(5):  # only this step's sequences, two per micro-batch (micro-batch size 2)
+        plan = make_batching("sab", params).plan(workload.batch(step), layout, cost, step)
+        assert sorted(a.seq_id for a in plan.assignments) == [s.id for s in workload.batch(step)]
+        counts = np.bincount([a.dp_rank * 4 + a.micro_batch for a in plan.assignments], minlength=8)
+        assert (counts == 2).all()
+
+
+@pytest.mark.parametrize("params", [{"ema": 0.0}, {"buckets_per_octave": 0}, {"prior_p": 1.5},
+                                    {"expect": {"name": "nope"}}])
+def test_bad_params_are_a_config_error(params):
+    with pytest.raises(ConfigError):
+        make_batching("sab", params)
