@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 6's H200 experiment: one GPU (world size 1), 4 micro-batches per step, the real Triton kernel in
+# bf16, `baseline` (arrival order, fixed p=0.9) and `sparsebalance`, STEPS steps each. Run dirs are tarred
+# into $OUT/h200_runs.tgz (the device tool returns few files); `python -m runner.compare <run dir>` then
+# replays them through the simulator on any machine. Extra arguments are Hydra overrides for both runs.
+#
+# Model: qwen2.5-3b's layer shape (the calibrated one) with 8 of its 36 layers so that a step takes about a
+# second; vocab scaled by the same 8/36 because sim.cost spreads the embedding/LM-head FLOPs over the layers,
+# so the per-layer features (and hence the calibrated per-layer times) stay exactly qwen2.5-3b's.
+set -uo pipefail
+STEPS=${STEPS:-20}
+RUNS=${RUNS:-/tmp/runner_runs}
+OUT=${OUT:-$RUNS}
+COMMON=(cluster.gpus_per_node=1 layout.micro_batches=4 model=qwen2.5-3b model.layers=8 model.vocab=33763
+        workload=longtail workload.global_batch=16 cost=calibrated steps="$STEPS")
+status=0
+for policy in baseline sparsebalance; do
+  python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m runner.train \
+    policy="$policy" hydra.run.dir="$RUNS/$policy" "${COMMON[@]}" "$@" || status=1
+done
+tar czf "$OUT/h200_runs.tgz" -C "$RUNS" .
+exit $status
