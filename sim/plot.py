@@ -1,12 +1,12 @@
 """Figures from Results directories, calibration data and kernel benchmarks.
 
-``python -m sim.plot PATH [PATH ...] [--out DIR] [--format png|svg] [--step N] [--measured DIR]`` makes
-without Jupyter the figures the notebooks show. Each PATH is one of:
+``python -m sim.plot PATH [PATH ...] [--out DIR] [--format png|svg] [--step N]`` makes without Jupyter
+the figures the notebooks show. Each PATH is one of:
 
-* a Results directory (one ``sim.run`` run, or a sweep's ``multirun/...`` directory): speedup and bubble
-  per policy, the speed/coverage frontier, and the per-rank timeline of one step (baseline vs the fastest
-  other policy, sparsebalance when present); with ``--measured`` (a runner Results directory) also the
-  simulator-predicted vs runner-measured step times;
+* a Results directory (one ``sim.run`` run, a sweep's ``multirun/...`` directory, runner runs): speedup and
+  bubble per policy, the speed/coverage frontier, and the per-rank timeline of one step (baseline vs
+  sparsebalance, else the fastest other policy) for simulated runs; simulator-predicted vs runner-measured
+  step times for runner runs (runner.compare's replay);
 * a cost profile (``calibrate/profiles/<gpu>.json``): its fitted model against the raw measurements beside
   it, residuals, and predicted vs measured whole layers;
 * a kernel benchmark CSV (``benchmarks/results/*.csv``): our kernel vs FlexAttention vs dense cuDNN.
@@ -66,7 +66,13 @@ class Run:
 def settings(runs: list[Run]) -> list[str]:
     """Per run, what sets it apart from the sweep's other runs besides the policy ('' when nothing does)."""
     common = set.intersection(*(set(r.axes) for r in runs)) if runs else set()
-    return [" ".join(o for o in r.axes if o not in common) for r in runs]
+    return [" ".join(_short(o) for o in r.axes if o not in common) for r in runs]
+
+
+def _short(override: str) -> str:
+    """``policy.sparsity.params.p=0.8`` -> ``p=0.8``: tick labels name the knob, not its config path."""
+    key, sep, value = override.partition("=")
+    return f"{key.rsplit('.', 1)[-1]}{sep}{value}"
 
 
 def _check_columns(path: Path, frame: pd.DataFrame, record_type) -> None:
@@ -185,6 +191,24 @@ def _context(runs: list[Run]) -> str:
 
     layout = f"dp{shared('dp')}×cp{shared('cp')}×pp{shared('pp')}, {shared('micro_batches')} micro-batches"
     return f"{shared('model')}, {shared('workload')} workload, {layout}, {shared('steps')} steps"
+
+
+def simulate_sweep(overrides: list[str], out: str | Path) -> Path:
+    """Run ``python -m sim.run -m <overrides>`` into ``out`` (the notebooks' small sweeps); returns ``out``.
+
+    A subprocess rather than an in-process call: Hydra's multirun owns its process (logging, working dir).
+    """
+    import subprocess
+    import sys
+
+    out = Path(out)
+    cmd = [sys.executable, "-m", "sim.run", "-m", *overrides, f"hydra.sweep.dir={out}"]
+    print("$ python -m sim.run -m", " ".join(overrides), f"hydra.sweep.dir={out}")
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or ["no output"]
+        raise PlotError(f"the sweep failed: {lines[-1]}")
+    return out
 
 
 # ----------------------------------------------------------------------------- policy comparison
@@ -578,22 +602,44 @@ def plot_kernel_comparison(bench: pd.DataFrame, title: str = "") -> Figure:
 
 
 # ----------------------------------------------------------------------------- fidelity
-def fidelity_frame(predicted: list[Run], measured: list[Run]) -> pd.DataFrame:
-    """Per-step predicted (simulator) and measured (runner) step times, paired by policy and step."""
-    sim = {r.policy: r for r in predicted}
-    pairs = []
-    for m in measured:
-        if m.policy not in sim:
-            continue
-        joined = sim[m.policy].steps.merge(m.steps, on="step", suffixes=("_pred", "_meas"))
-        pairs.append(pd.DataFrame({"group": m.policy, "step": joined["step"],
-                                   "predicted_ms": joined["step_ms_pred"], "measured_ms": joined["step_ms_meas"]}))
-    if not pairs:
+def fidelity_frame(runs: list[Run]) -> pd.DataFrame:
+    """Per step of each runner run: measured and simulator-predicted step time (runner.compare's table).
+
+    ``predicted_ms`` replays the run's Plans with the kept fractions the kernel really selected (the time model
+    alone); ``plan_ms`` with the Plans' own budgets (the coverage model decides what is kept, as in a policy
+    sweep). Warm-up steps (kernel compilation) are left out, as runner.compare scores them.
+    """
+    measured = [r for r in runs if r.summary.get("source") == "runner"]
+    if not measured:
         raise PlotError(
-            f"no policy appears in both the simulated ({', '.join(sorted(sim))}) and the measured "
-            f"({', '.join(sorted(r.policy for r in measured))}) runs"
+            f"no runner Results among {len(runs)} run(s) (summary.json source='runner'); "
+            "make some with `torchrun -m runner.train ...` then `python -m runner.compare <run dir>`"
         )
-    return pd.concat(pairs, ignore_index=True)
+    return pd.concat([_compare_table(r) for r in measured], ignore_index=True)
+
+
+def _compare_table(run: Run) -> pd.DataFrame:
+    """runner.compare's compare.csv, computed now if the run has none."""
+    from sim.config import ConfigError
+
+    skip = 1  # runner.compare's default
+    if (run.path / "compare.csv").is_file():
+        table = pd.read_csv(run.path / "compare.csv")
+        if (run.path / "compare.json").is_file():
+            skip = json.loads((run.path / "compare.json").read_text()).get("skipped_warmup_steps", skip)
+    else:
+        from runner.compare import DEFAULT_PROFILE, replay
+
+        try:
+            table, _ = replay(run.path, DEFAULT_PROFILE, skip)
+        except ConfigError as exc:
+            raise PlotError(str(exc)) from None
+    missing = [c for c in ("step", "measured_ms", "sim_ms", "sim_plan_ms") if c not in table.columns]
+    if missing:
+        raise PlotError(f"{run.path}/compare.csv: unknown schema (no column {', '.join(missing)}); re-run runner.compare")
+    table = table[table["step"] >= table["step"].min() + skip]
+    return pd.DataFrame({"group": run.policy, "step": table["step"], "measured_ms": table["measured_ms"],
+                         "predicted_ms": table["sim_ms"], "plan_ms": table["sim_plan_ms"]})
 
 
 def validation_frame(profile: dict) -> pd.DataFrame:
@@ -608,19 +654,29 @@ def validation_frame(profile: dict) -> pd.DataFrame:
     } for v in table])
 
 
-def plot_fidelity(frame: pd.DataFrame, what: str, unit_title: str) -> Figure:
-    """Predicted against measured: the diagonal is perfect, the band ±10%; per group MAPE in the legend."""
+def _mape(predicted: pd.Series, measured: pd.Series) -> float:
+    return float((100 * (predicted - measured).abs() / measured).mean())
+
+
+def plot_fidelity(frame: pd.DataFrame, what: str, title: str) -> Figure:
+    """Predicted against measured: the diagonal is perfect, the band ±10%; mean |error| per group in the legend.
+
+    A ``plan_ms`` column (step fidelity) adds hollow markers: the prediction with the Plans' own budgets.
+    """
     colours = policy_colours(frame["group"])
-    fig = Figure(figsize=(6.2, 5.6), layout="constrained")
+    fig = Figure(figsize=(6.4, 6.0), layout="constrained")
     ax = fig.subplots()
-    hi = 1.08 * float(max(frame["predicted_ms"].max(), frame["measured_ms"].max()))
+    columns = [c for c in ("predicted_ms", "plan_ms", "measured_ms") if c in frame]
+    hi = 1.08 * float(frame[columns].max().max())
     line = np.array([0.0, hi])
     ax.fill_between(line, 0.9 * line, 1.1 * line, color="0.92", label="±10%")
     ax.plot(line, line, color="0.3", lw=0.8, label="predicted = measured")
     for group, sub in frame.groupby("group", sort=False):
-        mape = float((100 * (sub["predicted_ms"] - sub["measured_ms"]).abs() / sub["measured_ms"]).mean())
-        ax.scatter(sub["measured_ms"], sub["predicted_ms"], color=colours[group], s=28,
-                   label=f"{group} (mean |error| {mape:.1f}%)", zorder=3)
+        ax.scatter(sub["measured_ms"], sub["predicted_ms"], color=colours[group], s=28, zorder=3,
+                   label=f"{group} (mean |error| {_mape(sub['predicted_ms'], sub['measured_ms']):.1f}%)")
+        if "plan_ms" in sub:
+            ax.scatter(sub["measured_ms"], sub["plan_ms"], facecolors="none", edgecolors=colours[group], s=28,
+                       zorder=3, label=f"{group}, Plan budgets ({_mape(sub['plan_ms'], sub['measured_ms']):.1f}%)")
     ax.set_xlim(0, hi)
     ax.set_ylim(0, hi)
     ax.set_aspect("equal")
@@ -628,19 +684,28 @@ def plot_fidelity(frame: pd.DataFrame, what: str, unit_title: str) -> Figure:
     ax.set_ylabel(f"predicted {what} (ms)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    ax.set_title(unit_title, fontsize=10)
+    ax.set_title(title, fontsize=10)
     return fig
 
 
+def plot_step_fidelity(frame: pd.DataFrame) -> Figure:
+    steps = frame["step"].nunique()
+    return plot_fidelity(frame, "step time", f"Simulator-predicted vs runner-measured step time "
+                                             f"({steps} step(s) after warm-up; filled: measured kept fractions)")
+
+
 # ----------------------------------------------------------------------------- CLI
-def results_figures(path: Path, step: int, measured: Path | None) -> dict[str, Figure]:
+def results_figures(path: Path, step: int) -> dict[str, Figure]:
+    """Policy figures and a timeline for simulated runs, step fidelity for runner runs."""
     runs = read_runs(path)
-    figures = {"policies": plot_policies(runs), "frontier": plot_frontier(runs)}
-    chosen = pick_timeline_runs(runs)
-    figures["timeline"] = plot_timeline([replay_step(r, step) for r in chosen])
-    if measured is not None:
-        frame = fidelity_frame(runs, read_runs(measured))
-        figures["fidelity"] = plot_fidelity(frame, "step time", "Simulator-predicted vs runner-measured step time")
+    simulated = [r for r in runs if r.summary.get("source") != "runner"]
+    figures = {}
+    if simulated:
+        figures["policies"] = plot_policies(simulated)
+        figures["frontier"] = plot_frontier(simulated)
+        figures["timeline"] = plot_timeline([replay_step(r, step) for r in pick_timeline_runs(simulated)])
+    if len(simulated) < len(runs):
+        figures["fidelity"] = plot_step_fidelity(fidelity_frame(runs))
     return figures
 
 
@@ -655,10 +720,10 @@ def profile_figures(path: Path) -> dict[str, Figure]:
     }
 
 
-def figures_for(path: Path, step: int, measured: Path | None) -> dict[str, Figure]:
+def figures_for(path: Path, step: int) -> dict[str, Figure]:
     """The figures a path calls for, by what it is."""
     if path.is_dir():
-        return results_figures(path, step, measured)
+        return results_figures(path, step)
     if path.suffix == ".json":
         return profile_figures(path)
     if path.suffix == ".csv":
@@ -682,14 +747,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="where figures go (default: <results dir>/figures, else ./figures)")
     ap.add_argument("--format", choices=("png", "svg"), default="png")
     ap.add_argument("--step", type=int, default=0, help="the step the timeline shows")
-    ap.add_argument("--measured", type=Path, default=None, help="runner Results to compare the simulator with")
     args = ap.parse_args(argv)
     try:
         for path in args.paths:
             if not path.exists():
                 raise PlotError(f"{path}: no such file or directory")
             out = args.out or (path / "figures" if path.is_dir() else Path("figures"))
-            for written in save(figures_for(path, args.step, args.measured), out, args.format):
+            for written in save(figures_for(path, args.step), out, args.format):
                 print(f"figure: {written}")
     except PlotError as exc:
         raise SystemExit(f"error: {exc}") from None

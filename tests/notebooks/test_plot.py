@@ -132,23 +132,42 @@ def test_cli_writes_every_results_figure(sweep, tmp_path):
 
 
 # ----------------------------------------------------------------------------- fidelity
-def test_fidelity_pairs_policies_and_steps(sweep, sweep_copy):
-    for job_dir in sweep_copy.iterdir():  # the 'runner' measured 10% slower than predicted
-        if not (job_dir / "steps.csv").exists():
-            continue
-        steps = pd.read_csv(job_dir / "steps.csv")
-        steps["step_ms"] *= 1.1
-        steps.to_csv(job_dir / "steps.csv", index=False)
-    frame = plot.fidelity_frame(plot.read_runs(sweep), plot.read_runs(sweep_copy))
-    assert len(frame) == 4
-    assert (frame["measured_ms"] / frame["predicted_ms"]).round(6).eq(1.1).all()
-    assert_legible(plot.plot_fidelity(frame, "step time", "predicted vs measured"))
+def fake_runner_run(job_dir, slower=1.1):
+    """A sim job dressed as a runner run: 'measured' 10% slower than simulated, every kernel keeping half."""
+    summary = json.loads((job_dir / "summary.json").read_text())
+    (job_dir / "summary.json").write_text(json.dumps({**summary, "source": "runner"}))
+    steps = pd.read_csv(job_dir / "steps.csv")
+    steps["step_ms"] *= slower
+    steps.to_csv(job_dir / "steps.csv", index=False)
+    plans = [json.loads(line) for line in (job_dir / "plans.jsonl").read_text().splitlines()]
+    pd.DataFrame([{"step": p["step"], "seq_id": a["seq_id"], "kept_fraction": 0.5}
+                  for p in plans for a in p["assignments"]]).to_csv(job_dir / "sequences.csv", index=False)
 
 
-def test_fidelity_without_common_policy_says_so(sweep):
-    runs = plot.read_runs(sweep)
-    with pytest.raises(PlotError, match="no policy appears in both"):
-        plot.fidelity_frame(runs[:1], runs[1:])
+def test_fidelity_replays_runner_runs(sweep_copy):
+    fake_runner_run(sweep_copy / "1")
+    runs = plot.read_runs(sweep_copy)
+    frame = plot.fidelity_frame(runs)
+    assert list(frame["step"]) == [1] and list(frame["group"]) == ["kk"]  # step 0 is warm-up
+    assert (frame["measured_ms"] / frame["plan_ms"]).iloc[0] == pytest.approx(1.1, rel=1e-6)
+    assert frame["predicted_ms"].iloc[0] != pytest.approx(frame["plan_ms"].iloc[0])
+    assert_legible(plot.plot_step_fidelity(frame))
+    assert sorted(plot.results_figures(sweep_copy, step=0)) == ["fidelity", "frontier", "policies", "timeline"]
+
+
+def test_fidelity_reads_runner_compare_output(sweep_copy):
+    from runner import compare
+
+    fake_runner_run(sweep_copy / "0", slower=2.0)
+    assert compare.main([str(sweep_copy / "0"), "--skip", "0"]) == 0
+    frame = plot.fidelity_frame(plot.read_runs(sweep_copy))
+    assert list(frame["step"]) == [0, 1]  # compare.json's skip, not the default
+    assert list(frame["measured_ms"] / frame["plan_ms"]) == pytest.approx([2.0, 2.0], rel=1e-5)  # 6-digit CSV
+
+
+def test_fidelity_without_runner_runs_says_how_to_make_them(sweep):
+    with pytest.raises(PlotError, match="no runner Results .*runner.compare"):
+        plot.fidelity_frame(plot.read_runs(sweep))
 
 
 # ----------------------------------------------------------------------------- calibration and kernels
