@@ -1,0 +1,261 @@
+"""kernels.sparse_attention: Triton kernels (interpreter on CPU) against the PyTorch reference.
+
+Tolerances (absolute, on unit-normal inputs, outputs and gradients of order 1):
+  float32: 2e-5 — interpreter dots are numpy fp32; the only differences are summation order and the
+           online-softmax rescaling (observed ~1e-6).
+  float16: 5e-3 — inputs and P/dS are rounded to fp16 (eps 1e-3) before each dot; accumulation is fp32.
+bf16 is not testable in the interpreter (tl.dot on bf16 reads raw bits, triton#11584) and is checked on the
+GPU by ``benchmarks/attention.py --check`` (results in benchmarks/results/attention_h200_check.csv).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels.sparse_attention import (BlockSelection, dense_causal_varlen, select_blocks, select_blocks_naive,
+                                      selection_from_mask, sparse_attention, sparse_attention_naive)
+from kernels.sparse_attention import triton_kernels as tk
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = {torch.float32: 2e-5, torch.float16: 5e-3}
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    """Kernel outputs start as NaN: a row or head the kernel forgets to write fails the comparison."""
+    tk.POISON_OUTPUTS = True
+    yield
+    tk.POISON_OUTPUTS = False
+    tk.CONFIG_OVERRIDES.clear()
+
+
+def cu_of(lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+
+
+def qkv(lens, Hq, Hkv, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    mk = lambda h: torch.randn(T, h, D, generator=g).to(DEV, dtype).requires_grad_()  # noqa: E731
+    return mk(Hq), mk(Hkv), mk(Hkv)
+
+
+def check_against_naive(q, k, v, cu, sel, atol):
+    o = sparse_attention(q, k, v, cu, selection=sel, backend="triton")
+    assert torch.isfinite(o).all(), "missed write (NaN poison survived) or overflow"
+    do = torch.randn_like(o)
+    g = torch.autograd.grad(o, (q, k, v), do)
+    qf, kf, vf = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = sparse_attention_naive(qf, kf, vf, cu, sel)
+    gr = torch.autograd.grad(ref, (qf, kf, vf), do.float())
+    torch.testing.assert_close(o.float(), ref, atol=atol, rtol=0, msg="output")
+    for name, a, b in zip(("dq", "dk", "dv"), g, gr):
+        assert torch.isfinite(a).all(), f"{name}: missed write"
+        torch.testing.assert_close(a.float(), b, atol=atol, rtol=0, msg=name)
+    return o, g
+
+
+# id, doc lengths, Hq, Hkv, D, block, budget, dtype, config override
+CASES = [
+    ("odd-lengths-mha-p0.5", [37, 70, 5], 2, 2, 16, 16, dict(p=0.5), torch.float32, None),
+    ("single-token-docs-p0.9", [1, 1, 33, 1, 20, 1], 2, 1, 16, 16, dict(p=0.9), torch.float32, None),
+    ("gqa4to1-p0.9", [50, 81], 4, 1, 16, 16, dict(p=0.9), torch.float32, None),
+    ("gqa8to1-p1.0", [40, 3, 66], 8, 1, 16, 16, dict(p=1.0), torch.float32, None),
+    ("gqa4to1-kf0.1", [130, 17], 8, 2, 16, 16, dict(kept_fraction=0.1), torch.float32, None),
+    ("mha-kf0.5", [99, 64, 1], 2, 2, 32, 16, dict(kept_fraction=0.5), torch.float32, None),
+    ("mixed-p-per-doc", [60, 45, 80], 2, 1, 16, 16, dict(p=torch.tensor([0.5, 1.0, 0.9])), torch.float32, None),
+    ("block64-d64-gqa4to1", [150, 1, 64], 4, 1, 64, 64, dict(p=0.9), torch.float32, None),
+    # program tiles smaller than the selection block (what the GPU defaults do at block 128)
+    ("subtiles-block32-tile16", [77, 32, 9], 2, 1, 16, 32, dict(kept_fraction=0.5), torch.float32,
+     {"fwd": dict(BM=16, BN=16), "dq": dict(BM=16, BN=16), "dkdv": dict(BM=16, BN=16)}),
+    ("fp16-gqa2to1-p0.9", [45, 70], 4, 2, 16, 16, dict(p=0.9), torch.float16, None),
+]
+
+
+@pytest.mark.parametrize("lens,Hq,Hkv,D,B,budget,dtype,cfg", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_matches_naive(lens, Hq, Hkv, D, B, budget, dtype, cfg):
+    if cfg:
+        tk.CONFIG_OVERRIDES[(B, D)] = cfg
+    q, k, v = qkv(lens, Hq, Hkv, D, dtype)
+    cu = cu_of(lens)
+    budget = {n: (x.to(DEV) if isinstance(x, torch.Tensor) else x) for n, x in budget.items()}
+    sel = select_blocks(q, k, cu, block_size=B, **budget)
+    check_against_naive(q, k, v, cu, sel, ATOL[dtype])
+
+
+def test_p1_equals_dense_sdpa():
+    lens = [1, 47, 16, 90]
+    q, k, v = qkv(lens, 4, 2, 32)
+    cu = cu_of(lens)
+    o, sel = sparse_attention(q, k, v, cu, p=1.0, block_size=16, return_selection=True, backend="triton")
+    torch.testing.assert_close(sel.kept_fraction, torch.ones(len(lens), device=DEV))
+    torch.testing.assert_close(o, dense_causal_varlen(q, k, v, cu), atol=ATOL[torch.float32], rtol=0)
+
+
+def test_naive_backend_and_default_dense():
+    lens = [20, 33]
+    q, k, v = qkv(lens, 2, 1, 16)
+    cu = cu_of(lens)
+    a = sparse_attention(q, k, v, cu, block_size=16, backend="naive")  # no budget: dense
+    b = sparse_attention(q, k, v, cu, block_size=16, backend="triton")
+    torch.testing.assert_close(a, b, atol=ATOL[torch.float32], rtol=0)
+    torch.testing.assert_close(a, dense_causal_varlen(q, k, v, cu), atol=ATOL[torch.float32], rtol=0)
+
+
+def test_explicit_selection_from_mask_and_determinism():
+    lens = [70, 40]
+    q, k, v = qkv(lens, 2, 2, 16)
+    cu = cu_of(lens)
+    nb = sum((n + 15) // 16 for n in lens)
+    g = torch.Generator().manual_seed(3)
+    mask = (torch.rand(2, nb, nb, generator=g) < 0.4).to(DEV)
+    sel = selection_from_mask(mask, cu, block_size=16)
+    dense = sel.to_dense_mask()
+    assert dense.diagonal(dim1=1, dim2=2).all()
+    check_against_naive(q, k, v, cu, sel, ATOL[torch.float32])
+    o = sparse_attention(q, k, v, cu, selection=sel, backend="triton")
+    g2 = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+    g3 = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel, backend="triton"), (q, k, v),
+                             torch.ones_like(o))
+    assert all(torch.equal(a, b) for a, b in zip(g2, g3)), "backward is not deterministic"
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), p=st.sampled_from([0.3, 0.7, 1.0]),
+       seed=st.integers(0, 1000))
+def test_random_document_splits(lens, p, seed):
+    q, k, v = qkv(lens, 2, 1, 16, seed=seed)
+    cu = cu_of(lens)
+    sel = select_blocks(q, k, cu, p=p, block_size=16)
+    check_against_naive(q, k, v, cu, sel, ATOL[torch.float32])
+
+
+# ------------------------------------------------------------------------------------ selection
+def _rows(sel: BlockSelection):
+    H, NB, W = sel.q2k_idx.shape
+    out = {}
+    for h in range(H):
+        for g in range(NB):
+            c = int(sel.q2k_cnt[h, g])
+            out[(h, g)] = sel.q2k_idx[h, g, :c].tolist()
+    return out
+
+
+SEL_LENS = [1, 200, 37, 129, 64, 300]
+
+
+@pytest.mark.parametrize("mode,budget", [("p", 0.5), ("p", 0.9), ("p", 1.0), ("kept_fraction", 0.1),
+                                         ("kept_fraction", 0.5)],
+                         ids=["p0.5", "p0.9", "p1.0", "kf0.1", "kf0.5"])
+def test_selection_invariants_and_reference(mode, budget):
+    q, k, _ = qkv(SEL_LENS, 4, 2, 16, seed=1)
+    q, k = q.detach() * 3, k.detach() * 3  # sharper routing scores than unit noise
+    cu = cu_of(SEL_LENS)
+    B = 32
+    sel = select_blocks(q, k, cu, block_size=B, **{mode: budget})
+    lay = sel.layout
+    doc = lay.block_doc.tolist()
+    ref, mass = select_blocks_naive(q, k, cu, block_size=B, **{mode: budget})
+    rows = _rows(sel)
+    for (h, g), lst in rows.items():
+        assert lst == sorted(lst) and len(set(lst)) == len(lst), "ascending, no duplicates"
+        assert lst[-1] == g, "diagonal kept, and last"
+        assert all(c <= g and doc[c] == doc[g] for c in lst), "causal, within the document"
+        assert set(lst) == ref[(h, g)], f"row {(h, g)} differs from the loop reference"
+        if mode == "p":
+            assert mass[(h, g)] >= budget - 1e-5, "coverage reaches p"
+    # reverse lists are the transpose of the forward lists
+    H, NB, _ = sel.q2k_idx.shape
+    ptr = sel.k2q_ptr.tolist()
+    for h in range(H):
+        for c in range(NB):
+            got = sel.k2q_idx[ptr[h * NB + c]:ptr[h * NB + c + 1]].tolist()
+            assert got == sorted(g for g in range(NB) if c in rows[(h, g)])
+    # stats
+    causal = torch.tensor([n * (n + 1) / 2 for n in lay.doc_nblocks]) * H
+    kept = torch.tensor([sum(len(rows[(h, g)]) for h in range(H) for g in range(NB) if doc[g] == d)
+                         for d in range(lay.num_docs)])
+    torch.testing.assert_close(sel.kept_fraction.cpu(), (kept / causal).float())
+    if mode == "p":
+        assert (sel.coverage.cpu() >= budget - 1e-5).all()
+    if budget == 1.0:
+        assert (sel.kept_fraction == 1).all()
+
+
+def test_kept_fraction_monotone_in_p_and_nested():
+    q, k, _ = qkv(SEL_LENS, 2, 2, 16, seed=2)
+    q, k = q.detach() * 3, k.detach() * 3
+    cu = cu_of(SEL_LENS)
+    prev, prev_rows = None, None
+    for p in (0.2, 0.4, 0.6, 0.8, 0.95, 1.0):
+        sel = select_blocks(q, k, cu, p=p, block_size=32)
+        rows = _rows(sel)
+        if prev is not None:
+            assert (sel.kept_fraction >= prev - 1e-7).all()
+            assert all(set(prev_rows[key]) <= set(rows[key]) for key in rows)
+        prev, prev_rows = sel.kept_fraction, rows
+
+
+def test_kept_fraction_mode_hits_target_and_mixes_per_sequence():
+    lens = [512, 512, 256]
+    q, k, _ = qkv(lens, 2, 1, 16, seed=4)
+    cu = cu_of(lens)
+    kf = torch.tensor([0.1, 0.5, 1.0], device=DEV)
+    sel = select_blocks(q.detach(), k.detach(), cu, kept_fraction=kf, block_size=16)
+    # per-row rounding of round(kf * n_causal) (at least the diagonal) keeps the total within a few %
+    assert (sel.kept_fraction - kf).abs().max() < 0.05
+    assert sel.kept_fraction[2] == 1.0 and sel.coverage[2] > 0.999
+
+
+def test_selection_memory_is_bounded_by_kept_blocks():
+    lens = [4096]
+    q, k, _ = qkv(lens, 2, 2, 16, seed=5)
+    sel = select_blocks(q.detach(), k.detach(), cu_of(lens), kept_fraction=0.05, block_size=16)
+    NB = 256
+    # the forward lists are [Hkv, NB, W] with W the largest row, about 5% of NB here, not NB
+    assert sel.q2k_idx.shape[-1] <= math.ceil(0.05 * NB) + 1
+    assert sel.k2q_idx.numel() == sel.q2k_idx.numel()
+
+
+# ------------------------------------------------------------------------------------ bad input
+def _good():
+    q, k, v = qkv([10, 6], 4, 2, 16)
+    return dict(q=q, k=k, v=v, cu_seqlens=cu_of([10, 6]))
+
+
+BAD = [
+    ("q-dtype-int", lambda a: a.update(q=a["q"].long()), "q dtype"),
+    ("k-dtype-mismatch", lambda a: a.update(k=a["k"].double()), "k dtype"),
+    ("q-rank-2", lambda a: a.update(q=a["q"][:, 0]), "q must have rank 3"),
+    ("hq-not-multiple", lambda a: a.update(k=a["k"].repeat(1, 2, 1)[:, :3], v=a["v"].repeat(1, 2, 1)[:, :3]),
+     "multiple of Hkv=3"),
+    ("cu-not-int32", lambda a: a.update(cu_seqlens=a["cu_seqlens"].long()), "cu_seqlens must be an int32"),
+    ("cu-not-increasing", lambda a: a.update(cu_seqlens=torch.tensor([0, 10, 10, 16], dtype=torch.int32)),
+     "strictly increasing"),
+    ("cu-not-ending-at-T", lambda a: a.update(cu_seqlens=torch.tensor([0, 10, 15], dtype=torch.int32)),
+     "end at T=16"),
+    ("cu-not-starting-at-0", lambda a: a.update(cu_seqlens=torch.tensor([1, 10, 16], dtype=torch.int32)),
+     "start at 0"),
+    ("p-zero", lambda a: a.update(p=0.0), r"p must be in \(0, 1\], got 0.0"),
+    ("p-above-one", lambda a: a.update(p=1.5), r"p must be in \(0, 1\], got 1.5"),
+    ("p-tensor-bad-entry", lambda a: a.update(p=torch.tensor([0.5, -0.1])), r"p must be in \(0, 1\]"),
+    ("p-tensor-wrong-length", lambda a: a.update(p=torch.tensor([0.5, 0.5, 0.5])), "one per sequence"),
+    ("kept-fraction-zero", lambda a: a.update(kept_fraction=0.0), r"kept_fraction must be in \(0, 1\]"),
+    ("p-and-kept-fraction", lambda a: a.update(p=0.5, kept_fraction=0.5), "not both"),
+    ("block-size-48", lambda a: a.update(block_size=48), "block_size=48"),
+    ("head-dim-24", lambda a: a.update(q=a["q"][..., :12].repeat(1, 1, 2), k=a["k"][..., :12].repeat(1, 1, 2),
+                                       v=a["v"][..., :12].repeat(1, 1, 2)), "head dim D=24"),
+]
+
+
+@pytest.mark.parametrize("mutate,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_raises_value_error(mutate, match):
+    args = _good()
+    mutate(args)
+    with pytest.raises(ValueError, match=match) as info:
+        sparse_attention(**args, backend="naive")
+    assert "\n" not in str(info.value), "one-line message"
