@@ -1,0 +1,54 @@
+"""Planning overhead of ``sparsebalance``: one 1024-sequence global batch for 128 DP ranks.
+
+``python benchmarks/plan_overhead.py`` prints the median and worst wall time of SAB's plan plus DST's
+tune per step (16 nodes x 8 H200, DP128, 4 micro-batches of 2 sequences per rank, the longqa workload)
+and whether it meets the 20 ms target. SAB runs its own copy of DST to learn budgets, so DST's cost
+is counted twice, as in a real run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import policies  # noqa: F401  (registers every policy)
+from policies.base import make_batching, make_sparsity
+from sim.cluster import Cluster, Layout
+from sim.cost import make_cost
+from sim.run import compose_config, load_policy
+from sim.workload import Workload
+
+TARGET_MS = 20.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--dp", type=int, default=128)
+    parser.add_argument("--global-batch", type=int, default=1024)
+    args = parser.parse_args()
+    micro_batches = args.global_batch // args.dp // 2
+    cfg = compose_config(["workload=longqa", f"workload.global_batch={args.global_batch}",
+                          f"cluster.nodes={args.dp // 8}"])
+    cluster = Cluster.from_config(cfg.cluster)
+    cost = make_cost(cfg.cost, cfg.model, cluster)
+    layout = Layout(dp=args.dp, micro_batches=micro_batches, gpus=Cluster.gpus(cfg.cluster))
+    workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
+    policy = load_policy("sparsebalance")
+    batching = make_batching(policy.batching.name, policy.batching.params)
+    sparsity = make_sparsity(policy.sparsity.name, policy.sparsity.params)
+    batches = [workload.batch(step) for step in range(args.steps)]
+    times = []
+    for step, batch in enumerate(batches):
+        start = time.perf_counter()
+        sparsity.tune(batching.plan(batch, layout, cost, step), layout, cost)
+        times.append((time.perf_counter() - start) * 1e3)
+    times = times[1:]  # the first step also pays one-off imports and caches
+    median = statistics.median(times)
+    print(f"sparsebalance planning, {args.global_batch} sequences, DP{args.dp} x {micro_batches} micro-batches: "
+          f"median {median:.2f} ms, worst {max(times):.2f} ms over {len(times)} steps "
+          f"(target {TARGET_MS:.0f} ms: {'met' if median < TARGET_MS else 'MISSED'})")
+
+
+if __name__ == "__main__":
+    main()
