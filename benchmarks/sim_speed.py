@@ -1,11 +1,11 @@
 """Simulated GPU-steps per wall second at 64, 512 and 4096 GPUs, and the time of a policy x layout sweep.
 
-Layouts are dp x cp with cp = 8 (one CP group per node), 8 micro-batches of 2 sequences per DP rank; the
+Layouts are dp x cp with cp = 8 (one CP group per node), 8 micro-batches of 2 sequences (default) per DP rank; the
 time covers everything a step does: drawing the batch, planning (batching + sparsity policy), costing,
 the event loop and the Results rows. Targets on the 2-core dev machine: >= 50,000 GPU-steps/s at 512 GPUs,
 cost growing no faster than linearly in GPUs, the 7 x 3 x 100 sweep under 60 s.
 
-    python benchmarks/sim_speed.py [--policies baseline,lpt,kk] [--steps 20]
+    python benchmarks/sim_speed.py [--policies baseline,lpt,kk] [--steps 20] [--seqs-per-micro-batch 2]
 """
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ import pandas as pd
 
 from sim.run import compose_config, group_options, load_policy, simulate
 
-SEQS_PER_MICRO_BATCH = 2
 MICRO_BATCHES = 8
 
 
-def speed(gpus: int, policy: str, steps: int) -> dict:
+def speed(gpus: int, policy: str, steps: int, seqs_per_micro_batch: int) -> dict:
     dp = gpus // 8
     cfg = compose_config([
         f"policy={policy}", f"cluster.nodes={gpus // 8}", "layout.cp=8", f"layout.micro_batches={MICRO_BATCHES}",
-        f"workload.global_batch={dp * MICRO_BATCHES * SEQS_PER_MICRO_BATCH}", f"steps={steps}", "write_plans=false",
+        f"workload.global_batch={dp * MICRO_BATCHES * seqs_per_micro_batch}", f"steps={steps}", "write_plans=false",
     ])
     start = time.perf_counter()
     simulate(cfg)
@@ -50,11 +49,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default="baseline,lpt,kk", help="comma-separated conf/policy names")
     parser.add_argument("--steps", type=int, default=20)
+    # Planning and plan building cost per sequence (Sequence/Assignment objects), so this sets the load.
+    parser.add_argument("--seqs-per-micro-batch", type=int, default=2)
     args = parser.parse_args()
-    rows = [{"policy": p, **speed(g, p, args.steps)} for p in args.policies.split(",") for g in (64, 512, 4096)]
+    per_mb = args.seqs_per_micro_batch
+    rows = [{"policy": p, **speed(g, p, args.steps, per_mb)} for p in args.policies.split(",") for g in (64, 512, 4096)]
     table = pd.DataFrame(rows)
     table["us_per_gpu_step"] = (1e6 / table["gpu_steps_per_s"]).round(2)
-    print(f"{MICRO_BATCHES} micro-batches x {SEQS_PER_MICRO_BATCH} sequences per DP rank, cp=8")
+    print(f"{MICRO_BATCHES} micro-batches x {per_mb} sequences per DP rank, cp=8")
     print(table.to_string(index=False))
     jobs, wall = sweep(steps=100)
     print(f"sweep: {jobs} jobs (7 policies x 3 layouts) x 100 steps on 64 GPUs in {wall:.1f} s")
