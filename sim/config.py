@@ -125,6 +125,7 @@ class RunConfig:
     steps: int = 20
     baseline: Optional[str] = "baseline"  # policy (conf/policy/<name>) to compare against; null: none
     write_plans: bool = True
+    plot: bool = False  # also draw the run's figures (sim.plot) into <run dir>/figures
 
 
 def register() -> None:

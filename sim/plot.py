@@ -247,7 +247,7 @@ def plot_policies(runs: list[Run]) -> Figure:
             ax.set_xlabel("sweep setting (one bar per policy)")
         ax.grid(axis="y", alpha=0.3)
     ax_speed.margins(y=0.15)
-    ax_bubble.legend(title="policy", fontsize=8, loc="upper right")
+    fig.legend(*ax_speed.get_legend_handles_labels(), title="policy", fontsize=8, loc="outside right")
     fig.suptitle(f"Speedup and bubble fraction per policy\n({_context(runs)})")
     return fig
 
@@ -386,7 +386,8 @@ def plot_timeline(traces: list[StepTrace], label_mbs: bool = True) -> Figure:
     if not traces:
         raise PlotError("no step traces to draw")
     rows = traces[0].dp * traces[0].pp
-    fig = Figure(figsize=(6.0 * len(traces) + 1, 1.2 + 0.32 * rows), layout="constrained")
+    # At least 11 inches: the four-entry legend and the title need it even for a single panel.
+    fig = Figure(figsize=(max(11.0, 6.0 * len(traces) + 1), 1.2 + 0.32 * rows), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(traces), sharex=True, sharey=True))
     for ax, trace in zip(axes, traces):
         _draw_trace(ax, trace, label_mbs)
@@ -696,13 +697,14 @@ def plot_step_fidelity(frame: pd.DataFrame) -> Figure:
 
 # ----------------------------------------------------------------------------- CLI
 def results_figures(path: Path, step: int) -> dict[str, Figure]:
-    """Policy figures and a timeline for simulated runs, step fidelity for runner runs."""
+    """Policy figures (two or more runs) and a timeline for simulated runs, step fidelity for runner runs."""
     runs = read_runs(path)
     simulated = [r for r in runs if r.summary.get("source") != "runner"]
     figures = {}
-    if simulated:
+    if len(simulated) > 1:  # one run has nothing to compare with (its baseline is only summarised)
         figures["policies"] = plot_policies(simulated)
         figures["frontier"] = plot_frontier(simulated)
+    if simulated:
         figures["timeline"] = plot_timeline([replay_step(r, step) for r in pick_timeline_runs(simulated)])
     if len(simulated) < len(runs):
         figures["fidelity"] = plot_step_fidelity(fidelity_frame(runs))

@@ -152,7 +152,7 @@ def test_fidelity_replays_runner_runs(sweep_copy):
     assert (frame["measured_ms"] / frame["plan_ms"]).iloc[0] == pytest.approx(1.1, rel=1e-6)
     assert frame["predicted_ms"].iloc[0] != pytest.approx(frame["plan_ms"].iloc[0])
     assert_legible(plot.plot_step_fidelity(frame))
-    assert sorted(plot.results_figures(sweep_copy, step=0)) == ["fidelity", "frontier", "policies", "timeline"]
+    assert sorted(plot.results_figures(sweep_copy, step=0)) == ["fidelity", "timeline"]  # one simulated run
 
 
 def test_fidelity_reads_runner_compare_output(sweep_copy):
@@ -206,3 +206,11 @@ def test_benchmark_with_foreign_columns_is_refused(tmp_path):
     path.write_text("a,b\n1,2\n")
     with pytest.raises(PlotError, match="not a kernel benchmark CSV"):
         plot.read_benchmark(path)
+
+
+def test_sim_run_draws_its_figures_when_asked(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "sim.run", "policy=kk", "steps=1", "plot=true",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"figures: {tmp_path / 'figures'}  (timeline.png)" in done.stdout
+    assert (tmp_path / "figures" / "timeline.png").stat().st_size > 0
