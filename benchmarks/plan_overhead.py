@@ -1,13 +1,15 @@
 """Planning overhead of ``sparsebalance``: one 1024-sequence global batch for 128 DP ranks.
 
-``python benchmarks/plan_overhead.py`` prints the median and worst wall time of SAB's plan plus DST's
-tune per step (16 nodes x 8 H200, DP128, 4 micro-batches of 2 sequences per rank, the longqa workload)
-and whether it meets the 20 ms target. SAB runs its own copy of DST to learn budgets, so DST's cost
-is counted twice, as in a real run.
+``python benchmarks/plan_overhead.py`` prints the median and worst time of SAB's plan plus DST's tune
+per step (16 nodes x 8 H200, DP128, 4 micro-batches of 2 sequences per rank, the longqa workload) and
+whether the median meets the 20 ms target. Both wall and CPU time of this process are printed: the
+machine is shared (the load average is printed too), and CPU time is what the planner itself costs.
+SAB runs DST on the plan it emits to learn budgets; the driver's DST call then reuses that result.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -38,16 +40,19 @@ def main() -> None:
     batching = make_batching(policy.batching.name, policy.batching.params)
     sparsity = make_sparsity(policy.sparsity.name, policy.sparsity.params)
     batches = [workload.batch(step) for step in range(args.steps)]
-    times = []
+    wall, cpu = [], []
     for step, batch in enumerate(batches):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         sparsity.tune(batching.plan(batch, layout, cost, step), layout, cost)
-        times.append((time.perf_counter() - start) * 1e3)
-    times = times[1:]  # the first step also pays one-off imports and caches
-    median = statistics.median(times)
-    print(f"sparsebalance planning, {args.global_batch} sequences, DP{args.dp} x {micro_batches} micro-batches: "
-          f"median {median:.2f} ms, worst {max(times):.2f} ms over {len(times)} steps "
-          f"(target {TARGET_MS:.0f} ms: {'met' if median < TARGET_MS else 'MISSED'})")
+        wall.append((time.perf_counter() - start) * 1e3)
+        cpu.append((time.process_time() - start_cpu) * 1e3)
+    wall, cpu = wall[1:], cpu[1:]  # the first step also pays one-off imports and caches
+    print(f"sparsebalance planning, {args.global_batch} sequences, DP{args.dp} x {micro_batches} micro-batches, "
+          f"{len(wall)} steps, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    for name, times in (("wall", wall), ("cpu", cpu)):
+        median = statistics.median(times)
+        print(f"  {name}: median {median:.2f} ms, worst {max(times):.2f} ms "
+              f"(target {TARGET_MS:.0f} ms: {'met' if median < TARGET_MS else 'MISSED'})")
 
 
 if __name__ == "__main__":

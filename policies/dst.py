@@ -20,7 +20,8 @@ look-ups.
    never slower than ``fixed`` at the same ``p``.
 2. Micro-batch level (fills pipeline bubbles): with tau fixed, each micro-batch in turn is raised to
    the highest level that keeps its rank within tau; repeated until nothing moves (a fixed point).
-   A micro-batch off the critical path of the 1F1B schedule gets a higher budget for free.
+   A micro-batch off the critical path of the 1F1B schedule gets a higher budget for free, and with
+   pp > 1 that coverage is counted when choosing tau (``best_levels``).
 
 Infeasible cases, handled explicitly:
 * ``floor <= p <= cap`` is checked when the policy is built (a ConfigError otherwise);
@@ -30,7 +31,8 @@ Infeasible cases, handled explicitly:
 * a ``min_mean_coverage`` no makespan up to the start's can reach: tau stays at the start's makespan
   and the ranks fill their idle time (the makespan guarantee wins over the coverage target);
 * a plan with nothing to gain (no makespan or coverage improvement) is returned at the uniform ``p``,
-  so with zero heterogeneity DST is exactly ``fixed``.
+  so with zero heterogeneity DST is exactly ``fixed``. (Identical micro-batches in a pipeline are not
+  quite homogeneous: stage hand-off latency leaves slack on some of them, which step 2 may fill.)
 """
 from __future__ import annotations
 
@@ -72,15 +74,14 @@ class DynamicSparsityTuning:
         # that very plan object here: tuned() is a pure function, so the last call's result is reused.
         # Matching the plan by identity (it is kept alive in the memo) avoids hashing 1000s of assignments.
         key = (self.params, layout, cost)
-        last = LAST_CALL.get("dst")
-        if last is not None and last[0] == key and last[1] is plan:
-            return last[2]
+        if LAST_TUNE and LAST_TUNE[0][0] == key and LAST_TUNE[0][1] is plan:
+            return LAST_TUNE[0][2]
         result = tuned(self.params, plan, layout, cost)
-        LAST_CALL["dst"] = (key, plan, result)
+        LAST_TUNE[:] = [(key, plan, result)]
         return result
 
 
-LAST_CALL: dict[str, tuple] = {}  # "dst" -> (params, layout, cost), plan, tuned plan of the last tune
+LAST_TUNE: list[tuple] = []  # at most one ((params, layout, cost), plan, tuned plan)
 
 
 def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost: CostModel) -> Plan:
