@@ -31,6 +31,8 @@ class BlockLayout:
     block_local: torch.Tensor  # int64 [NB] index of the block inside its document
     doc_first_block_t: torch.Tensor  # int64 [n+1]
     token_block: torch.Tensor  # int64 [T] global block of each token
+    row_offset: torch.Tensor  # int64 [NB] start of block g's causal candidates in a packed triangle
+    total_causal: int  # sum over documents of nb*(nb+1)/2
 
     @property
     def max_doc_blocks(self) -> int:
@@ -71,6 +73,10 @@ def block_layout(cu_seqlens: torch.Tensor, block_size: int, device=None) -> Bloc
     block_end = torch.minimum(block_start + B, ends[block_doc])
     T = int(cu_host[-1])
     token_block = torch.repeat_interleave(torch.arange(NB), block_end - block_start)
+    tri = nblocks * (nblocks + 1) // 2
+    doc_tri = torch.zeros(n + 1, dtype=torch.int64)
+    doc_tri[1:] = torch.cumsum(tri, 0)
+    row_offset = doc_tri[:-1][block_doc] + block_local * (block_local + 1) // 2
     lay = BlockLayout(
         block_size=B,
         num_docs=n,
@@ -85,6 +91,8 @@ def block_layout(cu_seqlens: torch.Tensor, block_size: int, device=None) -> Bloc
         block_local=block_local.to(device),
         doc_first_block_t=first.to(device),
         token_block=token_block.to(device),
+        row_offset=row_offset.to(device),
+        total_causal=int(doc_tri[-1]),
     )
     _CACHE[key] = lay
     if len(_CACHE) > _CACHE_SIZE:

@@ -22,6 +22,7 @@ The score matrix is built per bucket of similar-length documents and in row chun
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -125,7 +126,8 @@ def _per_doc(value, n: int, name: str, device) -> torch.Tensor:
     return t.contiguous()
 
 
-def _finalize(lay: BlockLayout, Hkv: int, q2k_idx, q2k_cnt, kept_fraction, coverage) -> BlockSelection:
+def _finalize(lay: BlockLayout, Hkv: int, q2k_idx, q2k_cnt, kept_fraction, coverage,
+              q2k_start=None) -> BlockSelection:
     """Build the reverse (KV block -> query blocks) CSR lists and the schedules; no host sync."""
     dev = q2k_idx.device
     NB = lay.num_blocks
@@ -148,7 +150,7 @@ def _finalize(lay: BlockLayout, Hkv: int, q2k_idx, q2k_cnt, kept_fraction, cover
     q_order = torch.argsort(q2k_cnt.sum(0), descending=True, stable=True).to(torch.int32)
     k_order = torch.argsort(k2q_cnt.view(H, NB).sum(0), descending=True, stable=True).to(torch.int32)
     return BlockSelection(lay, Hkv, q2k_idx.to(torch.int32).contiguous(), q2k_cnt.to(torch.int32).contiguous(),
-                          k2q_ptr, k2q_idx, q_order, k_order, kept_fraction, coverage)
+                          k2q_ptr, k2q_idx, q_order, k_order, kept_fraction, coverage, q2k_start=q2k_start)
 
 
 def _doc_buckets(lay: BlockLayout):
@@ -158,6 +160,36 @@ def _doc_buckets(lay: BlockLayout):
         w = 1 << max(0, (nb - 1).bit_length())
         buckets.setdefault(w, []).append(d)
     return sorted(buckets.items(), reverse=True)
+
+
+def use_triton_selection(q: torch.Tensor) -> bool:
+    """Fused Triton selection on CUDA (a few launches); the torch path elsewhere (or with
+    SPARSE_ATTN_SELECT=torch). SPARSE_ATTN_SELECT=triton forces it (interpreter tests)."""
+    mode = os.environ.get("SPARSE_ATTN_SELECT", "auto")
+    return mode == "triton" or (mode == "auto" and q.is_cuda)
+
+
+def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, scale: float, kf_host):
+    from .triton_kernels import select_rows_triton
+
+    dev = qbar.device
+    nbmax = lay.max_doc_blocks
+    if topp:
+        wout = nbmax
+    else:
+        kfs = [kf_host] * lay.num_docs if kf_host is not None else budget.tolist()
+        kmax = max(min(nb, max(1, math.floor(kf * nb + 0.5))) for kf, nb in zip(kfs, lay.doc_nblocks))
+        wout = min(nbmax, kmax + 16)
+    idx, start, cnt, cov = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout)
+    w = max(1, int(cnt.max()))  # one host sync
+    if w < wout:
+        idx, start = idx[..., :w].contiguous(), start[..., :w].contiguous()
+    n = lay.num_docs
+    kept_sum = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(0, lay.block_doc, cnt.sum(0).float())
+    cov_sum = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(0, lay.block_doc, cov.sum(0))
+    causal = torch.tensor(lay.causal_blocks_per_doc(), dtype=torch.float32, device=dev) * Hkv
+    nbs_all = torch.tensor(lay.doc_nblocks, dtype=torch.float32, device=dev) * Hkv
+    return _finalize(lay, Hkv, idx, cnt, kept_sum / causal, cov_sum / nbs_all, q2k_start=start)
 
 
 @torch.no_grad()
@@ -181,6 +213,10 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     qbar = pool_blocks(q, lay, Hkv)  # [NB, Hkv, D]
     kbar = pool_blocks(k, lay, Hkv)
+    if use_triton_selection(q):
+        return _select_triton(lay, Hkv, qbar, kbar, budget, topp, scale,
+                              None if topp else (kept_fraction if not isinstance(kept_fraction, torch.Tensor)
+                                                 else None))
 
     kept_sum = torch.zeros(n, dtype=torch.float32, device=dev)
     cov_sum = torch.zeros(n, dtype=torch.float32, device=dev)

@@ -259,3 +259,23 @@ def test_bad_input_raises_value_error(mutate, match):
     with pytest.raises(ValueError, match=match) as info:
         sparse_attention(**args, backend="naive")
     assert "\n" not in str(info.value), "one-line message"
+
+
+@pytest.mark.parametrize("budget", [dict(p=0.7), dict(p=1.0), dict(kept_fraction=torch.tensor([0.3, 0.6, 1.0, 0.1]))],
+                         ids=["p0.7", "p1.0", "kf-per-doc"])
+def test_fused_triton_selection_equals_torch_selection(budget, monkeypatch):
+    """The fused Triton selection (used on CUDA) picks exactly the blocks of the torch path."""
+    lens = [1, 40, 37, 60]
+    q, k, _ = qkv(lens, 4, 2, 16, seed=6)
+    q, k = q.detach() * 3, k.detach() * 3
+    cu = cu_of(lens)
+    budget = {n: (x.to(DEV) if isinstance(x, torch.Tensor) else x) for n, x in budget.items()}
+    monkeypatch.setenv("SPARSE_ATTN_SELECT", "torch")
+    a = select_blocks(q, k, cu, block_size=16, **budget)
+    monkeypatch.setenv("SPARSE_ATTN_SELECT", "triton")
+    b = select_blocks(q, k, cu, block_size=16, **budget)
+    assert torch.equal(a.q2k_cnt, b.q2k_cnt)
+    assert torch.equal(a.q2k_idx, b.q2k_idx) and torch.equal(a.q2k_start, b.q2k_start)
+    assert torch.equal(a.k2q_ptr, b.k2q_ptr) and torch.equal(a.k2q_idx, b.k2q_idx)
+    torch.testing.assert_close(a.kept_fraction, b.kept_fraction)
+    torch.testing.assert_close(a.coverage, b.coverage)
