@@ -458,38 +458,74 @@ def calibration_frame(profile_path: str | Path) -> pd.DataFrame:
         feats = features(m)
         pred = layer_prediction(coefs, feats) if m.term == "layer_full" else predict(coefs[m.term], feats[m.term])
         lengths = np.array(m.lengths, dtype=float)
+        # Kept fraction weighted by each sequence's causal work (~ length^2), what the kernel pays for.
+        kept = float(np.dot(m.kept_fractions, lengths**2) / np.dot(lengths, lengths))
         rows.append({
             "term": m.term, "split": m.split, "model": m.model, "tokens": int(lengths.sum()),
-            "sequences": len(m.lengths),
-            # Kept fraction weighted by each sequence's causal work (~ length^2), what the kernel pays for.
-            "kept_fraction": float(np.dot(m.kept_fractions, lengths**2) / np.dot(lengths, lengths)),
+            "sequences": len(m.lengths), "kept_fraction": kept, "budget": round(kept, 3),
             "measured_ms": m.median_ms, "predicted_ms": pred,
         })
-    frame = pd.DataFrame(rows)
-    frame["residual_pct"] = 100 * (frame["predicted_ms"] - frame["measured_ms"]) / frame["measured_ms"]
-    return frame
+    return _with_residuals(pd.DataFrame(rows))
+
+
+def _with_residuals(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.assign(residual_pct=100 * (frame["predicted_ms"] - frame["measured_ms"]) / frame["measured_ms"])
+
+
+def benchmark_vs_profile(bench: pd.DataFrame, profile_path: str | Path, model: str = "qwen2.5-3b") -> pd.DataFrame:
+    """Our kernel's benchmarked single-sequence times against what the profile predicts for them.
+
+    The benchmark (16 query heads, D = 128) matches the attention shape of ``model``, so the profile's
+    ``attn_fwd`` and ``attn_fwd + attn_bwd`` terms price the very same work; a check of the cost model on
+    measurements from another harness, also for a provisional profile.
+    """
+    from calibrate.fit import FeatureSource, Measurement, predict
+    from calibrate.shapes import load_shapes
+
+    profile = read_profile(profile_path)
+    (shape,) = load_shapes([model])
+    features = FeatureSource({model: vars(shape)}, profile["block_size"])
+    coefs = profile["terms"]
+    ours = bench[(bench["impl"] == "triton_sparse") & (bench["ndocs"] == 1)]
+    if ours.empty:
+        raise PlotError("the benchmark has no single-sequence timings of our kernel")
+    rows = []
+    for r in ours.itertuples():
+        feats = features(Measurement("", "", "", model, (int(r.T),), (float(r.kept_fraction),), 1.0, 0.0))
+        fwd = predict(coefs["attn_fwd"], feats["attn_fwd"])
+        both = fwd + predict(coefs["attn_bwd"], feats["attn_bwd"])
+        for term, measured, predicted in (("attn_fwd", r.fwd_ms, fwd), ("attn_fwd+bwd", r.fwdbwd_ms, both)):
+            rows.append({"term": term, "split": "benchmark", "model": model, "tokens": int(r.T), "sequences": 1,
+                         "kept_fraction": float(r.kept_fraction), "budget": round(1.0 - float(r.sparsity), 3),
+                         "measured_ms": float(measured), "predicted_ms": predicted})
+    return _with_residuals(pd.DataFrame(rows))
 
 
 def _profile_title(profile: dict) -> str:
     meta = profile.get("meta", {})
-    return f"{profile.get('gpu', '?')} profile of {str(meta.get('fitted') or meta.get('date', '?'))[:10]}"
+    kind = "provisional roofline" if profile.get("provisional") else "fitted"
+    return f"{profile.get('gpu', '?')} profile, {kind}, {str(meta.get('fitted') or meta.get('date', '?'))[:10]}"
 
 
-def plot_calibration(frame: pd.DataFrame, profile: dict, model: str | None = None) -> Figure:
+TERM_ORDER = ("attn_fwd", "attn_bwd", "attn_fwd+bwd", "select", "layer_fwd", "layer_bwd")
+
+
+def plot_calibration(frame: pd.DataFrame, profile: dict, model: str | None = None,
+                     source: str = "calibration grid") -> Figure:
     """Measured (markers) vs fitted (lines) time of single sequences over length, one line per kept fraction."""
     model = model or frame["model"].value_counts().index[0]
     singles = frame[(frame["sequences"] == 1) & (frame["model"] == model)]
-    terms = [t for t in ("attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd") if t in set(singles["term"])]
+    terms = [t for t in TERM_ORDER if t in set(singles["term"])]
     if not terms:
         raise PlotError(f"no single-sequence measurements of model {model!r} to plot")
-    fractions = sorted(singles["kept_fraction"].round(3).unique(), reverse=True)
+    fractions = sorted(singles["budget"].unique(), reverse=True)
     cmap = _viridis(len(fractions))
-    fig = Figure(figsize=(3.6 * len(terms), 4.2), layout="constrained")
+    fig = Figure(figsize=(max(9.0, 3.4 * len(terms) + 2.0), 4.4), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(terms)))
     for ax, term in zip(axes, terms):
         sub = singles[singles["term"] == term]
         for colour, kf in zip(cmap, fractions):
-            pts = sub[sub["kept_fraction"].round(3) == kf].sort_values("tokens")
+            pts = sub[sub["budget"] == kf].sort_values("tokens")
             if pts.empty:
                 continue
             ax.plot(pts["tokens"], pts["predicted_ms"], color=colour, lw=1.2)
@@ -501,9 +537,9 @@ def plot_calibration(frame: pd.DataFrame, profile: dict, model: str | None = Non
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("time per layer (ms)")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, title="kept fraction (markers: measured, lines: fitted)", loc="outside right",
+    fig.legend(handles, labels, title="kept fraction\n(markers: measured,\nlines: cost model)", loc="outside right",
                fontsize=8)
-    fig.suptitle(f"Measured vs fitted kernel and layer times, {model} ({_profile_title(profile)})")
+    fig.suptitle(f"Measured vs cost-model time per layer, {model}\n(measured: {source}; {_profile_title(profile)})")
     return fig
 
 
@@ -520,7 +556,7 @@ def plot_residuals(frame: pd.DataFrame, profile: dict) -> Figure:
     zero = frame["predicted_ms"] <= 0
     frame = frame[~zero]
     colours = dict(zip(sorted(frame["term"].unique()), OKABE_ITO[1:] * 2))
-    markers = {"fit": "o", "heldout": "^", "validate": "s"}
+    markers = {"fit": "o", "heldout": "^", "validate": "s", "benchmark": "D"}
     fig = Figure(figsize=(8.5, 4.8), layout="constrained")
     ax = fig.subplots()
     ax.axhspan(-10, 10, color="0.92", zorder=0, label="±10%")
@@ -531,19 +567,22 @@ def plot_residuals(frame: pd.DataFrame, profile: dict) -> Figure:
     ax.axhline(0, color="0.3", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("measured time (ms)")
-    ax.set_ylabel("residual: (fitted − measured) / measured (%)")
-    held = frame.loc[frame["split"] == "heldout", "residual_pct"].abs()
-    note = f"held-out median |error| {held.median():.1f}%" if len(held) else "no held-out points"
+    ax.set_ylabel("residual: (model − measured) / measured (%)")
+    # The honest numbers: error on points the fit did not see (the fit's own error is in its legend marker).
+    unseen = [s for s in ("heldout", "validate", "benchmark") if s in set(frame["split"])]
+    note = "; ".join(f"{s} median |error| {frame.loc[frame['split'] == s, 'residual_pct'].abs().median():.1f}%"
+                     for s in unseen) or "no held-out points"
     if zero.any():
         note += f"; {int(zero.sum())} dense-selection points priced at 0 by design not shown"
-    ax.set_title(f"Fitted cost model vs measurements, per point ({_profile_title(profile)})\n{note}", fontsize=10)
+    ax.set_title(f"Cost model vs measurements, per point ({_profile_title(profile)})\n{note}", fontsize=10)
     ax.legend(fontsize=7, ncols=2, loc="best")
     ax.grid(alpha=0.3)
     return fig
 
 
 # ----------------------------------------------------------------------------- kernel benchmark
-BENCH_COLUMNS = ("case", "T", "kept_fraction", "impl", "fwdbwd_ms")
+DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "calibrate" / "profiles" / "h200.json"
+BENCH_COLUMNS = ("case", "T", "ndocs", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms")
 IMPLS = {"triton_sparse": ("our Triton block-sparse kernel", OKABE_ITO[1], "o"),
          "flex": ("FlexAttention (same blocks)", OKABE_ITO[2], "s"),
          "cudnn_dense": ("cuDNN SDPA dense causal", OKABE_ITO[0], None)}
@@ -591,11 +630,14 @@ def plot_kernel_comparison(bench: pd.DataFrame, title: str = "") -> Figure:
                 ax.plot(pts["kept_fraction"], pts["fwdbwd_ms"], color=colour, marker=marker, label=label)
         _plain_log(ax)
         ax.set_xlabel("kept fraction of causal blocks")
-        ax.set_title(f"{case}, {T // 1024}K tokens", fontsize=10)
+        docs = int(sub["ndocs"].iloc[0])
+        ax.set_title(f"{case}: {T // 1024}K tokens" + (f", {docs} documents" if docs > 1 else ""), fontsize=10)
         ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("forward + backward time (ms)")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=8)
+    axes[0].set_ylabel("forward + backward time (ms, lower is better)")
+    entries = {}  # every implementation once, whichever panel has it
+    for ax in axes:
+        entries.update(zip(*reversed(ax.get_legend_handles_labels())))
+    fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=3, fontsize=8)
     failed = int(bench["failed"].iloc[0]) if "failed" in bench else 0
     note = f"; {failed} config(s) failed, not shown" if failed else ""
     fig.suptitle(f"Attention fwd+bwd: our kernel vs FlexAttention vs dense{title}{note}")
@@ -729,7 +771,12 @@ def figures_for(path: Path, step: int) -> dict[str, Figure]:
     if path.suffix == ".json":
         return profile_figures(path)
     if path.suffix == ".csv":
-        return {"kernels": plot_kernel_comparison(read_benchmark(path))}
+        bench = read_benchmark(path)
+        model = benchmark_vs_profile(bench, DEFAULT_PROFILE)
+        profile = read_profile(DEFAULT_PROFILE)
+        return {"kernels": plot_kernel_comparison(bench),
+                "kernel_model": plot_calibration(model, profile, source=f"benchmark {path.name}"),
+                "kernel_model_residuals": plot_residuals(model, profile)}
     raise PlotError(f"{path}: not a Results directory, a profile (.json) or a benchmark CSV")
 
 

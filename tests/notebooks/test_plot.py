@@ -214,3 +214,19 @@ def test_sim_run_draws_its_figures_when_asked(tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"figures: {tmp_path / 'figures'}  (timeline.png)" in done.stdout
     assert (tmp_path / "figures" / "timeline.png").stat().st_size > 0
+
+
+def test_benchmark_checks_the_profile_on_our_kernel(bench_csv):
+    frame = plot.benchmark_vs_profile(plot.read_benchmark(bench_csv), plot.DEFAULT_PROFILE)
+    assert set(frame["term"]) == {"attn_fwd", "attn_fwd+bwd"}
+    assert sorted(frame["budget"].unique()) == [0.1, 1.0]  # nominal budgets group the realised fractions
+    assert (frame["predicted_ms"] > 0).all()
+    profile = plot.read_profile(plot.DEFAULT_PROFILE)
+    assert_legible(plot.plot_calibration(frame, profile, source="benchmark"))
+    assert_legible(plot.plot_residuals(frame, profile))
+
+
+def test_cli_benchmark_figures(bench_csv, tmp_path):
+    out = tmp_path / "figs"
+    assert plot.main([str(bench_csv), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["kernel_model.png", "kernel_model_residuals.png", "kernels.png"]
