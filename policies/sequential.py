@@ -7,8 +7,12 @@ from policies.base import PartitionPolicy, register_batching
 
 
 def contiguous(n: int, k: int) -> list[list[int]]:
-    """Indices 0..n-1 in k contiguous chunks whose sizes differ by at most one."""
-    return [chunk.tolist() for chunk in np.array_split(np.arange(n), k)]
+    """Indices 0..n-1 in k contiguous chunks whose sizes differ by at most one (larger chunks last).
+
+    Plain integer arithmetic: this runs for every rank of every step and np.array_split is ~10x slower.
+    """
+    bounds = [i * n // k for i in range(k + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
 
 
 @register_batching("sequential")

@@ -14,5 +14,5 @@ from policies.sequential import contiguous
 @register_batching("sorted")
 class Sorted(PartitionPolicy):
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
-        order = np.argsort(-costs, kind="stable")
-        return [order[chunk].tolist() for chunk in contiguous(costs.size, k)]
+        order = np.argsort(-costs, kind="stable").tolist()
+        return [[order[i] for i in chunk] for chunk in contiguous(costs.size, k)]
