@@ -97,10 +97,10 @@ class Trainer:
             summary = self.step(step)
             if summary:
                 bar.set_postfix(loss=f"{summary['loss']:.3f}", acc=f"{summary['accuracy']:.2f}")
+                # Rewritten every step (atomically, off the clock): a run cut short keeps its steps so far.
+                self._write_results()
             if every and ((step + 1) % every == 0 or step + 1 == self.cfg.steps):
                 self._save(step + 1)
-        if self.rank == 0:
-            self._write_results()
 
     def step(self, step: int) -> dict | None:
         plan = self.planner.plan(step)
@@ -238,7 +238,7 @@ class Trainer:
         train = pd.DataFrame(h["train"])
         tail = train.tail(max(1, len(train) // 4))  # the last quarter: where the run ended up
         summary.update(
-            source="runner", device=str(self.device), attention=cfg.runner.attention,
+            source="runner", steps_planned=cfg.steps, device=str(self.device), attention=cfg.runner.attention,
             final_loss=float(tail["loss"].mean()), final_accuracy=float(tail["accuracy"].mean()),
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,7 @@ def pick_device(name: str, world: World) -> torch.device:
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("runner.device=cuda but no CUDA device is visible")
+        torch.cuda.set_device(world.local_rank)  # kernels launch on the current device
         return torch.device("cuda", world.local_rank)
     if name != "cpu":
         raise ConfigError(f"runner.device={name!r} is unknown; allowed: auto, cuda, cpu")
