@@ -204,6 +204,7 @@ class Trainer:
         )
         train = {
             "step": step,
+            "plan_sha256": digests.pop(),  # every rank's Plan had this digest
             "loss": sum(g["loss_sum"] for g in gathered) / n_global,
             "accuracy": sum(g["correct"] for g in gathered) / n_global,
             "answers": n_global,

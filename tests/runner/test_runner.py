@@ -6,6 +6,7 @@ before training; a rank that hangs or dies ends the job within the configured ti
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -75,6 +76,9 @@ def test_plans_are_the_simulators_and_ranks_train_their_share(full_run):
     cfg = compose_config([*SHARED, f"steps={STEPS}"])
     expected = "".join(p + "\n" for p in simulate(cfg).results.plans)
     assert (full_run / "plans.jsonl").read_bytes() == expected.encode()
+    # The runner checked every step that all ranks held a Plan with one digest: the simulator's.
+    digests = pd.read_csv(full_run / "train.csv")["plan_sha256"]
+    assert list(digests) == [hashlib.sha256(line.encode()).hexdigest() for line in expected.splitlines()]
 
     # Each rank packed exactly the sequences the Plan gave it.
     rows = pd.read_csv(full_run / "micro_batches.csv").set_index(["step", "dp_rank", "micro_batch"])
