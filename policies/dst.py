@@ -243,7 +243,7 @@ def hand_off_ms(tokens: np.ndarray, layout: Layout, cost: CostModel) -> np.ndarr
 @lru_cache(maxsize=64)
 def schedule(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
     """(stage, is_forward, micro_batch) of every op in an order that respects the 1F1B dependencies."""
-    from sim.engine import one_f_one_b
+    from sim.engine import one_f_one_b  # here, not at the top: sim.engine imports policies.plan, which loads this module
 
     queues = [one_f_one_b(stage, pp, m) for stage in range(pp)]
     done: set[tuple[int, bool, int]] = set()
@@ -253,7 +253,7 @@ def schedule(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
             while queue:
                 is_fwd, mb = queue[0]
                 dep = (stage - 1, True, mb) if is_fwd else ((stage, True, mb) if stage == pp - 1 else (stage + 1, False, mb))
-                if is_fwd and stage == 0 or dep in done:
+                if (is_fwd and stage == 0) or dep in done:
                     queue.pop(0)
                     done.add((stage, is_fwd, mb))
                     order.append((stage, is_fwd, mb))

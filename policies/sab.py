@@ -10,15 +10,20 @@ change what the optimiser sees per step).
 The expected budget is an exponential moving average, per length bucket, of the budgets the paired
 sparsity policy gave recently. The drivers (sim.run, runner.train) hand SAB no feedback, so SAB owns
 an instance of that policy (``expect``: name and params, in ``sparsebalance`` an interpolation of the
-policy's own sparsity part) and runs it on each plan it emits; the same deterministic policy runs again
-in the driver and gives the same budgets. The EMA is policy state carried across steps: the same seed
-and config replay the same sequence of plans. Buckets never seen yet take the mean of the seen ones,
-and before the first step everything takes ``prior_p`` (1.0: dense, so step 0 is plain LBB).
+policy's own sparsity part) and runs it on each plan it emits; the driver's copy of the same
+deterministic policy then gives the same budgets (dst memoises that call, so it is not paid twice).
+The EMA is policy state carried across steps: the same seed and config replay the same sequence of
+plans. Buckets never seen yet take the mean of the seen ones, and before the first step everything
+takes ``prior_p`` (1.0: dense, so step 0 is plain LBB).
+
+Ours, not the paper's (``pipeline_order``, on by default): with pp > 1 each rank's packed micro-batches
+are also put in the order with the shortest 1F1B time.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+
 import numpy as np
 
 from policies.base import PartitionPolicy, make_sparsity, register_batching
