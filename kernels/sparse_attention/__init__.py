@@ -62,8 +62,9 @@ def _check_budget(name, value):
             raise ValueError(f"{name} must be in (0, 1], got {value!r}")
 
 
-def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=64):
-    """Raise a one-line ValueError naming the first bad input."""
+def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=64, check_cu_values=True):
+    """Raise a one-line ValueError naming the first bad input. ``check_cu_values=False`` skips the
+    device->host copy of cu_seqlens (when a prebuilt selection already fixes the documents)."""
     _check_tensor("q", q)
     _check_tensor("k", k)
     if v is not None:
@@ -88,6 +89,12 @@ def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=
                          f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with n+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if q.device != k.device or (v is not None and v.device != q.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device if v is not None else None}")
+    if p is not None and kept_fraction is not None:
+        raise ValueError("give p or kept_fraction, not both")
+    if not check_cu_values:
+        return
     cu = cu_seqlens.detach().cpu().long()
     if int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
@@ -98,10 +105,6 @@ def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=
                          f"cu_seqlens[{i + 1}]={int(cu[i + 1])}")
     if int(cu[-1]) != T:
         raise ValueError(f"cu_seqlens must end at T={T}, got {int(cu[-1])}")
-    if q.device != k.device or (v is not None and v.device != q.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device if v is not None else None}")
-    if p is not None and kept_fraction is not None:
-        raise ValueError("give p or kept_fraction, not both")
     _check_budget("p", p)
     _check_budget("kept_fraction", kept_fraction)
     n = cu.numel() - 1
@@ -125,8 +128,9 @@ def sparse_attention(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size
     Give a ``selection`` (from :func:`select_blocks` or :func:`selection_from_mask`) or a budget (``p`` or
     ``kept_fraction``; neither means dense). Gradients flow to q, k, v; the selection is not differentiated.
     """
-    validate_inputs(q, k, v, cu_seqlens, p, kept_fraction, block_size if selection is None else
-                    selection.block_size)
+    # with a prebuilt selection the documents come from its layout: no device->host copy of cu_seqlens here
+    validate_inputs(q, k, v, cu_seqlens, p, kept_fraction,
+                    block_size if selection is None else selection.block_size, check_cu_values=selection is None)
     if selection is not None:
         if p is not None or kept_fraction is not None:
             raise ValueError("give a selection or a budget (p / kept_fraction), not both")

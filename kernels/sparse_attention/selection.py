@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from .layout import BlockLayout, block_layout
 __all__ = ["BlockSelection", "select_blocks", "selection_from_mask", "pool_blocks"]
 
 _CHUNK_ELEMS = 1 << 23
+_TRITON_SELECT_BROKEN = False
 
 
 @dataclass
@@ -214,9 +216,17 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
     qbar = pool_blocks(q, lay, Hkv)  # [NB, Hkv, D]
     kbar = pool_blocks(k, lay, Hkv)
     if use_triton_selection(q):
-        return _select_triton(lay, Hkv, qbar, kbar, budget, topp, scale,
-                              None if topp else (kept_fraction if not isinstance(kept_fraction, torch.Tensor)
-                                                 else None))
+        global _TRITON_SELECT_BROKEN
+        if not _TRITON_SELECT_BROKEN:
+            try:
+                return _select_triton(lay, Hkv, qbar, kbar, budget, topp, scale,
+                                      None if topp else (kept_fraction if not isinstance(kept_fraction, torch.Tensor)
+                                                         else None))
+            except Exception as e:  # noqa: BLE001 - a compile failure on an untested GPU/Triton: use torch
+                if os.environ.get("SPARSE_ATTN_SELECT") == "triton":
+                    raise
+                _TRITON_SELECT_BROKEN = True
+                warnings.warn(f"fused Triton selection failed ({e!r:.200}); using the torch selection")
 
     kept_sum = torch.zeros(n, dtype=torch.float32, device=dev)
     cov_sum = torch.zeros(n, dtype=torch.float32, device=dev)

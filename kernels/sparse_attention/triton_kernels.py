@@ -104,9 +104,9 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
+def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                    qk_scale, sm_scale, T, NB, WK,
-                   sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdqt, sdqh,
+                   sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sdqt, sdqh,
                    G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    D: tl.constexpr, PREC: tl.constexpr):
     hq = tl.program_id(0)
@@ -127,7 +127,10 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q
         q = tl.load(Q + hq * sqh + om[:, None] * sqt + offs_d[None, :], mask=mmask[:, None], other=0.0)
         do = tl.load(DO + hq * sdoh + om[:, None] * sdot + offs_d[None, :], mask=mmask[:, None], other=0.0)
         lse = tl.load(LSE + hq.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
-        delta = tl.load(DELTA + hq.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
+        # delta = rowsum(dO * O), computed here and stored for the dK/dV kernel (which runs after this one)
+        o = tl.load(O + hq * soh + om[:, None] * sot + offs_d[None, :], mask=mmask[:, None], other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(DELTA + hq.to(tl.int64) * T + offs_m, delta, mask=mmask)
         dq = tl.zeros([BM, D], tl.float32)
         row = hk * NB + r
         cnt = tl.load(q2k_cnt + row)
@@ -383,16 +386,16 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
     lay = sel.layout
     B, NB = lay.block_size, lay.num_blocks
     do = do.contiguous() if do.stride(-1) != 1 else do
-    delta = (do.float() * o.float()).sum(-1).t().contiguous()  # [Hq, T]
+    delta = _empty((Hq, T), q, torch.float32)  # written by the dQ kernel
     dq = _empty(q.shape, q)
     dk = _empty(k.shape, k)
     dv = _empty(v.shape, v)
     prec = _prec(q.dtype)
     cfg = get_config("dq", B, D)
     _bwd_dq_kernel[(Hq, NB * (B // cfg["BM"]))](
-        q, k, v, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
+        q, k, v, o, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
