@@ -396,6 +396,29 @@ def quick(args):
                 out.flush()
                 log(json.dumps(row))
     out.close()
+    # where the backward time goes at 32K / 0.9, and what the compiler made of each kernel
+    try:
+        L = 32768
+        q, k, v = make_qkv(L, H, H, D, torch.bfloat16, grad=False)
+        cu = cu_from_lens([L])
+        sel = select_blocks(q, k, cu, kept_fraction=0.1, block_size=B)
+        o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
+        do = torch.randn_like(o)
+        t_f = bench(lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5))
+        t_b = bench(lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5))
+        tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5)
+        info = {}
+        for name, ck in tk.LAST_COMPILED.items():
+            try:
+                ptx = ck.asm.get("ptx", "")
+                info[name] = dict(regs=ck.n_regs, spills=ck.n_spills, cp_async=ptx.count("cp.async"),
+                                  wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"))
+            except Exception as e:  # noqa: BLE001
+                info[name] = repr(e)[:100]
+        log("KERNEL_INFO", json.dumps(info))
+        log(f"KERNELS_32K_0.9 fwd_ms={t_f:.3f} bwd_ms={t_b:.3f}")
+    except Exception as e:  # noqa: BLE001
+        log("KERNEL_INFO failed", repr(e)[:300])
 
 
 def main():

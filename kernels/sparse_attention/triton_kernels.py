@@ -348,6 +348,7 @@ def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: 
     return idx, start, cnt, cov
 
 
+LAST_COMPILED: dict = {}  # diagnostics: the last compiled kernel of each kind (registers, spills, PTX)
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN so a missed write fails
 
 
@@ -371,7 +372,7 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
     grid = (Hq, NB * (B // cfg["BM"]))
-    _fwd_kernel[grid](q, k, v, o, lse, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
+    LAST_COMPILED["fwd"] = _fwd_kernel[grid](q, k, v, o, lse, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
                       sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       o.stride(0), o.stride(1),
@@ -392,7 +393,7 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
     dv = _empty(v.shape, v)
     prec = _prec(q.dtype)
     cfg = get_config("dq", B, D)
-    _bwd_dq_kernel[(Hq, NB * (B // cfg["BM"]))](
+    LAST_COMPILED["dq"] = _bwd_dq_kernel[(Hq, NB * (B // cfg["BM"]))](
         q, k, v, o, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
@@ -400,7 +401,7 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
         G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = get_config("dkdv", B, D)
-    _bwd_dkdv_kernel[(Hkv, NB * (B // cfg["BN"]))](
+    LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[(Hkv, NB * (B // cfg["BN"]))](
         q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start, sel.k2q_end, sel.k_order,
         sm_scale * LOG2E, sm_scale, T, NB,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
