@@ -709,9 +709,11 @@ def plot_fidelity(frame: pd.DataFrame, what: str, title: str) -> Figure:
     colours = policy_colours(frame["group"])
     fig = Figure(figsize=(6.4, 6.0), layout="constrained")
     ax = fig.subplots()
-    columns = [c for c in ("predicted_ms", "plan_ms", "measured_ms") if c in frame]
-    hi = 1.08 * float(frame[columns].max().max())
-    line = np.array([0.0, hi])
+    values = frame[[c for c in ("predicted_ms", "plan_ms", "measured_ms") if c in frame]].to_numpy()
+    lo, hi = float(values.min()), float(values.max())
+    log = lo > 0 and hi / lo > 100  # kernels from 0.1 ms to 1 s: only a log scale shows them all
+    lo, hi = (lo / 1.5, hi * 1.5) if log else (0.0, 1.08 * hi)
+    line = np.geomspace(lo, hi, 50) if log else np.array([lo, hi])
     ax.fill_between(line, 0.9 * line, 1.1 * line, color="0.92", label="±10%")
     ax.plot(line, line, color="0.3", lw=0.8, label="predicted = measured")
     for group, sub in frame.groupby("group", sort=False):
@@ -720,8 +722,11 @@ def plot_fidelity(frame: pd.DataFrame, what: str, title: str) -> Figure:
         if "plan_ms" in sub:
             ax.scatter(sub["measured_ms"], sub["plan_ms"], facecolors="none", edgecolors=colours[group], s=28,
                        zorder=3, label=f"{group}, Plan budgets ({_mape(sub['plan_ms'], sub['measured_ms']):.1f}%)")
-    ax.set_xlim(0, hi)
-    ax.set_ylim(0, hi)
+    if log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
     ax.set_aspect("equal")
     ax.set_xlabel(f"measured {what} (ms)")
     ax.set_ylabel(f"predicted {what} (ms)")

@@ -15,6 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
+def test_the_four_notebooks_exist():
+    assert [p.stem for p in NOTEBOOKS] == ["calibration", "fidelity", "policies", "timeline"]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_is_stored_without_outputs(path):
     book = nbformat.read(path, as_version=4)

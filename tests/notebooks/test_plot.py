@@ -57,13 +57,14 @@ def test_timeline_replays_the_recorded_step(sweep):
     assert_legible(plot.plot_timeline(traces))
 
 
-def test_timeline_with_pipeline_stages(tmp_path):
-    run_dir = tmp_path / "pp2"
+def test_sim_run_draws_a_pipeline_timeline_when_asked(tmp_path):
     done = subprocess.run([sys.executable, "-m", "sim.run", "policy=kk", "steps=1", "layout.pp=2",
-                           "layout.micro_batches=4", "baseline=null", f"hydra.run.dir={run_dir}"],
+                           "layout.micro_batches=4", "baseline=null", "plot=true", f"hydra.run.dir={tmp_path}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    trace = plot.replay_step(plot.read_run(run_dir))
+    assert f"figures: {tmp_path / 'figures'}  (timeline.png)" in done.stdout
+    assert (tmp_path / "figures" / "timeline.png").stat().st_size > 0
+    trace = plot.replay_step(plot.read_run(tmp_path))
     assert trace.pp == 2 and set(trace.ops["stage"]) == {0, 1}
     assert_legible(plot.plot_timeline([trace]))
 
@@ -104,31 +105,28 @@ def test_unknown_summary_is_refused(sweep_copy):
         plot.read_run(sweep_copy / "0")
 
 
-@pytest.mark.parametrize("damage", ["empty", "partial", "schema"])
-def test_cli_bad_input_is_one_line_without_traceback(sweep_copy, tmp_path, damage):
-    target = tmp_path / "empty"
-    target.mkdir()
-    if damage == "partial":
-        target = sweep_copy / "0"
-        (target / "steps.csv").unlink()
-    elif damage == "schema":
-        target = sweep_copy / "0"
-        (target / "steps.csv").write_text("step,step_ms\n0,1.0\n")
-    done = subprocess.run([sys.executable, "-m", "sim.plot", str(target)], cwd=ROOT, capture_output=True,
+def test_cli_bad_input_is_one_line_without_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "sim.plot", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
-    assert "Traceback" not in done.stderr
+    assert "no Results found" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_cli_writes_every_results_figure(sweep, tmp_path):
+@pytest.mark.parametrize("damage, message", [("partial", "partial Results"), ("schema", "older or unknown")])
+def test_cli_names_a_partial_or_old_run(sweep_copy, damage, message):
+    steps = sweep_copy / "0" / "steps.csv"
+    steps.unlink() if damage == "partial" else steps.write_text("step,step_ms\n0,1.0\n")
+    with pytest.raises(SystemExit, match=f"^error: .*{message}") as exc:
+        plot.main([str(sweep_copy / "0")])
+    assert "\n" not in str(exc.value)
+
+
+def test_cli_writes_every_results_figure(sweep, tmp_path, capsys):
     out = tmp_path / "figs"
-    done = subprocess.run([sys.executable, "-m", "sim.plot", str(sweep), "--out", str(out), "--format", "svg",
-                           "--step", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    names = sorted(p.name for p in out.iterdir())
-    assert names == ["frontier.svg", "policies.svg", "timeline.svg"]
-    assert f"figure: {out / 'timeline.svg'}" in done.stdout
+    assert plot.main([str(sweep), "--out", str(out), "--format", "svg", "--step", "1"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["frontier.svg", "policies.svg", "timeline.svg"]
+    assert f"figure: {out / 'timeline.svg'}" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- fidelity
@@ -206,14 +204,6 @@ def test_benchmark_with_foreign_columns_is_refused(tmp_path):
     path.write_text("a,b\n1,2\n")
     with pytest.raises(PlotError, match="not a kernel benchmark CSV"):
         plot.read_benchmark(path)
-
-
-def test_sim_run_draws_its_figures_when_asked(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "sim.run", "policy=kk", "steps=1", "plot=true",
-                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert f"figures: {tmp_path / 'figures'}  (timeline.png)" in done.stdout
-    assert (tmp_path / "figures" / "timeline.png").stat().st_size > 0
 
 
 def test_benchmark_checks_the_profile_on_our_kernel(bench_csv):
