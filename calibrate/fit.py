@@ -195,6 +195,7 @@ def build_profile(gpu: str, runs: list[dict], coefs: dict, report: dict, fit_com
             "command": " && ".join([r["command"] for r in runs] + [fit_command]),
             "date": first["date"],
             "fitted": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "code_version": last.get("code_version"),
             "gpu_name": last.get("gpu_name"),
             "driver": last.get("driver"),
             "cuda": last.get("cuda"),

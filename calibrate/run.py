@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-budget-s", type=float, default=None, help="start no new point after this long")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: Triton interpreter, fp32")
     ap.add_argument("--dry-run", action="store_true", help="print the grid and its estimated cost, time nothing")
+    ap.add_argument("--code-version", default=None,
+                    help="commit of the kernel and layer code being timed (GPU boxes get a copy without .git)")
     return ap.parse_args(argv)
 
 
@@ -55,7 +57,7 @@ def measure_all(points: list[GridPoint], measurer, csv: Path, time_budget_s: flo
     """Time and append each point; returns how many were measured. Stops starting points past the budget."""
     start = time.monotonic()
     measured = 0
-    bar = tqdm(points, desc="calibrate", unit="pt", file=sys.stderr)
+    bar = tqdm(points, desc="calibrate", unit="pt", file=sys.stderr, mininterval=2.0)
     for point in bar:
         if time_budget_s is not None and time.monotonic() - start > time_budget_s:
             bar.write(f"time budget of {time_budget_s:.0f}s spent; {len(points) - measured} points left for a rerun")
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run or not todo:
         return 0
     command = shlex.join(["python", "-m", "calibrate.run", *(sys.argv[1:] if argv is None else argv)])
-    entry = {"command": command, **machine_facts(args.device),
+    entry = {"command": command, "code_version": args.code_version, **machine_facts(args.device),
              "grid": grid_description(shapes, args.block_size, args.max_tokens, len(points))}
     write_meta(args.csv, entry | {"points_measured": None, "points_left": len(todo)})
     started = time.monotonic()
