@@ -315,7 +315,7 @@ def _plan_line(run: Run, step: int) -> str:
     raise PlotError(f"{run.path}: no plan for step {step} (steps 0..{len(run.steps) - 1})")
 
 
-def replay_step(run: Run, step: int = 0) -> StepTrace:
+def replay_step(run: Run, step: int = 0, label: str | None = None) -> StepTrace:
     """Re-simulate one step of a sim.run run from its saved config and Plan, with the engine's trace.
 
     Results keep per-micro-batch totals, not start times; the replay recovers them exactly, and is checked
@@ -350,7 +350,7 @@ def replay_step(run: Run, step: int = 0) -> StepTrace:
     ops = pd.DataFrame(outcome.timeline.trace,
                        columns=["start_ms", "end_ms", "dp_rank", "stage", "kind", "micro_batch"])
     barrier = float(outcome.timeline.finish_ms.max(initial=0.0))
-    return StepTrace(run.policy, step, ops, barrier, outcome.record.step_ms, outcome.record.bubble_fraction,
+    return StepTrace(label or run.policy, step, ops, barrier, outcome.record.step_ms, outcome.record.bubble_fraction,
                      layout.dp, layout.pp)
 
 
@@ -406,15 +406,21 @@ def plot_timeline(traces: list[StepTrace], label_mbs: bool = True) -> Figure:
 
 
 def pick_timeline_runs(runs: list[Run]) -> list[Run]:
-    """Baseline and sparsebalance when present, else the baseline and the fastest other policy."""
-    simulated = [r for r in runs if r.summary.get("source") != "runner"]  # the runner's are measured, not replayable
-    by_policy = {r.policy: r for r in simulated if (r.path / ".hydra" / "config.yaml").is_file()}
-    if not by_policy:
+    """Two runs of one setting to set side by side: baseline and sparsebalance if a setting has both, else
+    the first setting's baseline (or first run) and its fastest other policy."""
+    replayable = [r for r in runs if r.summary.get("source") != "runner" and (r.path / ".hydra" / "config.yaml").is_file()]
+    if not replayable:
         raise PlotError("no sim.run runs (with .hydra/config.yaml) to draw a timeline from")
-    chosen = [by_policy[p] for p in ("baseline", "sparsebalance") if p in by_policy]
-    others = sorted((r for p, r in by_policy.items() if p not in ("baseline", "sparsebalance")),
-                    key=lambda r: r.summary["step_ms"])
-    return (chosen + others)[:2]
+    by_setting: dict[str, dict[str, Run]] = {}
+    for run, setting in zip(replayable, settings(replayable)):
+        by_setting.setdefault(setting, {}).setdefault(run.policy, run)
+    for group in by_setting.values():
+        if {"baseline", "sparsebalance"} <= set(group):
+            return [group["baseline"], group["sparsebalance"]]
+    group = next(iter(by_setting.values()))
+    first = group.get("baseline", next(iter(group.values())))
+    others = sorted((r for r in group.values() if r is not first), key=lambda r: r.summary["step_ms"])
+    return [first, *others[:1]]
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -752,7 +758,10 @@ def results_figures(path: Path, step: int) -> dict[str, Figure]:
         figures["policies"] = plot_policies(simulated)
         figures["frontier"] = plot_frontier(simulated)
     if simulated:
-        figures["timeline"] = plot_timeline([replay_step(r, step) for r in pick_timeline_runs(simulated)])
+        chosen = pick_timeline_runs(simulated)
+        labels = dict(zip(map(id, simulated), settings(simulated)))
+        traces = [replay_step(r, step, label=" ".join(filter(None, (r.policy, labels[id(r)])))) for r in chosen]
+        figures["timeline"] = plot_timeline(traces)
     if len(simulated) < len(runs):
         figures["fidelity"] = plot_step_fidelity(fidelity_frame(runs))
     return figures
