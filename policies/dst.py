@@ -103,9 +103,10 @@ def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost
 
 def budget_grid(params: DynamicSparsityTuning.Params) -> np.ndarray:
     """``levels`` budgets from floor to cap, plus p itself (so `fixed` is reachable), rounded so that
-    budgets in plans read cleanly (and clipped so rounding never leaves [floor, cap])."""
+    budgets in plans read cleanly (and clipped so rounding never leaves [floor, cap]). A level that
+    rounds to p's neighbourhood gives way to p, so no two levels are the same budget up to rounding."""
     grid = np.clip(np.round(np.linspace(params.floor, params.cap, params.levels), 6), params.floor, params.cap)
-    return np.unique(np.append(grid, params.p))
+    return np.unique(np.append(grid[np.abs(grid - params.p) > 5e-7], params.p))
 
 
 def with_levels(plan: Plan, levels: np.ndarray, budgets: list[Budget]) -> Plan:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from policies.base import make_batching, make_sparsity, uniform_budget_plan
-from policies.dst import LevelTable, pipeline_ms
+from policies.dst import LevelTable, budget_grid, pipeline_ms
 from policies.plan import Budget
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError
@@ -108,9 +108,10 @@ def test_zero_heterogeneity_is_a_no_op(free_hand_offs, layout_dims, per_mb, leng
     plan = plan_for([length] * n, [sens] * n, layout, cost)
     # Where selection costs more than sparsity saves (short documents), a higher budget is also faster:
     # DST rightly takes that, so the no-op claim is about costs that grow with the budget.
-    rank_ms = LevelTable.build(plan, layout, cost, np.linspace(floor, cap, 9)).rank_ms[:, 0]
+    dst = make_sparsity("dst", {"p": p, "floor": floor, "cap": cap})
+    rank_ms = LevelTable.build(plan, layout, cost, budget_grid(dst.params)).rank_ms[:, 0]
     assume(np.all(np.diff(rank_ms) >= 0))
-    tuned = make_sparsity("dst", {"p": p, "floor": floor, "cap": cap}).tune(plan, layout, cost)
+    tuned = dst.tune(plan, layout, cost)
     assert tuned == uniform_budget_plan(plan, Budget(p=p))
 
 
