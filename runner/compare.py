@@ -9,7 +9,9 @@ layout, twice:
   is kept (what a policy comparison in the simulator sees).
 
 Prints per-step predicted vs measured step time and the median absolute % error (warm-up steps, which
-compile kernels, skipped), and writes ``compare.csv`` and ``compare.json`` into the run dir.
+compile kernels, skipped), and writes ``compare.csv`` and ``compare.json`` into the run dir. Given several
+run dirs (the first is the baseline), also the measured speedup, coverage and retrieval accuracy of each
+against the first; ``--out`` writes all of it as one CSV (per step) and JSON (per run).
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, dict]:
     scored = table[table["step"] >= table["step"].min() + skip]
     if scored.empty:
         raise ConfigError(f"--skip {skip} leaves none of the run's {len(table)} steps to compare")
+    run_summary = json.loads((run_dir / "summary.json").read_text())
     summary = {
         "run_dir": str(run_dir),
         "policy": cfg.policy.name,
@@ -78,27 +81,46 @@ def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, dict]:
         "median_abs_error_pct_plan_budgets": float(np.median(np.abs(scored["plan_error_pct"]))),
         "measured_step_ms_median": float(scored["measured_ms"].median()),
         "sim_step_ms_median": float(scored["sim_ms"].median()),
+        "mean_coverage": run_summary["mean_coverage"],
+        "final_loss": run_summary["final_loss"],
+        "final_accuracy": run_summary["final_accuracy"],
     }
-    return table, summary
+    return table.assign(policy=summary["policy"]), summary
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dirs", type=Path, nargs="+", help="runner run dirs; the first is the baseline")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="calibrated cost profile (JSON)")
     parser.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the error")
+    parser.add_argument("--out", type=Path, help="write the combined per-step CSV here (and a .json beside it)")
     args = parser.parse_args(argv)
-    try:
-        table, summary = replay(args.run_dir, args.profile, args.skip)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    table.to_csv(args.run_dir / "compare.csv", index=False, float_format="%.6g")
-    write_json_atomic(args.run_dir / "compare.json", summary)
-    print(table.round(2).to_string(index=False))
-    print(f"{summary['policy']}: median |error| {summary['median_abs_error_pct']:.2f}% over "
-          f"{summary['steps_compared']} steps (measured kept fractions); "
-          f"{summary['median_abs_error_pct_plan_budgets']:.2f}% with the Plan's budgets")
+    tables, summaries = [], []
+    for run_dir in args.run_dirs:
+        try:
+            table, summary = replay(run_dir, args.profile, args.skip)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        table.to_csv(run_dir / "compare.csv", index=False, float_format="%.6g")
+        write_json_atomic(run_dir / "compare.json", summary)
+        print(table.round(2).to_string(index=False))
+        print(f"{summary['policy']}: median |error| {summary['median_abs_error_pct']:.2f}% over "
+              f"{summary['steps_compared']} steps (measured kept fractions); "
+              f"{summary['median_abs_error_pct_plan_budgets']:.2f}% with the Plan's budgets")
+        tables.append(table)
+        summaries.append(summary)
+    base = summaries[0]
+    for summary in summaries:
+        summary["measured_speedup_vs_first"] = base["measured_step_ms_median"] / summary["measured_step_ms_median"]
+        summary["sim_speedup_vs_first"] = base["sim_step_ms_median"] / summary["sim_step_ms_median"]
+    if len(summaries) > 1:
+        cols = ["policy", "measured_step_ms_median", "sim_step_ms_median", "median_abs_error_pct",
+                "measured_speedup_vs_first", "sim_speedup_vs_first", "mean_coverage", "final_accuracy"]
+        print(pd.DataFrame(summaries)[cols].round(4).to_string(index=False))
+    if args.out:
+        pd.concat(tables).to_csv(args.out, index=False, float_format="%.6g")
+        write_json_atomic(args.out.with_suffix(".json"), {"profile": args.profile, "runs": summaries})
     return 0
 
 
