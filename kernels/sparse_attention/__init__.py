@@ -111,13 +111,14 @@ def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=
     for name, val in (("p", p), ("kept_fraction", kept_fraction)):
         if isinstance(val, torch.Tensor) and val.numel() not in (1, n):
             raise ValueError(f"{name} has {val.numel()} entries, expected one per sequence ({n})")
+    return cu
 
 
 def select_blocks(q, k, cu_seqlens, p=None, kept_fraction=None, block_size: int = 64,
                   softmax_scale=None) -> BlockSelection:
     """Validated block selection; see :mod:`.selection`. Neither ``p`` nor ``kept_fraction``: dense."""
-    validate_inputs(q, k, None, cu_seqlens, p, kept_fraction, block_size)
-    return _select_blocks(q, k, cu_seqlens, p=p, kept_fraction=kept_fraction, block_size=block_size,
+    cu_host = validate_inputs(q, k, None, cu_seqlens, p, kept_fraction, block_size)
+    return _select_blocks(q, k, cu_host, p=p, kept_fraction=kept_fraction, block_size=block_size,
                           softmax_scale=softmax_scale)
 
 
@@ -129,8 +130,9 @@ def sparse_attention(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size
     ``kept_fraction``; neither means dense). Gradients flow to q, k, v; the selection is not differentiated.
     """
     # with a prebuilt selection the documents come from its layout: no device->host copy of cu_seqlens here
-    validate_inputs(q, k, v, cu_seqlens, p, kept_fraction,
-                    block_size if selection is None else selection.block_size, check_cu_values=selection is None)
+    cu_host = validate_inputs(q, k, v, cu_seqlens, p, kept_fraction,
+                              block_size if selection is None else selection.block_size,
+                              check_cu_values=selection is None)
     if selection is not None:
         if p is not None or kept_fraction is not None:
             raise ValueError("give a selection or a budget (p / kept_fraction), not both")
@@ -144,7 +146,7 @@ def sparse_attention(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size
             raise ValueError(f"selection has {selection.num_kv_heads} KV heads, k has {k.shape[1]}")
         sel = selection
     else:
-        sel = _select_blocks(q, k, cu_seqlens, p=p, kept_fraction=kept_fraction, block_size=block_size,
+        sel = _select_blocks(q, k, cu_host, p=p, kept_fraction=kept_fraction, block_size=block_size,
                              softmax_scale=softmax_scale)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if backend == "auto":

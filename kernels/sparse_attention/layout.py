@@ -33,6 +33,8 @@ class BlockLayout:
     token_block: torch.Tensor  # int64 [T] global block of each token
     row_offset: torch.Tensor  # int64 [NB] start of block g's causal candidates in a packed triangle
     total_causal: int  # sum over documents of nb*(nb+1)/2
+    doc_causal_t: torch.Tensor  # float32 [n] causal blocks per document (device, for stats)
+    doc_nblocks_t: torch.Tensor  # float32 [n] blocks per document (device, for stats)
 
     @property
     def max_doc_blocks(self) -> int:
@@ -93,6 +95,8 @@ def block_layout(cu_seqlens: torch.Tensor, block_size: int, device=None) -> Bloc
         token_block=token_block.to(device),
         row_offset=row_offset.to(device),
         total_causal=int(doc_tri[-1]),
+        doc_causal_t=tri.to(device=device, dtype=torch.float32),
+        doc_nblocks_t=nblocks.to(device=device, dtype=torch.float32),
     )
     _CACHE[key] = lay
     if len(_CACHE) > _CACHE_SIZE:

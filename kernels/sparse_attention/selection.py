@@ -114,18 +114,19 @@ def pool_blocks(x: torch.Tensor, lay: BlockLayout, num_kv_heads: int) -> torch.T
 
 
 def _per_doc(value, n: int, name: str, device) -> torch.Tensor:
+    """Budget as a float32 [n] device tensor. Range checks of tensors are done (once, on the host) by the
+    public functions' validate_inputs; floats are checked here without touching the device."""
     if isinstance(value, torch.Tensor):
         t = value.detach().to(device=device, dtype=torch.float32).reshape(-1)
         if t.numel() == 1:
             t = t.expand(n)
         if t.numel() != n:
             raise ValueError(f"{name} has {t.numel()} entries, expected one per sequence ({n})")
-    else:
-        t = torch.full((n,), float(value), dtype=torch.float32, device=device)
-    bad = (t <= 0) | (t > 1) | torch.isnan(t)
-    if bool(bad.any()):
-        raise ValueError(f"{name} must be in (0, 1], got {t[bad][0].item()!r}")
-    return t.contiguous()
+        return t.contiguous()
+    v = float(value)
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return torch.full((n,), v, dtype=torch.float32, device=device)
 
 
 def _finalize(lay: BlockLayout, Hkv: int, q2k_idx, q2k_cnt, kept_fraction, coverage,
@@ -189,9 +190,8 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
     n = lay.num_docs
     kept_sum = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(0, lay.block_doc, cnt.sum(0).float())
     cov_sum = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(0, lay.block_doc, cov.sum(0))
-    causal = torch.tensor(lay.causal_blocks_per_doc(), dtype=torch.float32, device=dev) * Hkv
-    nbs_all = torch.tensor(lay.doc_nblocks, dtype=torch.float32, device=dev) * Hkv
-    return _finalize(lay, Hkv, idx, cnt, kept_sum / causal, cov_sum / nbs_all, q2k_start=start)
+    return _finalize(lay, Hkv, idx, cnt, kept_sum / (lay.doc_causal_t * Hkv), cov_sum / (lay.doc_nblocks_t * Hkv),
+                     q2k_start=start)
 
 
 @torch.no_grad()
@@ -199,7 +199,8 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
                   block_size: int = 64, softmax_scale: float | None = None) -> BlockSelection:
     """Select KV blocks per (KV head, query block). See the module docstring.
 
-    q ``[T, Hq, D]``, k ``[T, Hkv, D]``, cu_seqlens int32 ``[n+1]``. Exactly one of ``p`` (top-p coverage
+    q ``[T, Hq, D]``, k ``[T, Hkv, D]``, cu_seqlens int32 ``[n+1]`` (on any device: only its values are
+    used, through the cached block layout; a host tensor saves a device->host copy). Exactly one of ``p`` (top-p coverage
     target) and ``kept_fraction`` may be given (float or ``[n]`` tensor, in (0, 1]); neither means dense.
     """
     if p is not None and kept_fraction is not None:
@@ -294,9 +295,8 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
         q2k_cnt[:, g] = cnt.permute(1, 0, 2).reshape(Hkv, -1).to(torch.int32)
     q2k_idx = q2k_idx[:, :NB].contiguous()
     q2k_cnt = q2k_cnt[:, :NB].contiguous()
-    causal = torch.tensor(lay.causal_blocks_per_doc(), dtype=torch.float32, device=dev) * Hkv
-    nbs_all = torch.tensor(lay.doc_nblocks, dtype=torch.float32, device=dev) * Hkv
-    return _finalize(lay, Hkv, q2k_idx, q2k_cnt, kept_sum / causal, cov_sum / nbs_all)
+    return _finalize(lay, Hkv, q2k_idx, q2k_cnt, kept_sum / (lay.doc_causal_t * Hkv),
+                     cov_sum / (lay.doc_nblocks_t * Hkv))
 
 
 def selection_from_mask(block_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int = 64,
