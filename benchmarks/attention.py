@@ -375,6 +375,7 @@ def quick(args):
         cu = cu_from_lens(lens_)
         q, k, v = make_qkv(T, H, H, D, torch.bfloat16)
         do = torch.randn_like(q)
+        lw = torch.tensor(lens_, device="cuda", dtype=torch.float32) ** 2  # same weighting as the full grid
         for sp in sps:
             for mode in ("kept_fraction", "torch_select") if (T == 32768 and sp == 0.9) else ("kept_fraction",):
                 if mode == "torch_select":
@@ -387,7 +388,8 @@ def quick(args):
                 f_ms = bench(fwd)
                 fb_ms = bench(lambda: torch.autograd.grad(fwd(), (q, k, v), do))
                 row = dict(case=case, T=T, ndocs=len(lens_), sparsity=sp,
-                           kept_fraction=round(float(sel.kept_fraction.mean()), 4), impl="triton_sparse",
+                           kept_fraction=round(float((sel.kept_fraction * lw).sum() / lw.sum()), 4),
+                           impl="triton_sparse",
                            fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4), fwd_tflops=round(fl / f_ms / 1e9, 1),
                            fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1),
                            error=f"select_ms[{'torch' if mode == 'torch_select' else 'triton'}]={s_ms:.3f} "
