@@ -31,8 +31,10 @@ Infeasible cases, handled explicitly:
 * a ``min_mean_coverage`` no makespan up to the start's can reach: tau stays at the start's makespan
   and the ranks fill their idle time (the makespan guarantee wins over the coverage target);
 * a plan with nothing to gain (no makespan or coverage improvement) is returned at the uniform ``p``,
-  so with zero heterogeneity DST is exactly ``fixed``. (Identical micro-batches in a pipeline are not
-  quite homogeneous: stage hand-off latency leaves slack on some of them, which step 2 may fill.)
+  so with zero heterogeneity and pp = 1 DST is exactly ``fixed``. Identical micro-batches in a pipeline
+  are not homogeneous: 1F1B puts the first one's forward and the last one's backward alone on every
+  stage, and hand-offs leave slack, so with pp > 1 DST may trade budget between pipeline positions
+  (never slower, never less mean coverage).
 """
 from __future__ import annotations
 
