@@ -190,7 +190,7 @@ def _context(runs: list[Run]) -> str:
         return values.pop() if len(values) == 1 else "various"
 
     layout = f"dp{shared('dp')}×cp{shared('cp')}×pp{shared('pp')}, {shared('micro_batches')} micro-batches"
-    return f"{shared('model')}, {shared('workload')} workload, {layout}, {shared('steps')} steps"
+    return f"{shared('model')}, {shared('workload')} workload, {layout}, {shared('steps')} steps, {shared('cost')} cost"
 
 
 def simulate_sweep(overrides: list[str], out: str | Path) -> Path:
@@ -395,7 +395,7 @@ def plot_timeline(traces: list[StepTrace], label_mbs: bool = True) -> Figure:
     legend = [
         Patch(facecolor=FORWARD, label="forward compute (number: micro-batch)"),
         Patch(facecolor=BACKWARD, label="backward compute"),
-        Patch(facecolor=IDLE, hatch="///", label="idle (waiting for other ranks/stages)"),
+        Patch(facecolor=IDLE, hatch="///", label="idle (waiting for other ranks, stages, p2p hand-offs)"),
         Patch(facecolor=COMM, label="gradient all-reduce (communication)"),
     ]
     fig.legend(handles=legend, loc="outside lower center", ncols=4, fontsize=8)
