@@ -261,6 +261,7 @@ def _pool_kernel(X, OUT, blk_start, blk_end, sxt, sxh, G: tl.constexpr, BLOCK: t
 
 def pool_blocks_triton(x, lay, num_kv_heads):
     T, H, D = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(lay.num_blocks, num_kv_heads, D, dtype=torch.float32, device=x.device)
     _pool_kernel[(lay.num_blocks, num_kv_heads)](x, out, lay.block_start, lay.block_end, x.stride(0), x.stride(1),
                                                  G=H // num_kv_heads, BLOCK=lay.block_size, D=D, num_warps=4)
@@ -414,6 +415,8 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
 class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sel, sm_scale):
+        # kernels take any token/head strides but need a unit stride along D
+        q, k, v = [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)]
         o, lse = sparse_attn_fwd(q, k, v, sel, sm_scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.sel = sel

@@ -279,3 +279,19 @@ def test_fused_triton_selection_equals_torch_selection(budget, monkeypatch):
     assert torch.equal(a.k2q_ptr, b.k2q_ptr) and torch.equal(a.k2q_idx, b.k2q_idx)
     torch.testing.assert_close(a.kept_fraction, b.kept_fraction)
     torch.testing.assert_close(a.coverage, b.coverage)
+
+
+def test_strided_inputs():
+    """Views with token/head strides (e.g. split from a fused QKV projection) and a non-unit D stride."""
+    lens = [30, 19]
+    T, H, D = sum(lens), 2, 16
+    g = torch.Generator().manual_seed(7)
+    qkv_ = torch.randn(T, 3, H, D, generator=g).to(DEV)
+    q, k = qkv_[:, 0], qkv_[:, 1]
+    v = torch.randn(T, D, H, generator=g).to(DEV).transpose(1, 2)  # stride(-1) != 1
+    q, k, v = [x.requires_grad_() if x.is_leaf else x for x in (q, k, v)]
+    cu = cu_of(lens)
+    sel = select_blocks(q, k, cu, p=0.8, block_size=16)
+    a = sparse_attention(q, k, v, cu, selection=sel, backend="triton")
+    b = sparse_attention_naive(q, k, v, cu, sel)
+    torch.testing.assert_close(a, b, atol=ATOL[torch.float32], rtol=0)
