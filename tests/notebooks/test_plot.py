@@ -133,7 +133,8 @@ def test_cli_writes_every_results_figure(sweep, tmp_path, capsys):
 def fake_runner_run(job_dir, slower=1.1):
     """A sim job dressed as a runner run: 'measured' 10% slower than simulated, every kernel keeping half."""
     summary = json.loads((job_dir / "summary.json").read_text())
-    (job_dir / "summary.json").write_text(json.dumps({**summary, "source": "runner"}))
+    runner_keys = {"source": "runner", "final_loss": 1.0, "final_accuracy": 0.5}
+    (job_dir / "summary.json").write_text(json.dumps({**summary, **runner_keys}))
     steps = pd.read_csv(job_dir / "steps.csv")
     steps["step_ms"] *= slower
     steps.to_csv(job_dir / "steps.csv", index=False)
