@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -199,7 +200,6 @@ def simulate_sweep(overrides: list[str], out: str | Path) -> Path:
     A subprocess rather than an in-process call: Hydra's multirun owns its process (logging, working dir).
     """
     import subprocess
-    import sys
 
     out = Path(out)
     cmd = [sys.executable, "-m", "sim.run", "-m", *overrides, f"hydra.sweep.dir={out}"]
@@ -816,7 +816,12 @@ def main(argv: list[str] | None = None) -> int:
             if not path.exists():
                 raise PlotError(f"{path}: no such file or directory")
             out = args.out or (path / "figures" if path.is_dir() else Path("figures"))
-            for written in save(figures_for(path, args.step), out, args.format):
+            with warnings.catch_warnings(record=True) as skipped:  # one line each, not Python's two
+                warnings.simplefilter("always")
+                figures = figures_for(path, args.step)
+            for w in skipped:
+                print(f"warning: {w.message}", file=sys.stderr)
+            for written in save(figures, out, args.format):
                 print(f"figure: {written}")
     except PlotError as exc:
         raise SystemExit(f"error: {exc}") from None

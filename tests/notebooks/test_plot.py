@@ -221,3 +221,11 @@ def test_cli_benchmark_figures(bench_csv, tmp_path):
     out = tmp_path / "figs"
     assert plot.main([str(bench_csv), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["kernel_model.png", "kernel_model_residuals.png", "kernels.png"]
+
+
+def test_cli_plots_the_rest_of_a_sweep_and_warns_in_one_line(sweep_copy, tmp_path, capsys):
+    (sweep_copy / "1" / "micro_batches.csv").unlink()
+    assert plot.main([str(sweep_copy), "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: skipped: ") and err.count("\n") == 1 and "partial Results" in err
+    assert (tmp_path / "timeline.png").is_file()
