@@ -218,7 +218,8 @@ def plot_policies(runs: list[Run]) -> Figure:
     colours = policy_colours(frame["policy"])
     groups = list(dict.fromkeys(frame["setting"]))
     policies = [p for p in colours if p in set(frame["policy"])]
-    fig = Figure(figsize=(max(7.0, 1.2 * len(groups) * len(policies) + 2), 4.2), layout="constrained")
+    # 10 inches at least: the two-line title names model, workload, layout, steps and cost.
+    fig = Figure(figsize=(max(10.0, 1.2 * len(groups) * len(policies) + 2), 4.2), layout="constrained")
     ax_speed, ax_bubble = fig.subplots(1, 2)
     width = 0.8 / len(policies)
     x = np.arange(len(groups))
