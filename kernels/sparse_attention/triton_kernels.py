@@ -339,8 +339,9 @@ def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: 
     dev = qbar.device
     wp2 = max(16, triton.next_power_of_2(lay.max_doc_blocks))
     scr = torch.empty(Hkv * lay.total_causal, dtype=torch.float32, device=dev)
-    idx = torch.zeros(Hkv, NB, wout, dtype=torch.int32, device=dev)
-    start = torch.zeros(Hkv, NB, wout, dtype=torch.int32, device=dev)
+    # slots past a row's count are never read (every consumer masks by q2k_cnt): no fill needed
+    idx = torch.empty(Hkv, NB, wout, dtype=torch.int32, device=dev)
+    start = torch.empty(Hkv, NB, wout, dtype=torch.int32, device=dev)
     cnt = torch.empty(Hkv, NB, dtype=torch.int32, device=dev)
     cov = torch.empty(Hkv, NB, dtype=torch.float32, device=dev)
     _select_kernel[(NB, Hkv)](qbar, kbar, lay.block_doc, lay.doc_first_block_t, lay.block_start, lay.row_offset,
