@@ -12,8 +12,8 @@ from typing import Callable
 
 import numpy as np
 
-WARMUP_MS = 10.0
-REP_MS = 60.0
+WARMUP_MS = 5.0
+REP_MS = 30.0
 MIN_REPS = 3
 
 
