@@ -465,12 +465,14 @@ def calibration_frame(profile_path: str | Path) -> pd.DataFrame:
         feats = features(m)
         pred = layer_prediction(coefs, feats) if m.term == "layer_full" else predict(coefs[m.term], feats[m.term])
         lengths = np.array(m.lengths, dtype=float)
-        # Kept fraction weighted by each sequence's causal work (~ length^2), what the kernel pays for.
-        kept = float(np.dot(m.kept_fractions, lengths**2) / np.dot(lengths, lengths))
+        # Kept fractions weighted by each sequence's causal work (~ length^2), what the kernel pays for: the
+        # one the kernel realised, and the one the grid asked for (the key's last field), which groups points.
+        work = lengths**2 / np.dot(lengths, lengths)
+        asked = [float(f) for f in m.key.split("|")[-1].split("+")]
         rows.append({
             "term": m.term, "split": m.split, "model": m.model, "tokens": int(lengths.sum()),
-            "sequences": len(m.lengths), "kept_fraction": kept, "budget": round(kept, 3),
-            "measured_ms": m.median_ms, "predicted_ms": pred,
+            "sequences": len(m.lengths), "kept_fraction": float(np.dot(m.kept_fractions, work)),
+            "budget": round(float(np.dot(asked, work)), 3), "measured_ms": m.median_ms, "predicted_ms": pred,
         })
     return _with_residuals(pd.DataFrame(rows))
 
@@ -538,7 +540,7 @@ def plot_calibration(frame: pd.DataFrame, profile: dict, model: str | None = Non
             ax.plot(pts["tokens"], pts["predicted_ms"], color=colour, lw=1.2)
             ax.scatter(pts["tokens"], pts["measured_ms"], color=colour, s=18, label=f"{kf:g}", zorder=3)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        _plain_log(ax, x=False)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_title(term)
         ax.grid(alpha=0.3, which="both")
@@ -580,7 +582,7 @@ def plot_residuals(frame: pd.DataFrame, profile: dict) -> Figure:
     note = "; ".join(f"{s} median |error| {frame.loc[frame['split'] == s, 'residual_pct'].abs().median():.1f}%"
                      for s in unseen) or "no held-out points"
     if zero.any():
-        note += f"; {int(zero.sum())} dense-selection points priced at 0 by design not shown"
+        note += f"\n({int(zero.sum())} selection points of dense batches, priced at 0 by design, not shown)"
     ax.set_title(f"Cost model vs measurements, per point ({_profile_title(profile)})\n{note}", fontsize=10)
     ax.legend(fontsize=7, ncols=2, loc="best")
     ax.grid(alpha=0.3)
@@ -610,11 +612,12 @@ def read_benchmark(path: str | Path) -> pd.DataFrame:
     return timed.assign(failed=len(frame[frame["impl"].isin(IMPLS)]) - len(timed))
 
 
-def _plain_log(ax) -> None:
+def _plain_log(ax, x: bool = True) -> None:
     """Log axes labelled 0.1, 0.2, 0.5, 1, ... instead of crowded 2x10^-1 minor labels."""
-    ax.set_xscale("log")
+    if x:
+        ax.set_xscale("log")
     ax.set_yscale("log")
-    for axis in (ax.xaxis, ax.yaxis):
+    for axis in (ax.xaxis, ax.yaxis) if x else (ax.yaxis,):
         axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         axis.set_minor_formatter(NullFormatter())
