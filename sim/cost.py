@@ -34,7 +34,10 @@ from sim.workload import Sequence, resolve_path
 
 PROFILE_SCHEMA_VERSION = 1
 TERMS = ("attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd")
-ATTENTION_FEATURES = ("const", "tokens", "blocks", "flops")
+ATTENTION_FEATURES = ("const", "tokens", "blocks", "flops", "q_blocks", "kv_blocks", "path_flops")
+# Multiprocessors of the calibrated GPU (H200): one wave of the kernel's programs. Small batches are
+# bound by their longest program, not by their total work over the chip (see ``path_flops``).
+WAVE = 132
 LAYER_FEATURES = ("const", "tokens", "flops")
 BF16 = 2  # bytes per element of activations, K/V and weights
 
@@ -63,25 +66,39 @@ def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfi
     lengths = np.asarray(lengths, dtype=np.float64)
     nb = np.ceil(lengths / block_size)
     causal = nb * (nb + 1.0) / 2.0
-    # QK^T and PV of one (query block, key block) pair: 2 matmuls x 2 FLOPs per MAC, every head.
-    pair_flops = 4.0 * block_size * block_size * model.head_dim * model.heads
+    kept = np.asarray(kept, dtype=np.float64)
+    # QK^T and PV of one (query block, key block) pair: 2 matmuls x 2 FLOPs per MAC, one head.
+    head_pair_flops = 4.0 * block_size * block_size * model.head_dim
     return {
         "const": np.ones_like(lengths),
         "tokens": lengths,
         "blocks": causal * model.heads,
-        "flops": np.asarray(kept, dtype=np.float64) * causal * pair_flops,
+        "flops": kept * causal * head_pair_flops * model.heads,
+        "q_blocks": nb * model.heads,  # forward and dQ programs: one per (query block, head)
+        "kv_blocks": nb * model.kv_heads,  # dK/dV programs: one per (key block, KV head)
+        # The longest dK/dV program: a GQA group's query heads over a key block's ~kf*nb query blocks.
+        # Per sequence here; a micro-batch takes the max (see _path_flops).
+        "path_flops": (model.heads // model.kv_heads) * np.maximum(1.0, kept * nb) * head_pair_flops,
     }
+
+
+def _path_flops(flops, longest):
+    """A kernel call lasts at least its work spread over one wave and at least its longest program."""
+    return np.maximum(np.asarray(flops, dtype=np.float64) / WAVE, longest)
 
 
 def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
     """Features of one attention call (one layer, forward) over a micro-batch of documents.
 
     ``const`` counts the call, ``tokens`` the tokens, ``blocks`` the causal (query, key) block
-    pairs times heads (the selection's scoring work), ``flops`` the FLOPs of the kept blocks.
+    pairs times heads (the selection's scoring work), ``flops`` the FLOPs of the kept blocks,
+    ``q_blocks``/``kv_blocks`` the kernel's forward/dQ and dK/dV programs, ``path_flops`` the larger
+    of the work per wave and the longest dK/dV program (what bounds small, GQA-heavy batches).
     """
     per_seq = _sequence_attention(np.asarray(lengths), np.asarray(kept_fractions), model, block_size)
     feats = {k: float(v.sum()) for k, v in per_seq.items()}
     feats["const"] = min(feats["const"], 1.0)
+    feats["path_flops"] = float(_path_flops(feats["flops"], per_seq["path_flops"].max(initial=0.0)))
     return feats
 
 
@@ -215,9 +232,13 @@ class CostModel(ABC):
 
     @staticmethod
     def _group(per_seq: dict, group: np.ndarray, n_groups: int, cp: int) -> dict[str, np.ndarray]:
-        """Sum per-sequence features per micro-batch; CP ranks each get 1/cp of the work (zigzag sharding)."""
+        """Sum per-sequence features per micro-batch (path_flops: the longest program); CP ranks each get 1/cp
+        of the work (zigzag sharding)."""
         out = {k: np.bincount(group, weights=v, minlength=n_groups) / cp for k, v in per_seq.items()}
         out["const"] = np.minimum(out["const"] * cp, 1.0)  # one kernel call per non-empty micro-batch
+        longest = np.zeros(n_groups)
+        np.maximum.at(longest, group, per_seq["path_flops"])
+        out["path_flops"] = _path_flops(out["flops"], longest / cp)
         return out
 
     def _layer(self, tokens: np.ndarray) -> dict[str, np.ndarray]:

@@ -180,9 +180,13 @@ def test_calibration_figures_from_a_fitted_profile(fitted_profile, tmp_path):
         assert_legible(fig)
 
 
-def test_provisional_profile_says_how_to_measure():
+def test_provisional_profile_says_how_to_measure(tmp_path):
+    # The committed default is measured now; a provisional copy of it has no measurements to show.
+    profile = json.loads((ROOT / "calibrate" / "profiles" / "h200.json").read_text()) | {"provisional": True}
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(profile))
     with pytest.raises(PlotError, match=r"no measurements to compare with .*python -m calibrate.run"):
-        plot.calibration_frame(ROOT / "calibrate" / "profiles" / "h200.json")
+        plot.calibration_frame(path)
 
 
 def test_bad_profile_is_one_line(tmp_path):

@@ -25,8 +25,8 @@ def test_mistyped_override_fails_at_composition():
         compose_config(["layout.cp=two"])
 
 
-def test_provisional_profile_is_marked():
+def test_default_profile_is_the_measured_one():
     import json
 
     profile = json.loads((Path(__file__).resolve().parents[2] / "calibrate/profiles/h200.json").read_text())
-    assert profile["provisional"] is True and profile["schema_version"] == 1
+    assert profile["provisional"] is False and profile["schema_version"] == 1
