@@ -194,6 +194,26 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
                      q2k_start=start)
 
 
+def _all_dense(value, budget: torch.Tensor) -> bool:
+    """Whether every sequence keeps all its causal blocks (a float budget needs no device sync)."""
+    if value is None or not isinstance(value, torch.Tensor):
+        return value is None or float(value) >= 1.0
+    return bool((budget >= 1.0).all())
+
+
+def _dense_selection(lay: BlockLayout, Hkv: int) -> BlockSelection:
+    """Every causal block of the same document: what ``p = 1`` keeps, built without routing scores, so
+    that a dense micro-batch pays no selection (the simulator's cost model prices it at zero)."""
+    dev = lay.block_start.device
+    first = lay.doc_first_block_t[lay.block_doc]  # [NB] first block of each block's document
+    cnt = lay.block_local + 1  # [NB] causal blocks of each query block
+    j = torch.arange(lay.max_doc_blocks, device=dev)
+    idx = torch.where(j[None, :] < cnt[:, None], first[:, None] + j[None, :], 0)  # ascending, diagonal last
+    ones = torch.ones(lay.num_docs, dtype=torch.float32, device=dev)
+    return _finalize(lay, Hkv, idx.to(torch.int32).expand(Hkv, -1, -1).contiguous(),
+                     cnt.to(torch.int32).expand(Hkv, -1).contiguous(), ones, ones)
+
+
 @torch.no_grad()
 def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=None, kept_fraction=None,
                   block_size: int = 64, softmax_scale: float | None = None) -> BlockSelection:
@@ -213,6 +233,8 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
     topp = kept_fraction is None
     budget = _per_doc(1.0 if (p is None and kept_fraction is None) else (p if topp else kept_fraction), n,
                       "p" if topp else "kept_fraction", dev)
+    if _all_dense(p if topp else kept_fraction, budget):
+        return _dense_selection(lay, Hkv)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     qbar = pool_blocks(q, lay, Hkv)  # [NB, Hkv, D]
     kbar = pool_blocks(k, lay, Hkv)
