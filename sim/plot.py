@@ -655,12 +655,13 @@ def plot_kernel_comparison(bench: pd.DataFrame, title: str = "") -> Figure:
 
 
 # ----------------------------------------------------------------------------- fidelity
-def fidelity_frame(runs: list[Run]) -> pd.DataFrame:
+def fidelity_frame(runs: list[Run], skip: int | None = None) -> pd.DataFrame:
     """Per step of each runner run: measured and simulator-predicted step time (runner.compare's table).
 
     ``predicted_ms`` replays the run's Plans with the kept fractions the kernel really selected (the time model
     alone); ``plan_ms`` with the Plans' own budgets (the coverage model decides what is kept, as in a policy
-    sweep). Warm-up steps (kernel compilation) are left out, as runner.compare scores them.
+    sweep). The first ``skip`` steps of each run (kernel compilation) are left out: by default as many as
+    runner.compare left out of its scores (``compare.json``), else 1.
     """
     measured = [r for r in runs if r.summary.get("source") == "runner"]
     if not measured:
@@ -668,21 +669,22 @@ def fidelity_frame(runs: list[Run]) -> pd.DataFrame:
             f"no runner Results among {len(runs)} run(s) (summary.json source='runner'); "
             "make some with `torchrun -m runner.train ...` then `python -m runner.compare <run dir>`"
         )
-    return pd.concat([_compare_table(r) for r in measured], ignore_index=True)
+    return pd.concat([_compare_table(r, skip) for r in measured], ignore_index=True)
 
 
-def _compare_table(run: Run) -> pd.DataFrame:
+def _compare_table(run: Run, skip: int | None) -> pd.DataFrame:
     """runner.compare's compare.csv, computed now if the run has none."""
     from sim.config import ConfigError
 
-    skip = 1  # runner.compare's default
     if (run.path / "compare.csv").is_file():
         table = pd.read_csv(run.path / "compare.csv")
-        if (run.path / "compare.json").is_file():
-            skip = json.loads((run.path / "compare.json").read_text()).get("skipped_warmup_steps", skip)
+        if skip is None and (run.path / "compare.json").is_file():
+            skip = json.loads((run.path / "compare.json").read_text()).get("skipped_warmup_steps")
+        skip = 1 if skip is None else skip  # runner.compare's default
     else:
         from runner.compare import DEFAULT_PROFILE, replay
 
+        skip = 1 if skip is None else skip
         try:
             table, _ = replay(run.path, DEFAULT_PROFILE, skip)
         except ConfigError as exc:
@@ -707,12 +709,13 @@ def validation_frame(profile: dict) -> pd.DataFrame:
     } for v in table])
 
 
-def _mape(predicted: pd.Series, measured: pd.Series) -> float:
-    return float((100 * (predicted - measured).abs() / measured).mean())
+def _median_ape(predicted: pd.Series, measured: pd.Series) -> float:
+    """Median absolute % error: runner.compare's headline, robust to a step that compiled kernels."""
+    return float((100 * (predicted - measured).abs() / measured).median())
 
 
 def plot_fidelity(frame: pd.DataFrame, what: str, title: str) -> Figure:
-    """Predicted against measured: the diagonal is perfect, the band ±10%; mean |error| per group in the legend.
+    """Predicted against measured: the diagonal is perfect, the band ±10%; median |error| per group in the legend.
 
     A ``plan_ms`` column (step fidelity) adds hollow markers: the prediction with the Plans' own budgets.
     """
@@ -728,10 +731,10 @@ def plot_fidelity(frame: pd.DataFrame, what: str, title: str) -> Figure:
     ax.plot(line, line, color="0.3", lw=0.8, label="predicted = measured")
     for group, sub in frame.groupby("group", sort=False):
         ax.scatter(sub["measured_ms"], sub["predicted_ms"], color=colours[group], s=28, zorder=3,
-                   label=f"{group} (mean |error| {_mape(sub['predicted_ms'], sub['measured_ms']):.1f}%)")
+                   label=f"{group} (median |error| {_median_ape(sub['predicted_ms'], sub['measured_ms']):.1f}%)")
         if "plan_ms" in sub:
             ax.scatter(sub["measured_ms"], sub["plan_ms"], facecolors="none", edgecolors=colours[group], s=28,
-                       zorder=3, label=f"{group}, Plan budgets ({_mape(sub['plan_ms'], sub['measured_ms']):.1f}%)")
+                       zorder=3, label=f"{group}, Plan budgets ({_median_ape(sub['plan_ms'], sub['measured_ms']):.1f}%)")
     if log:
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -747,9 +750,9 @@ def plot_fidelity(frame: pd.DataFrame, what: str, title: str) -> Figure:
 
 
 def plot_step_fidelity(frame: pd.DataFrame) -> Figure:
-    steps = frame["step"].nunique()
-    return plot_fidelity(frame, "step time", f"Simulator-predicted vs runner-measured step time "
-                                             f"({steps} step(s) after warm-up; filled: measured kept fractions)")
+    steps = f"steps {frame['step'].min()}-{frame['step'].max()}"
+    return plot_fidelity(frame, "step time", f"Simulator-predicted vs runner-measured step time ({steps})\n"
+                                             "filled: kernel's kept fractions; hollow: the Plans' budgets")
 
 
 # ----------------------------------------------------------------------------- CLI

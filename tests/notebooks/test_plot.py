@@ -233,3 +233,10 @@ def test_cli_plots_the_rest_of_a_sweep_and_warns_in_one_line(sweep_copy, tmp_pat
     err = capsys.readouterr().err
     assert err.startswith("warning: skipped: ") and err.count("\n") == 1 and "partial Results" in err
     assert (tmp_path / "timeline.png").is_file()
+
+
+def test_committed_h200_runner_runs_replay():
+    runs = plot.read_runs(ROOT / "runner" / "results" / "h200")
+    frame = plot.fidelity_frame(runs, skip=4)
+    assert set(frame["group"]) == {"baseline", "sparsebalance"} and frame["step"].min() == 4
+    assert_legible(plot.plot_step_fidelity(frame))
