@@ -1,6 +1,6 @@
 """Figures from Results directories, calibration data and kernel benchmarks.
 
-``python -m sim.plot PATH [PATH ...] [--out DIR] [--format png|svg] [--step N]`` makes without Jupyter
+``python -m sim.plot PATH [PATH ...] [--out DIR] [--format png|svg] [--step N] [--skip N]`` makes without Jupyter
 the figures the notebooks show. Each PATH is one of:
 
 * a Results directory (one ``sim.run`` run, a sweep's ``multirun/...`` directory, runner runs): speedup and
@@ -756,7 +756,7 @@ def plot_step_fidelity(frame: pd.DataFrame) -> Figure:
 
 
 # ----------------------------------------------------------------------------- CLI
-def results_figures(path: Path, step: int) -> dict[str, Figure]:
+def results_figures(path: Path, step: int, skip: int | None = None) -> dict[str, Figure]:
     """Policy figures (two or more runs) and a timeline for simulated runs, step fidelity for runner runs."""
     runs = read_runs(path)
     simulated = [r for r in runs if r.summary.get("source") != "runner"]
@@ -770,7 +770,7 @@ def results_figures(path: Path, step: int) -> dict[str, Figure]:
         traces = [replay_step(r, step, label=" ".join(filter(None, (r.policy, labels[id(r)])))) for r in chosen]
         figures["timeline"] = plot_timeline(traces)
     if len(simulated) < len(runs):
-        figures["fidelity"] = plot_step_fidelity(fidelity_frame(runs))
+        figures["fidelity"] = plot_step_fidelity(fidelity_frame(runs, skip))
     return figures
 
 
@@ -785,10 +785,10 @@ def profile_figures(path: Path) -> dict[str, Figure]:
     }
 
 
-def figures_for(path: Path, step: int) -> dict[str, Figure]:
+def figures_for(path: Path, step: int, skip: int | None = None) -> dict[str, Figure]:
     """The figures a path calls for, by what it is."""
     if path.is_dir():
-        return results_figures(path, step)
+        return results_figures(path, step, skip)
     if path.suffix == ".json":
         return profile_figures(path)
     if path.suffix == ".csv":
@@ -817,6 +817,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="where figures go (default: <results dir>/figures, else ./figures)")
     ap.add_argument("--format", choices=("png", "svg"), default="png")
     ap.add_argument("--step", type=int, default=0, help="the step the timeline shows")
+    ap.add_argument("--skip", type=int, default=None,
+                    help="runner runs: first steps left out of fidelity (default: runner.compare's, else 1)")
     args = ap.parse_args(argv)
     try:
         for path in args.paths:
@@ -825,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
             out = args.out or (path / "figures" if path.is_dir() else Path("figures"))
             with warnings.catch_warnings(record=True) as skipped:  # one line each, not Python's two
                 warnings.simplefilter("always")
-                figures = figures_for(path, args.step)
+                figures = figures_for(path, args.step, args.skip)
             for w in skipped:
                 print(f"warning: {w.message}", file=sys.stderr)
             for written in save(figures, out, args.format):
