@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Budget:
     """How much attention one sequence gets.
 
@@ -30,7 +30,7 @@ class Budget:
             )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Assignment:
     """One sequence placed on (dp_rank, micro_batch) with its budget.
 
@@ -46,7 +46,7 @@ class Assignment:
     cp_budgets: tuple[Budget, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Plan:
     """Assignment of one global batch: sequence -> (dp_rank, micro_batch) and a budget each."""
 

@@ -17,7 +17,7 @@ from sim.config import ConfigError, LengthDistribution, WorkloadConfig
 MIN_SENSITIVITY = 1e-3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sequence:
     id: int
     length: int  # tokens
