@@ -29,6 +29,8 @@ class NoParams:
 
 @runtime_checkable
 class BatchingPolicy(Protocol):
+    """May also define ``observe(plan)``: it is then shown every tuned Plan (see ``plan_step``)."""
+
     def plan(self, batch: list[Sequence], layout: Layout, cost: CostModel, step: int) -> Plan: ...
 
 
@@ -58,6 +60,18 @@ def _register(registry: dict, name: str):
         return cls
 
     return add
+
+
+def plan_step(batching: BatchingPolicy, sparsity: SparsityPolicy, batch: list[Sequence], layout: Layout,
+              cost: CostModel, step: int) -> Plan:
+    """One global batch to its Plan: batching, sparsity tuning, then the tuned Plan shown to a batching
+    policy that learns from it (sab's expected budgets). sim.run and the runner both plan through this,
+    so they produce the same Plans."""
+    plan = sparsity.tune(batching.plan(batch, layout, cost, step), layout, cost)
+    observe = getattr(batching, "observe", None)
+    if observe is not None:
+        observe(plan)
+    return plan
 
 
 def make_batching(name: str, params: Mapping[str, Any]) -> BatchingPolicy:

@@ -73,18 +73,7 @@ class DynamicSparsityTuning:
         self.params = params
 
     def tune(self, plan: Plan, layout: Layout, cost: CostModel) -> Plan:
-        # sab runs the same DST on the plan it emits (to learn the budgets) and the driver then passes
-        # that very plan object here: tuned() is a pure function, so the last call's result is reused.
-        # Matching the plan by identity (it is kept alive in the memo) avoids hashing 1000s of assignments.
-        key = (self.params, layout, cost)
-        if LAST_TUNE and LAST_TUNE[0][0] == key and LAST_TUNE[0][1] is plan:
-            return LAST_TUNE[0][2]
-        result = tuned(self.params, plan, layout, cost)
-        LAST_TUNE[:] = [(key, plan, result)]
-        return result
-
-
-LAST_TUNE: list[tuple] = []  # at most one ((params, layout, cost), plan, tuned plan)
+        return tuned(self.params, plan, layout, cost)
 
 
 def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost: CostModel) -> Plan:

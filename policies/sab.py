@@ -8,11 +8,9 @@ rank's micro-batches, inside the global batch only (no reordering across global 
 change what the optimiser sees per step).
 
 The expected budget is an exponential moving average, per length bucket, of the budgets the paired
-sparsity policy gave recently. The drivers (sim.run, runner.train) hand SAB no feedback, so SAB owns
-an instance of that policy (``expect``: name and params, in ``sparsebalance`` an interpolation of the
-policy's own sparsity part) and runs it on each plan it emits; the driver's copy of the same
-deterministic policy then gives the same budgets (dst memoises that call, so it is not paid twice).
-The EMA is policy state carried across steps: the same seed and config replay the same sequence of
+sparsity policy gave recently: the drivers (sim.run, runner.train) plan through
+``policies.base.plan_step``, which shows every tuned Plan to ``observe``. The EMA is policy state
+carried across steps: the same seed and config replay the same sequence of
 plans. Buckets never seen yet take the mean of the seen ones, and before the first step everything
 takes ``prior_p`` (1.0: dense, so step 0 is plain LBB).
 
@@ -22,16 +20,15 @@ are also put in the order with the shortest 1F1B time.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from policies.base import PartitionPolicy, make_sparsity, register_batching
+from policies.base import PartitionPolicy, register_batching
 from policies.dst import hand_off_ms, pipeline_ms
 from policies.karmarkar_karp import kk_partition
 from policies.plan import Plan
 from sim.cluster import Layout
-from sim.config import PolicyPart
 from sim.cost import CostModel
 from sim.workload import Sequence
 
@@ -42,8 +39,6 @@ MAX_ORDERED = 6  # micro-batches per rank up to which every order is tried (6! =
 class SparsityAwareBatching(PartitionPolicy):
     @dataclass(frozen=True)
     class Params:
-        # The sparsity policy whose budgets SAB expects: {name: ..., params: {...}}.
-        expect: PolicyPart = field(default_factory=lambda: PolicyPart("fixed", {"p": 1.0}))
         ema: float = 0.5  # weight of the newest step's budgets
         buckets_per_octave: int = 2  # length buckets: log2(length) in steps of 1 / this
         prior_p: float = 1.0  # expected budget before anything was observed
@@ -58,7 +53,6 @@ class SparsityAwareBatching(PartitionPolicy):
         if not 0.0 < params.prior_p <= 1.0:
             raise ValueError(f"prior_p={params.prior_p} must be in (0, 1]")
         super().__init__(params)
-        self.expect = make_sparsity(params.expect.name, params.expect.params)
         self.expected_p: dict[int, float] = {}  # length bucket -> EMA of the budget p
 
     def bucket(self, lengths: np.ndarray) -> np.ndarray:
@@ -81,7 +75,6 @@ class SparsityAwareBatching(PartitionPolicy):
         plan = super().plan(batch, layout, cost, step)
         if self.params.pipeline_order and layout.pp > 1 and layout.micro_batches <= MAX_ORDERED:
             plan = self.pipeline_order(plan, layout, cost)
-        self.observe(self.expect.tune(plan, layout, cost))
         return plan
 
     def pipeline_order(self, plan: Plan, layout: Layout, cost: CostModel) -> Plan:

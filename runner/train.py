@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 import policies  # noqa: F401  (registers every policy)
-from policies.base import make_batching, make_sparsity
+from policies.base import make_batching, make_sparsity, plan_step
 from runner.attention import BACKENDS
 from runner.config import register
 from runner.data import TaskConfig
@@ -49,8 +49,7 @@ class Planner:
     cost: object
 
     def plan(self, step: int):
-        plan = self.batching.plan(self.workload.batch(step), self.layout, self.cost, step)
-        return self.sparsity.tune(plan, self.layout, self.cost)
+        return plan_step(self.batching, self.sparsity, self.workload.batch(step), self.layout, self.cost, step)
 
 
 def build_planner(cfg: DictConfig, world: World) -> tuple[Planner, Cluster]:

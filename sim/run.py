@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
 import policies  # noqa: F401  (registers every policy)
-from policies.base import make_batching, make_sparsity
+from policies.base import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError, PolicyConfig, RunConfig, register
 from sim.cost import make_cost
@@ -73,7 +73,7 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     engine = Engine(layout, cost, cluster)
     results = Results()
     for step in tqdm(range(cfg.steps), desc=policy.name, disable=None if progress else True, leave=False):
-        plan = sparsity.tune(batching.plan(workload.batch(step), layout, cost, step), layout, cost)
+        plan = plan_step(batching, sparsity, workload.batch(step), layout, cost, step)
         outcome = engine.step(plan)
         results.add(outcome.record, outcome.rows, plan.to_json() if cfg.write_plans else None)
     summary = results.summary(

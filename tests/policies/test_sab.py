@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from policies.base import make_batching
+from policies.base import make_batching, make_sparsity, plan_step
 from policies.plan import Budget
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError
@@ -13,8 +13,8 @@ from sim.engine import Engine
 from sim.run import compose_config, load_policy
 from sim.workload import Sequence, Workload
 
-DENSE = {"name": "fixed", "params": {"p": 1.0}}
-DST = {"name": "dst", "params": {"p": 0.9, "floor": 0.8}}
+DENSE = ("fixed", {"p": 1.0})
+DST = ("dst", {"p": 0.9, "floor": 0.8})
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,14 @@ def test_sab_equals_lbb_with_equal_sensitivity_and_dense_budgets(cost, dp, pp, m
     lengths = data.draw(st.lists(st.integers(256, 32768), min_size=1, max_size=4 * dp * m))
     batch = [Sequence(i, n, sens) for i, n in enumerate(lengths)]
     lbb = make_batching("karmarkar_karp", {"equal_count": True})
-    sab = make_batching("sab", {"expect": DENSE, "pipeline_order": False})
-    ordered = make_batching("sab", {"expect": DENSE})
+    sab = make_batching("sab", {"pipeline_order": False})
+    ordered = make_batching("sab", {})
+    dense = make_sparsity(*DENSE)
     for step in range(2):  # the second step plans with the learned (dense) budgets
         expected = lbb.plan(batch, layout, cost, step)
-        assert placement(sab.plan(batch, layout, cost, step)) == placement(expected)
+        assert placement(plan_step(sab, dense, batch, layout, cost, step)) == placement(expected)
         # Ordering micro-batches for the pipeline moves whole micro-batches, never sequences between them.
-        assert micro_batch_sets(ordered.plan(batch, layout, cost, step)) == micro_batch_sets(expected)
+        assert micro_batch_sets(plan_step(ordered, dense, batch, layout, cost, step)) == micro_batch_sets(expected)
 
 
 def micro_batch_sets(plan):
@@ -55,7 +56,7 @@ def test_pipeline_order_never_slows_a_rank(cost):
     workload = Workload(cfg.workload, cfg.model.max_context, 0)
     layout = Layout(dp=2, pp=4, micro_batches=4)
     engine = Engine(layout, cost, Cluster.from_config(cfg.cluster))
-    packed, ordered = (make_batching("sab", {"expect": DENSE, "pipeline_order": o}) for o in (False, True))
+    packed, ordered = (make_batching("sab", {"pipeline_order": o}) for o in (False, True))
     for step in range(10):
         batch = workload.batch(step)
         finish = [engine.step(s.plan(batch, layout, cost, step)).timeline.finish_ms.max(axis=1) for s in (packed, ordered)]
@@ -66,10 +67,8 @@ def test_expected_budgets_follow_the_paired_policy(cost):
     layout = Layout(dp=2, pp=4, micro_batches=4)
     cfg = compose_config(["+experiment=paper"])
     workload = Workload(cfg.workload, cfg.model.max_context, 0)
-    sab = make_batching("sab", {"expect": DST, "ema": 1.0})
-    batch = workload.batch(0)
-    plan = sab.plan(batch, layout, cost, 0)
-    tuned = sab.expect.tune(plan, layout, cost)
+    sab = make_batching("sab", {"ema": 1.0})
+    tuned = plan_step(sab, make_sparsity(*DST), workload.batch(0), layout, cost, 0)
     lengths = np.array([a.length for a in tuned.assignments])
     p = np.array([a.budget.p for a in tuned.assignments])
     buckets = sab.bucket(lengths)
@@ -78,7 +77,7 @@ def test_expected_budgets_follow_the_paired_policy(cost):
 
 
 def test_ema_blends_steps_and_unseen_buckets_take_the_mean(cost):
-    sab = make_batching("sab", {"expect": DENSE, "ema": 0.25, "prior_p": 0.7})
+    sab = make_batching("sab", {"ema": 0.25, "prior_p": 0.7})
     assert sab.expected(np.array([4096])).tolist() == [0.7]
     plan = make_batching("karmarkar_karp", {}).plan([Sequence(0, 4096, 0.5)], Layout(dp=1), cost, 0)
     sab.observe(plan.with_budgets({0: Budget(p=0.9)}))
@@ -90,21 +89,22 @@ def test_same_seed_same_plans_and_batches_stay_whole(cost):
     cfg = compose_config(["+experiment=paper"])
     workload = Workload(cfg.workload, cfg.model.max_context, 0)
     layout = Layout(dp=2, pp=4, micro_batches=4)
-    params = load_policy("sparsebalance").batching.params
+    policy = load_policy("sparsebalance")
     runs = []
-    for _ in range(2):
-        sab = make_batching("sab", params)
-        runs.append([sab.plan(workload.batch(step), layout, cost, step).to_json() for step in range(5)])
+    for _ in range(2):  # fresh policies replay the same state (the EMA) and so the same Plans
+        sab = make_batching("sab", policy.batching.params)
+        dst = make_sparsity(policy.sparsity.name, policy.sparsity.params)
+        runs.append([plan_step(sab, dst, workload.batch(step), layout, cost, step).to_json() for step in range(5)])
     assert runs[0] == runs[1]
     for step in range(5):  # only this step's sequences, two per micro-batch (micro-batch size 2)
-        plan = make_batching("sab", params).plan(workload.batch(step), layout, cost, step)
+        plan = make_batching("sab", policy.batching.params).plan(workload.batch(step), layout, cost, step)
         assert sorted(a.seq_id for a in plan.assignments) == [s.id for s in workload.batch(step)]
         counts = np.bincount([a.dp_rank * 4 + a.micro_batch for a in plan.assignments], minlength=8)
         assert (counts == 2).all()
 
 
 @pytest.mark.parametrize("params", [{"ema": 0.0}, {"buckets_per_octave": 0}, {"prior_p": 1.5},
-                                    {"expect": {"name": "nope"}}])
+                                    {"nope": 1}])
 def test_bad_params_are_a_config_error(params):
     with pytest.raises(ConfigError):
         make_batching("sab", params)
