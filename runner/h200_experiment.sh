@@ -16,11 +16,13 @@ OUT=${OUT:-$RUNS}
 COMMON=(cluster.gpus_per_node=1 layout.micro_batches=4 model=qwen2.5-3b model.layers=8 model.vocab=33763
         workload=longtail workload.global_batch=16 workload.max_len=16384 cost=calibrated steps="$STEPS")
 status=0
-# A throwaway 2-step run first fills Triton's on-disk kernel cache, so that neither measured run pays JIT
-# compilation, which the simulator does not model (WARMUP=0 skips it).
+# A throwaway copy of the baseline run first fills Triton's on-disk kernel cache, so that neither measured
+# run pays JIT compilation, which the simulator does not model (WARMUP=0 skips it). It must be the whole run:
+# Triton specialises kernels on integer arguments, so new batches bring new compilations (2 steps were not
+# enough on the H200, see runner/results/h200.md).
 if [ "${WARMUP:-1}" = 1 ]; then
   timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m runner.train \
-    policy=baseline hydra.run.dir="$RUNS/../warmup" "${COMMON[@]/steps=$STEPS/steps=2}" "$@" || status=1
+    policy=baseline hydra.run.dir="$RUNS/../warmup" "${COMMON[@]}" "$@" || status=1
 fi
 for policy in baseline sparsebalance; do
   timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m runner.train \
