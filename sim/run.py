@@ -4,6 +4,7 @@ Bad input is reported as one line on stderr with a non-zero exit and leaves no r
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from dataclasses import dataclass
@@ -158,10 +159,9 @@ def _discard(run_dir: Path) -> None:
     """Remove the run directory Hydra created for this job, unless it holds complete results."""
     if run_dir.is_dir() and not (run_dir / "summary.json").exists():
         shutil.rmtree(run_dir)
-        try:
-            run_dir.parent.rmdir()  # the date (or sweep) directory, if this run was its only one
-        except OSError:
-            pass
+        # The date (or sweep) directory too, if this run was its only one (rmdir fails on a non-empty one).
+        with contextlib.suppress(OSError):
+            run_dir.parent.rmdir()
 
 
 def fail(message: str) -> None:
