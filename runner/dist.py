@@ -16,6 +16,11 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
+# NVLink multicast (NVLS) is kept off on every launch: the lent multi-GPU machines must not use it, and the
+# gradient all-reduce does not need it. A user's explicit setting wins.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 class RankFailure(RuntimeError):
     """Another rank died or hung; raised on the ranks that are still alive."""
 
@@ -55,6 +60,8 @@ class Comm:
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
+            for key, value in NO_MULTICAST_ENV.items():
+                os.environ.setdefault(key, value)
             dist.init_process_group(
                 backend="nccl" if device.type == "cuda" else "gloo",
                 rank=world.rank, world_size=world.size, timeout=self.timeout,
