@@ -47,7 +47,7 @@ import numpy as np
 from policies.base import register_sparsity, uniform_budget_plan
 from policies.plan import Assignment, Budget, Plan
 from sim.cluster import Layout
-from sim.cost import BF16, CostModel
+from sim.cost import CostModel
 
 FINE_TAUS = 64  # with pp > 1, makespans tried between the uniform-level ones
 MAX_SWEEPS = 8  # micro-batch refinement: each sweep raises levels only, so it settles in a few
@@ -136,7 +136,7 @@ class LevelTable:
         costs = cost.micro_batch_costs(np.tile(lengths, g), kept, group, g * dp * m, layout)
         covered = np.bincount(group, weights=cost.coverages(np.tile(sens, g), kept), minlength=g * dp * m)
         fwd, bwd = costs.fwd_ms.reshape(g, dp, m), costs.bwd_ms.reshape(g, dp, m)
-        p2p = hand_off_ms(costs.tokens[: dp * m], layout, cost).reshape(dp, m)
+        p2p = cost.hand_off_ms(costs.tokens[: dp * m], layout).reshape(dp, m)
         return cls(fwd, bwd, p2p, covered.reshape(g, dp, m), pipeline_ms(fwd, bwd, p2p, layout.pp), rank, mb, layout.pp)
 
     def gather(self, field: np.ndarray, levels: np.ndarray) -> np.ndarray:
@@ -227,14 +227,6 @@ def fill_bubbles(table: LevelTable, levels: np.ndarray, tau: float) -> np.ndarra
         if not moved:
             break
     return levels
-
-
-def hand_off_ms(tokens: np.ndarray, layout: Layout, cost: CostModel) -> np.ndarray:
-    """Stage-to-stage activation transfer per micro-batch, as the engine charges it (sim.engine.Engine.step)."""
-    if layout.pp == 1:
-        return np.zeros(tokens.shape)
-    nbytes = tokens * (cost.model.hidden * BF16 / layout.cp)
-    return np.where(tokens > 0, cost.cluster.p2p_ms(nbytes, layout), 0.0)
 
 
 @lru_cache(maxsize=64)

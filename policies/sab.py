@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from policies.base import PartitionPolicy, register_batching
-from policies.dst import hand_off_ms, pipeline_ms
+from policies.dst import pipeline_ms
 from policies.karmarkar_karp import kk_partition
 from policies.plan import Plan
 from sim.cluster import Layout
@@ -92,7 +92,7 @@ class SparsityAwareBatching(PartitionPolicy):
         kept = cost.kept_fractions(lengths, sens, self.expected(lengths))
         costs = cost.micro_batch_costs(lengths, kept, rank * m + mb, dp * m, layout)
         fwd, bwd = costs.fwd_ms.reshape(dp, m), costs.bwd_ms.reshape(dp, m)
-        p2p = hand_off_ms(costs.tokens, layout, cost).reshape(dp, m)
+        p2p = cost.hand_off_ms(costs.tokens, layout).reshape(dp, m)
         orders = np.array(list(itertools.permutations(range(m))))  # [orders, m], the packed order first
         span = pipeline_ms(fwd[:, orders], bwd[:, orders], p2p[:, orders], layout.pp)  # [dp, orders]
         position = np.argsort(orders[np.argmin(span, axis=1)], axis=1)  # [rank, old mb] -> new mb

@@ -245,6 +245,14 @@ class CostModel(ABC):
         per_token = layer_features(1.0, self.model)["flops"]
         return {"const": (tokens > 0).astype(np.float64), "tokens": tokens, "flops": per_token * tokens}
 
+    def hand_off_ms(self, tokens: np.ndarray, layout: Layout) -> np.ndarray:
+        """Stage-to-stage transfer per micro-batch of ``tokens``: a stage hands on its CP shard of the
+        activations (forward) or their gradients (backward); nothing without pipeline stages."""
+        if layout.pp == 1:
+            return np.zeros(np.shape(tokens))
+        nbytes = tokens * (self.model.hidden * BF16 / layout.cp)
+        return np.where(tokens > 0, self.cluster.p2p_ms(nbytes, layout), 0.0)
+
     def _cp_comm(self, tokens: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
         """Per-layer ring exchange: forward passes K and V shards, backward K, V plus their gradients."""
         if layout.cp == 1:

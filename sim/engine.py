@@ -25,7 +25,7 @@ import simpy
 
 from policies.plan import Plan
 from sim.cluster import Cluster, Layout
-from sim.cost import BF16, CostModel, total_params, training_flops
+from sim.cost import CostModel, total_params, training_flops
 from sim.results import StepRecord
 
 
@@ -155,10 +155,7 @@ class Engine:
         coverage = cost.coverages(arrays.sensitivity, kept)
         group = arrays.dp_rank * m + arrays.micro_batch
         mb_cost = cost.micro_batch_costs(arrays.length, kept, group, dp * m, layout)
-        p2p = np.zeros(dp * m)
-        if pp > 1:  # a stage hands on its CP shard of the activations (or their gradients)
-            nbytes = mb_cost.tokens * (cost.model.hidden * BF16 / layout.cp)
-            p2p = np.where(mb_cost.tokens > 0, self.cluster.p2p_ms(nbytes, layout), 0.0)
+        p2p = cost.hand_off_ms(mb_cost.tokens, layout)
 
         timeline = run_pipeline(
             mb_cost.fwd_ms.reshape(dp, m), mb_cost.bwd_ms.reshape(dp, m), p2p.reshape(dp, m), pp, trace

@@ -94,14 +94,15 @@ def run(cfg: DictConfig, run_dir: Path) -> pd.DataFrame:
     main_run.summary["baseline"] = cfg.baseline
     main_run.summary["speedup_vs_baseline"] = baseline_ms / main_run.summary["step_ms"] if baseline_ms else None
     files = main_run.results.write(run_dir, main_run.summary)
-    print(summary_table(rows, baseline_ms).to_string(index=False))
+    table = summary_table(rows, baseline_ms)
+    print(table.to_string(index=False))
     print(f"results: {files[0].parent}  ({', '.join(f.name for f in files)})")
     if cfg.plot:
         from sim.plot import results_figures, save  # matplotlib only when figures are asked for
 
         figures = save(results_figures(run_dir, step=0), run_dir / "figures", "png")
         print(f"figures: {figures[0].parent}  ({', '.join(f.name for f in figures)})")
-    return summary_table(rows, baseline_ms)
+    return table
 
 
 def summary_table(rows: list[dict], baseline_ms: float | None) -> pd.DataFrame:
