@@ -121,41 +121,54 @@ def check(args):
 
 # ---------------------------------------------------------------------------------------------- tune
 def tune(args):
+    """Time each candidate config of one kernel kind (the others at their defaults) on three shapes and
+    pick the lowest sum of times relative to each shape's best (so no shape dominates by its size)."""
     H, D, B = 16, 128, 128
     res = {}
-    for L, kf in ((32768, 0.1), (16384, 1.0)):
-        q, k, v = make_qkv(L, H, H, D, torch.bfloat16)
-        cu = cu_from_lens([L])
+    shapes = (("single32k_kf0.1", [32768], 0.1), ("single16k_dense", [16384], 1.0),
+              ("packed64k_kf0.1", long_tail_lengths(65536), 0.1))
+    for name, lens, kf in shapes:
+        q, k, v = make_qkv(sum(lens), H, H, D, torch.bfloat16)
+        cu = cu_from_lens(lens)
         sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
         o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
         do = torch.randn_like(o)
         for kind, cands in args.tune_cands.items():
             for cand in cands:
                 keys = ("BM", "BN", "num_warps", "num_stages")
-                cfg = dict(zip(keys, cand))
-                tk.CONFIG_OVERRIDES[(B, D)] = {kind: cfg}
+                tk.CONFIG_OVERRIDES[(B, D)] = {kind: dict(zip(keys, cand))}
                 try:
                     if kind == "fwd":
                         ms = bench(lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5))
                     else:
                         ms = bench(lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5))
+                    ck = tk.LAST_COMPILED[kind]
+                    info = f"regs={ck.n_regs} spills={ck.n_spills}"
                 except Exception as e:  # noqa: BLE001
-                    ms = float("nan")
-                    log("tune fail", kind, cand, repr(e)[:200])
-                res.setdefault((kind, cand), []).append(ms)
-                log(f"tune L={L} kf={kf} {kind} {cand} {ms:.3f} ms")
+                    ms, info = float("nan"), repr(e)[:200]
+                res.setdefault((kind, cand), {})[name] = ms
+                log(f"tune {name} {kind} {cand} {ms:.3f} ms {info}")
         tk.CONFIG_OVERRIDES.clear()
     best = {}
     for kind, cands in args.tune_cands.items():
-        scored = [(sum(res[(kind, c)]), c) for c in cands if all(math.isfinite(x) for x in res[(kind, c)])]
-        best[kind] = min(scored)[1] if scored else None
+        ok = [c for c in cands if all(math.isfinite(x) for x in res[(kind, c)].values())]
+        if not ok:
+            best[kind] = None
+            continue
+        low = {name: min(res[(kind, c)][name] for c in ok) for name, _, _ in shapes}
+        scored = sorted((sum(res[(kind, c)][n] / low[n] for n in low), c) for c in ok)
+        log(f"TUNE_RANK {kind} " + " ".join(f"{c}:{sc:.3f}" for sc, c in scored))
+        best[kind] = scored[0][1]
     log("TUNE_BEST", json.dumps(best))
 
 
 TUNE_CANDS = {
-    "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
-    "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 32, 4, 3)],
-    "dkdv": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 3), (128, 64, 4, 2), (64, 128, 4, 2)],
+    "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4),
+            (128, 32, 4, 4)],
+    "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3),
+           (128, 128, 8, 2), (64, 32, 4, 4)],
+    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4),
+             (64, 128, 4, 3), (32, 128, 8, 4)],
 }
 # dkdv: BN is the program's KV tile, BM the query sub-tile it loops over.
 
@@ -398,6 +411,35 @@ def quick(args):
                 out.flush()
                 log(json.dumps(row))
     out.close()
+    # fused (GPU) vs torch selection on the packed batch: same blocks, reverse lists and per-document stats
+    lens_ = long_tail_lengths(65536)
+    cu = cu_from_lens(lens_)
+    q, k, v = make_qkv(sum(lens_), H, H, D, torch.bfloat16, grad=False)
+    os.environ["SPARSE_ATTN_SELECT"] = "torch"
+    a = select_blocks(q, k, cu, kept_fraction=0.1, block_size=B)
+    os.environ["SPARSE_ATTN_SELECT"] = "auto"
+    b = select_blocks(q, k, cu, kept_fraction=0.1, block_size=B)
+    nnz = int(a.k2q_ptr[-1])
+    log("PACKED_SELECTION_MATCH", json.dumps(dict(
+        cnt=torch.equal(a.q2k_cnt, b.q2k_cnt), k2q_ptr=torch.equal(a.k2q_ptr, b.k2q_ptr),
+        k2q_idx=torch.equal(a.k2q_idx[:nnz], b.k2q_idx[:nnz]), k2q_end=torch.equal(a.k2q_end[:nnz], b.k2q_end[:nnz]),
+        kept_fraction_maxdiff=float((a.kept_fraction - b.kept_fraction).abs().max()),
+        coverage_maxdiff=float((a.coverage - b.coverage).abs().max()))))
+    # where the selection time goes at 32K / 0.9 (host launches vs device kernels)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        q, k, v = make_qkv(32768, H, H, D, torch.bfloat16, grad=False)
+        cu = cu_from_lens([32768])
+        for _ in range(3):
+            select_blocks(q, k, cu, kept_fraction=0.1, block_size=B)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                select_blocks(q, k, cu, kept_fraction=0.1, block_size=B)
+            torch.cuda.synchronize()
+        log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    except Exception as e:  # noqa: BLE001
+        log("SELECT_PROFILE failed", repr(e)[:300])
     # where the backward time goes at 32K / 0.9, and what the compiler made of each kernel
     try:
         L = 32768

@@ -8,7 +8,7 @@ key/value block. Blocks tile ``[0, T)`` contiguously in order. Only the last blo
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,12 @@ class BlockLayout:
     total_causal: int  # sum over documents of nb*(nb+1)/2
     doc_causal_t: torch.Tensor  # float32 [n] causal blocks per document (device, for stats)
     doc_nblocks_t: torch.Tensor  # float32 [n] blocks per document (device, for stats)
+    # program schedules, longest rows first: a query block's dense row has local+1 blocks, a KV block's
+    # reverse row nb-local; sparse rows keep roughly the same order, and the layout is all it depends on
+    q_order: torch.Tensor  # int32 [NB]
+    k_order: torch.Tensor  # int32 [NB]
+    # per-layout memo (the dense selection of each KV-head count), not part of the layout's identity
+    memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def max_doc_blocks(self) -> int:
@@ -79,6 +85,8 @@ def block_layout(cu_seqlens: torch.Tensor, block_size: int, device=None) -> Bloc
     doc_tri = torch.zeros(n + 1, dtype=torch.int64)
     doc_tri[1:] = torch.cumsum(tri, 0)
     row_offset = doc_tri[:-1][block_doc] + block_local * (block_local + 1) // 2
+    q_order = torch.argsort(-(block_local + 1), stable=True)
+    k_order = torch.argsort(-(nblocks[block_doc] - block_local), stable=True)
     lay = BlockLayout(
         block_size=B,
         num_docs=n,
@@ -97,6 +105,8 @@ def block_layout(cu_seqlens: torch.Tensor, block_size: int, device=None) -> Bloc
         total_causal=int(doc_tri[-1]),
         doc_causal_t=tri.to(device=device, dtype=torch.float32),
         doc_nblocks_t=nblocks.to(device=device, dtype=torch.float32),
+        q_order=q_order.to(device=device, dtype=torch.int32),
+        k_order=k_order.to(device=device, dtype=torch.int32),
     )
     _CACHE[key] = lay
     if len(_CACHE) > _CACHE_SIZE:

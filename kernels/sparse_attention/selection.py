@@ -14,8 +14,9 @@ In both modes the diagonal block is always kept. Budgets are per document (float
 Storage (all plain tensors, memory O(NB x max kept), never O(T^2)):
   ``q2k_idx [Hkv, NB, W]`` int32 selected KV blocks of each query block, ascending (the diagonal is last),
   ``q2k_cnt [Hkv, NB]`` int32 how many of the W slots are used,
-  ``k2q_ptr [Hkv*NB+1]`` / ``k2q_idx`` int32: reverse lists (CSR, ascending; the diagonal is first), built
-  by one sort, used by the dK/dV backward, ``q_order`` / ``k_order`` int32: longest rows first (scheduling).
+  ``k2q_ptr [Hkv*NB+1]`` / ``k2q_idx`` int32: reverse lists (CSR, ascending; the diagonal is first), used by
+  the dK/dV backward; built by one sort (torch path) or by a Triton binary-search kernel (fused path),
+  ``q_order`` / ``k_order`` int32: longest rows first (scheduling; from the layout).
 The score matrix is built per bucket of similar-length documents and in row chunks of at most
 ``_CHUNK_ELEMS`` entries, so a 128K-token document costs a few MB at a time.
 """
@@ -131,7 +132,7 @@ def _per_doc(value, n: int, name: str, device) -> torch.Tensor:
 
 def _finalize(lay: BlockLayout, Hkv: int, q2k_idx, q2k_cnt, kept_fraction, coverage,
               q2k_start=None) -> BlockSelection:
-    """Build the reverse (KV block -> query blocks) CSR lists and the schedules; no host sync."""
+    """Build the reverse (KV block -> query blocks) CSR lists with one sort; no host sync."""
     dev = q2k_idx.device
     NB = lay.num_blocks
     H, _, W = q2k_idx.shape
@@ -147,13 +148,10 @@ def _finalize(lay: BlockLayout, Hkv: int, q2k_idx, q2k_cnt, kept_fraction, cover
     k2q_idx = (skey % NB).to(torch.int32)
     k2q_cnt = torch.zeros(H * NB + 1, dtype=torch.int64, device=dev)
     k2q_cnt.scatter_add_(0, torch.where(valid, row, H * NB).reshape(-1), torch.ones_like(key))
-    k2q_cnt = k2q_cnt[: H * NB]
     k2q_ptr = torch.zeros(H * NB + 1, dtype=torch.int32, device=dev)
-    k2q_ptr[1:] = torch.cumsum(k2q_cnt, 0).to(torch.int32)
-    q_order = torch.argsort(q2k_cnt.sum(0), descending=True, stable=True).to(torch.int32)
-    k_order = torch.argsort(k2q_cnt.view(H, NB).sum(0), descending=True, stable=True).to(torch.int32)
+    k2q_ptr[1:] = torch.cumsum(k2q_cnt[: H * NB], 0).to(torch.int32)
     return BlockSelection(lay, Hkv, q2k_idx.to(torch.int32).contiguous(), q2k_cnt.to(torch.int32).contiguous(),
-                          k2q_ptr, k2q_idx, q_order, k_order, kept_fraction, coverage, q2k_start=q2k_start)
+                          k2q_ptr, k2q_idx, lay.q_order, lay.k_order, kept_fraction, coverage, q2k_start=q2k_start)
 
 
 def _doc_buckets(lay: BlockLayout):
@@ -173,7 +171,8 @@ def use_triton_selection(q: torch.Tensor) -> bool:
 
 
 def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, scale: float, kf_host):
-    from .triton_kernels import select_rows_triton
+    """Fused selection: five small launches and one host sync (list width and nonzero count)."""
+    from .triton_kernels import doc_stats_triton, reverse_lists_triton, select_rows_triton
 
     dev = qbar.device
     nbmax = lay.max_doc_blocks
@@ -183,15 +182,17 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
         kfs = [kf_host] * lay.num_docs if kf_host is not None else budget.tolist()
         kmax = max(min(nb, max(1, math.floor(kf * nb + 0.5))) for kf, nb in zip(kfs, lay.doc_nblocks))
         wout = min(nbmax, kmax + 16)
-    idx, start, cnt, cov = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout)
-    w = max(1, int(cnt.max()))  # one host sync
+    idx, start, cnt, cov, kcnt = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout)
+    kept_fraction, coverage = doc_stats_triton(cnt, cov, lay)
+    k2q_ptr = torch.zeros(Hkv * lay.num_blocks + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(kcnt, 0, dtype=torch.int32, out=k2q_ptr[1:])
+    w, nnz = torch.stack([cnt.max(), k2q_ptr[-1]]).tolist()  # the one host sync
+    w = max(1, w)
     if w < wout:
         idx, start = idx[..., :w].contiguous(), start[..., :w].contiguous()
-    n = lay.num_docs
-    kept_sum = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(0, lay.block_doc, cnt.sum(0).float())
-    cov_sum = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(0, lay.block_doc, cov.sum(0))
-    return _finalize(lay, Hkv, idx, cnt, kept_sum / (lay.doc_causal_t * Hkv), cov_sum / (lay.doc_nblocks_t * Hkv),
-                     q2k_start=start)
+    k2q_idx, k2q_start, k2q_end = reverse_lists_triton(idx, cnt, k2q_ptr, nnz, lay)
+    return BlockSelection(lay, Hkv, idx, cnt, k2q_ptr, k2q_idx, lay.q_order, lay.k_order, kept_fraction,
+                          coverage, q2k_start=start, k2q_start=k2q_start, k2q_end=k2q_end)
 
 
 def _all_dense(value, budget: torch.Tensor) -> bool:
@@ -203,15 +204,19 @@ def _all_dense(value, budget: torch.Tensor) -> bool:
 
 def _dense_selection(lay: BlockLayout, Hkv: int) -> BlockSelection:
     """Every causal block of the same document: what ``p = 1`` keeps, built without routing scores, so
-    that a dense micro-batch pays no selection (the simulator's cost model prices it at zero)."""
-    dev = lay.block_start.device
-    first = lay.doc_first_block_t[lay.block_doc]  # [NB] first block of each block's document
-    cnt = lay.block_local + 1  # [NB] causal blocks of each query block
-    j = torch.arange(lay.max_doc_blocks, device=dev)
-    idx = torch.where(j[None, :] < cnt[:, None], first[:, None] + j[None, :], 0)  # ascending, diagonal last
-    ones = torch.ones(lay.num_docs, dtype=torch.float32, device=dev)
-    return _finalize(lay, Hkv, idx.to(torch.int32).expand(Hkv, -1, -1).contiguous(),
-                     cnt.to(torch.int32).expand(Hkv, -1).contiguous(), ones, ones)
+    that a dense micro-batch pays no selection (the simulator's cost model prices it at zero). It depends
+    on the layout alone, so it is built once per (layout, Hkv) and reused."""
+    key = ("dense", Hkv)
+    if key not in lay.memo:
+        dev = lay.block_start.device
+        first = lay.doc_first_block_t[lay.block_doc]  # [NB] first block of each block's document
+        cnt = lay.block_local + 1  # [NB] causal blocks of each query block
+        j = torch.arange(lay.max_doc_blocks, device=dev)
+        idx = torch.where(j[None, :] < cnt[:, None], first[:, None] + j[None, :], 0)  # ascending, diagonal last
+        ones = torch.ones(lay.num_docs, dtype=torch.float32, device=dev)
+        lay.memo[key] = _finalize(lay, Hkv, idx.to(torch.int32).expand(Hkv, -1, -1).contiguous(),
+                                  cnt.to(torch.int32).expand(Hkv, -1).contiguous(), ones, ones)
+    return lay.memo[key]
 
 
 @torch.no_grad()

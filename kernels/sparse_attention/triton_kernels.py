@@ -44,63 +44,65 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order
     hq = tl.program_id(0)
     pid = tl.program_id(1)
     NSUB: tl.constexpr = BLOCK // BM
+    NSN: tl.constexpr = BLOCK // BN
     r = tl.load(q_order + pid // NSUB)
-    sub = pid % NSUB
     hk = hq // G
     qs = tl.load(blk_start + r)
     qe = tl.load(blk_end + r)
-    m0 = qs + sub * BM
+    m0 = qs + (pid % NSUB) * BM
     if m0 < qe:
-        offs_m = m0 + tl.arange(0, BM)
+        # 64-bit scalar bases, 32-bit tile offsets (fewer registers than 64-bit offset tiles)
+        offs_m = tl.arange(0, BM)
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
-        mmask = offs_m < qe
-        q = tl.load(Q + hq * sqh + offs_m.to(tl.int64)[:, None] * sqt + offs_d[None, :],
+        mmask = offs_m < qe - m0
+        q = tl.load(Q + m0.to(tl.int64) * sqt + hq * sqh + offs_m[:, None] * sqt + offs_d[None, :],
                     mask=mmask[:, None], other=0.0)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
         row = hk * NB + r
-        cnt = tl.load(q2k_cnt + row)
         lst = q2k_start + row.to(tl.int64) * WK
         Kh = K + hk * skh
         Vh = V + hk * svh
-        for i in range(0, cnt - 1):
-            ks = tl.load(lst + i).to(tl.int64)
-            for j in tl.static_range(BLOCK // BN):
-                kp = ks + j * BN + offs_n
-                kT = tl.load(Kh + kp[None, :] * skt + offs_d[:, None])
-                s = tl.dot(q, kT, input_precision=PREC) * qk_scale
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                pr = tl.math.exp2(s - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(pr, 1)
-                acc = acc * alpha[:, None]
-                vv = tl.load(Vh + kp[:, None] * svt + offs_d[None, :])
-                acc = tl.dot(pr.to(vv.dtype), vv, acc, input_precision=PREC)
-                m_i = m_new
+        k_off = offs_n[None, :] * skt + offs_d[:, None]
+        v_off = offs_n[:, None] * svt + offs_d[None, :]
+        # one flat loop over the BN-wide sub-tiles of the unmasked blocks: a pipeline stage holds one K and
+        # one V tile whatever the selection block size is
+        for it in range(0, (tl.load(q2k_cnt + row) - 1) * NSN):
+            kb = (tl.load(lst + it // NSN) + (it % NSN) * BN).to(tl.int64)
+            kT = tl.load(Kh + kb * skt + k_off)
+            s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            pr = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            acc = acc * alpha[:, None]
+            vv = tl.load(Vh + kb * svt + v_off)
+            acc = tl.dot(pr.to(vv.dtype), vv, acc, input_precision=PREC)
+            m_i = m_new
         # diagonal block, masked (causal + document end)
         hi = tl.minimum(m0 + BM, qe)
-        for j in tl.static_range(BLOCK // BN):
+        for j in tl.static_range(NSN):
             n0 = qs + j * BN
             if n0 < hi:
-                kp = n0 + offs_n
-                kmask = kp < qe
-                kT = tl.load(Kh + kp.to(tl.int64)[None, :] * skt + offs_d[:, None], mask=kmask[None, :], other=0.0)
+                kmask = offs_n < qe - n0
+                kb = n0.to(tl.int64)
+                kT = tl.load(Kh + kb * skt + k_off, mask=kmask[None, :], other=0.0)
                 s = tl.dot(q, kT, input_precision=PREC) * qk_scale
-                s = tl.where((kp[None, :] <= offs_m[:, None]) & kmask[None, :], s, float("-inf"))
+                s = tl.where((n0 + offs_n[None, :] <= m0 + offs_m[:, None]) & kmask[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 pr = tl.math.exp2(s - m_new[:, None])
                 alpha = tl.math.exp2(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(pr, 1)
                 acc = acc * alpha[:, None]
-                vv = tl.load(Vh + kp.to(tl.int64)[:, None] * svt + offs_d[None, :], mask=kmask[:, None], other=0.0)
+                vv = tl.load(Vh + kb * svt + v_off, mask=kmask[:, None], other=0.0)
                 acc = tl.dot(pr.to(vv.dtype), vv, acc, input_precision=PREC)
                 m_i = m_new
         acc = acc / l_i[:, None]
-        tl.store(O + hq * soh + offs_m.to(tl.int64)[:, None] * sot + offs_d[None, :], acc.to(O.dtype.element_ty),
-                 mask=mmask[:, None])
-        tl.store(LSE + hq.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=mmask)
+        tl.store(O + m0.to(tl.int64) * sot + hq * soh + offs_m[:, None] * sot + offs_d[None, :],
+                 acc.to(O.dtype.element_ty), mask=mmask[:, None])
+        tl.store(LSE + hq.to(tl.int64) * T + m0 + offs_m, m_i + tl.math.log2(l_i), mask=mmask)
 
 
 @triton.jit
@@ -112,59 +114,82 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start
     hq = tl.program_id(0)
     pid = tl.program_id(1)
     NSUB: tl.constexpr = BLOCK // BM
+    NSN: tl.constexpr = BLOCK // BN
     r = tl.load(q_order + pid // NSUB)
-    sub = pid % NSUB
     hk = hq // G
     qs = tl.load(blk_start + r)
     qe = tl.load(blk_end + r)
-    m0 = qs + sub * BM
+    m0 = qs + (pid % NSUB) * BM
     if m0 < qe:
-        offs_m = m0 + tl.arange(0, BM)
+        offs_m = tl.arange(0, BM)
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
-        mmask = offs_m < qe
-        om = offs_m.to(tl.int64)
-        q = tl.load(Q + hq * sqh + om[:, None] * sqt + offs_d[None, :], mask=mmask[:, None], other=0.0)
-        do = tl.load(DO + hq * sdoh + om[:, None] * sdot + offs_d[None, :], mask=mmask[:, None], other=0.0)
-        lse = tl.load(LSE + hq.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
+        mmask = offs_m < qe - m0
+        mb = m0.to(tl.int64)
+        q = tl.load(Q + mb * sqt + hq * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=mmask[:, None],
+                    other=0.0)
+        do = tl.load(DO + mb * sdot + hq * sdoh + offs_m[:, None] * sdot + offs_d[None, :], mask=mmask[:, None],
+                     other=0.0)
+        lse = tl.load(LSE + hq.to(tl.int64) * T + m0 + offs_m, mask=mmask, other=0.0)
         # delta = rowsum(dO * O), computed here and stored for the dK/dV kernel (which runs after this one)
-        o = tl.load(O + hq * soh + om[:, None] * sot + offs_d[None, :], mask=mmask[:, None], other=0.0)
+        o = tl.load(O + mb * sot + hq * soh + offs_m[:, None] * sot + offs_d[None, :], mask=mmask[:, None],
+                    other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        tl.store(DELTA + hq.to(tl.int64) * T + offs_m, delta, mask=mmask)
+        tl.store(DELTA + hq.to(tl.int64) * T + m0 + offs_m, delta, mask=mmask)
         dq = tl.zeros([BM, D], tl.float32)
         row = hk * NB + r
-        cnt = tl.load(q2k_cnt + row)
         lst = q2k_start + row.to(tl.int64) * WK
         Kh = K + hk * skh
         Vh = V + hk * svh
-        for i in range(0, cnt - 1):
-            ks = tl.load(lst + i).to(tl.int64)
-            for j in tl.static_range(BLOCK // BN):
-                kp = ks + j * BN + offs_n
-                kk = tl.load(Kh + kp[:, None] * skt + offs_d[None, :])
-                vT = tl.load(Vh + kp[None, :] * svt + offs_d[:, None])
-                s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
-                pr = tl.math.exp2(s - lse[:, None])
-                dp = tl.dot(do, vT, input_precision=PREC)
-                ds = pr * (dp - delta[:, None])
-                dq = tl.dot(ds.to(kk.dtype), kk, dq, input_precision=PREC)
+        k_off = offs_n[:, None] * skt + offs_d[None, :]
+        v_off = offs_n[None, :] * svt + offs_d[:, None]
+        for it in range(0, (tl.load(q2k_cnt + row) - 1) * NSN):
+            kb = (tl.load(lst + it // NSN) + (it % NSN) * BN).to(tl.int64)
+            kk = tl.load(Kh + kb * skt + k_off)
+            vT = tl.load(Vh + kb * svt + v_off)
+            s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
+            pr = tl.math.exp2(s - lse[:, None])
+            dp = tl.dot(do, vT, input_precision=PREC)
+            ds = pr * (dp - delta[:, None])
+            dq = tl.dot(ds.to(kk.dtype), kk, dq, input_precision=PREC)
         hi = tl.minimum(m0 + BM, qe)
-        for j in tl.static_range(BLOCK // BN):
+        for j in tl.static_range(NSN):
             n0 = qs + j * BN
             if n0 < hi:
-                kp = n0 + offs_n
-                kmask = kp < qe
-                kk = tl.load(Kh + kp.to(tl.int64)[:, None] * skt + offs_d[None, :], mask=kmask[:, None], other=0.0)
-                vT = tl.load(Vh + kp.to(tl.int64)[None, :] * svt + offs_d[:, None], mask=kmask[None, :], other=0.0)
+                kmask = offs_n < qe - n0
+                kb = n0.to(tl.int64)
+                kk = tl.load(Kh + kb * skt + k_off, mask=kmask[:, None], other=0.0)
+                vT = tl.load(Vh + kb * svt + v_off, mask=kmask[None, :], other=0.0)
                 s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
                 pr = tl.math.exp2(s - lse[:, None])
-                pr = tl.where((kp[None, :] <= offs_m[:, None]) & kmask[None, :], pr, 0.0)
+                pr = tl.where((n0 + offs_n[None, :] <= m0 + offs_m[:, None]) & kmask[None, :], pr, 0.0)
                 dp = tl.dot(do, vT, input_precision=PREC)
                 ds = pr * (dp - delta[:, None])
                 dq = tl.dot(ds.to(kk.dtype), kk, dq, input_precision=PREC)
         dq = dq * sm_scale
-        tl.store(DQ + hq * sdqh + om[:, None] * sdqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+        tl.store(DQ + mb * sdqt + hq * sdqh + offs_m[:, None] * sdqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=mmask[:, None])
+
+
+@triton.jit
+def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, qlen, kv0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale,
+               MASK_DIAG: tl.constexpr, PREC: tl.constexpr):
+    """dK/dV contribution of the query rows [q0, q0 + BM) (valid below ``qlen`` of them) to KV rows kv0 + offs_n."""
+    qmask = offs_m < qlen
+    qb = q0.to(tl.int64)
+    qT = tl.load(Qh + qb * sqt + offs_m[None, :] * sqt + offs_d[:, None], mask=qmask[None, :], other=0.0)
+    do = tl.load(DOh + qb * sdot + offs_m[:, None] * sdot + offs_d[None, :], mask=qmask[:, None], other=0.0)
+    lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
+    delta = tl.load(DELh + q0 + offs_m, mask=qmask, other=0.0)
+    sT = tl.dot(kk, qT, input_precision=PREC) * qk_scale
+    pT = tl.math.exp2(sT - lse[None, :])
+    if MASK_DIAG:
+        pT = tl.where((kv0 + offs_n[:, None] <= q0 + offs_m[None, :]) & qmask[None, :], pT, 0.0)
+    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+    dpT = tl.dot(vv, tl.trans(do), input_precision=PREC)
+    dsT = pT * (dpT - delta[None, :])
+    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PREC)
+    return dk, dv
 
 
 @triton.jit
@@ -176,24 +201,26 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
     hk = tl.program_id(0)
     pid = tl.program_id(1)
     NSUB: tl.constexpr = BLOCK // BN
+    NSM: tl.constexpr = BLOCK // BM
     c = tl.load(k_order + pid // NSUB)
-    sub = pid % NSUB
     ks = tl.load(blk_start + c)
     ke = tl.load(blk_end + c)
-    n0 = ks + sub * BN
+    n0 = ks + (pid % NSUB) * BN
     if n0 < ke:
-        offs_n = n0 + tl.arange(0, BN)
+        offs_n = tl.arange(0, BN)
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, D)
-        nmask = offs_n < ke
-        on = offs_n.to(tl.int64)
-        kk = tl.load(K + hk * skh + on[:, None] * skt + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        vv = tl.load(V + hk * svh + on[:, None] * svt + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        nmask = offs_n < ke - n0
+        nb = n0.to(tl.int64)
+        kk = tl.load(K + nb * skt + hk * skh + offs_n[:, None] * skt + offs_d[None, :], mask=nmask[:, None],
+                     other=0.0)
+        vv = tl.load(V + nb * svt + hk * svh + offs_n[:, None] * svt + offs_d[None, :], mask=nmask[:, None],
+                     other=0.0)
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
         row = hk * NB + c
-        e0 = tl.load(k2q_ptr + row)
-        e1 = tl.load(k2q_ptr + row + 1)
+        e0 = tl.load(k2q_ptr + row) + 1
+        n_it = (tl.load(k2q_ptr + row + 1) - e0) * NSM
         for g in range(0, G):
             hq = hk * G + g
             Qh = Q + hq * sqh
@@ -201,44 +228,22 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
             LSEh = LSE + hq.to(tl.int64) * T
             DELh = DELTA + hq.to(tl.int64) * T
             # diagonal block (first entry of the reverse list), masked
-            for j in tl.static_range(BLOCK // BM):
+            for j in tl.static_range(NSM):
                 mq = ks + j * BM
                 if (mq + BM > n0) & (mq < ke):
-                    qp = mq + offs_m
-                    qmask = qp < ke
-                    qp64 = qp.to(tl.int64)
-                    qT = tl.load(Qh + qp64[None, :] * sqt + offs_d[:, None], mask=qmask[None, :], other=0.0)
-                    do = tl.load(DOh + qp64[:, None] * sdot + offs_d[None, :], mask=qmask[:, None], other=0.0)
-                    lse = tl.load(LSEh + qp, mask=qmask, other=float("inf"))
-                    delta = tl.load(DELh + qp, mask=qmask, other=0.0)
-                    sT = tl.dot(kk, qT, input_precision=PREC) * qk_scale
-                    pT = tl.math.exp2(sT - lse[None, :])
-                    pT = tl.where((offs_n[:, None] <= qp[None, :]) & qmask[None, :], pT, 0.0)
-                    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
-                    dpT = tl.dot(vv, tl.trans(do), input_precision=PREC)
-                    dsT = pT * (dpT - delta[None, :])
-                    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PREC)
-            for e in range(e0 + 1, e1):
-                qs = tl.load(k2q_start + e)
-                qe = tl.load(k2q_end + e)
-                for j in tl.static_range(BLOCK // BM):
-                    qp = qs + j * BM + offs_m
-                    qmask = qp < qe
-                    qp64 = qp.to(tl.int64)
-                    qT = tl.load(Qh + qp64[None, :] * sqt + offs_d[:, None], mask=qmask[None, :], other=0.0)
-                    do = tl.load(DOh + qp64[:, None] * sdot + offs_d[None, :], mask=qmask[:, None], other=0.0)
-                    lse = tl.load(LSEh + qp, mask=qmask, other=float("inf"))
-                    delta = tl.load(DELh + qp, mask=qmask, other=0.0)
-                    sT = tl.dot(kk, qT, input_precision=PREC) * qk_scale
-                    pT = tl.math.exp2(sT - lse[None, :])
-                    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
-                    dpT = tl.dot(vv, tl.trans(do), input_precision=PREC)
-                    dsT = pT * (dpT - delta[None, :])
-                    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PREC)
+                    dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, mq, ke - mq, n0, offs_n, offs_m,
+                                        offs_d, sqt, sdot, qk_scale, MASK_DIAG=True, PREC=PREC)
+            # one flat loop over the BM-row sub-tiles of the later query blocks (only a document's last
+            # block can be partial, hence the row bound)
+            for it in range(0, n_it):
+                e = e0 + it // NSM
+                q0 = tl.load(k2q_start + e) + (it % NSM) * BM
+                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, tl.load(k2q_end + e) - q0, n0,
+                                    offs_n, offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=False, PREC=PREC)
         dk = dk * sm_scale
-        tl.store(DK + hk * sdkh + on[:, None] * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
+        tl.store(DK + nb * sdkt + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=nmask[:, None])
-        tl.store(DV + hk * sdvh + on[:, None] * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+        tl.store(DV + nb * sdvt + hk * sdvh + offs_n[:, None] * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
                  mask=nmask[:, None])
 
 
@@ -270,12 +275,13 @@ def pool_blocks_triton(x, lay, num_kv_heads):
 
 @triton.jit
 def _select_kernel(QB, KB, block_doc, doc_first, blk_start, row_offset, budget, SCR,
-                   OUT_IDX, OUT_START, OUT_CNT, OUT_COV,
+                   OUT_IDX, OUT_START, OUT_CNT, OUT_COV, KCNT,
                    scale, NB, WOUT, TOTC,
                    HKV: tl.constexpr, TOPP: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, WP2: tl.constexpr):
     """One program per (query block g, KV head h): routing scores over the causal blocks of g's document,
     softmax, then the kept set by an exact binary search over the float bit patterns (top-k: the k-th
-    largest key; top-p: the smallest prefix of the descending order reaching mass p), diagonal forced."""
+    largest key; top-p: the smallest prefix of the descending order reaching mass p), diagonal forced.
+    Also counts, per (h, KV block), the rows that keep it (integer atomics: order-free, deterministic)."""
     g = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.load(block_doc + g)
@@ -327,14 +333,19 @@ def _select_kernel(QB, KB, block_doc, doc_first, blk_start, row_offset, budget, 
     tl.store(OUT_IDX + base + pos, f + cols, mask=om)
     tl.store(OUT_START + base + pos, tl.load(blk_start + f + cols, mask=om, other=0), mask=om)
     # exact ties at the threshold could overflow the slots (never seen): keep the diagonal last anyway
-    tl.store(OUT_IDX + base + WOUT - 1, g, mask=cnt > WOUT)
-    tl.store(OUT_START + base + WOUT - 1, tl.load(blk_start + g), mask=cnt > WOUT)
+    over = cnt > WOUT
+    tl.store(OUT_IDX + base + WOUT - 1, g, mask=over)
+    tl.store(OUT_START + base + WOUT - 1, tl.load(blk_start + g), mask=over)
+    # counted as stored: when the slots overflow, the last one holds the diagonal instead
+    tl.atomic_add(KCNT + h * NB + f + cols, ki, mask=om & (pos < WOUT - over.to(tl.int32)))
+    tl.atomic_add(KCNT + h * NB + g, 1, mask=over)
     tl.store(OUT_CNT + h * NB + g, tl.minimum(cnt, WOUT))
     tl.store(OUT_COV + h * NB + g, tl.sum(tl.where(keep, prob, 0.0), 0))
 
 
 def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: int):
-    """Launch _select_kernel; returns (q2k_idx, q2k_start [Hkv, NB, wout], cnt [Hkv, NB], cov [Hkv, NB])."""
+    """Launch _select_kernel; returns (q2k_idx, q2k_start [Hkv, NB, wout], cnt [Hkv, NB], cov [Hkv, NB],
+    kcnt [Hkv * NB] rows keeping each KV block)."""
     NB, Hkv, D = qbar.shape
     dev = qbar.device
     wp2 = max(16, triton.next_power_of_2(lay.max_doc_blocks))
@@ -344,10 +355,81 @@ def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: 
     start = torch.empty(Hkv, NB, wout, dtype=torch.int32, device=dev)
     cnt = torch.empty(Hkv, NB, dtype=torch.int32, device=dev)
     cov = torch.empty(Hkv, NB, dtype=torch.float32, device=dev)
+    kcnt = torch.zeros(Hkv * NB, dtype=torch.int32, device=dev)
     _select_kernel[(NB, Hkv)](qbar, kbar, lay.block_doc, lay.doc_first_block_t, lay.block_start, lay.row_offset,
-                              budget, scr, idx, start, cnt, cov, scale, NB, wout, lay.total_causal,
+                              budget, scr, idx, start, cnt, cov, kcnt, scale, NB, wout, lay.total_causal,
                               HKV=Hkv, TOPP=topp, D=D, CH=64, WP2=wp2, num_warps=4 if wp2 <= 512 else 8)
-    return idx, start, cnt, cov
+    return idx, start, cnt, cov, kcnt
+
+
+@triton.jit
+def _reverse_kernel(Q2K_IDX, Q2K_CNT, block_doc, doc_first, blk_start, blk_end, K2Q_PTR,
+                    OUT_IDX, OUT_START, OUT_END, NB, W, NSTEP, CH: tl.constexpr):
+    """One program per (KV block c, KV head h): the query blocks whose (ascending) forward list holds c,
+    found by a lower-bound binary search per row, written ascending from K2Q_PTR[h, c] (the diagonal first)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    last = tl.load(doc_first + tl.load(block_doc + c) + 1).to(tl.int32)
+    out = tl.load(K2Q_PTR + h * NB + c)
+    for g0 in range(c, last, CH):
+        g = g0 + tl.arange(0, CH)
+        gm = g < last
+        n = tl.load(Q2K_CNT + h * NB + g, mask=gm, other=0)
+        base = Q2K_IDX + (h * NB + g).to(tl.int64) * W
+        lo = tl.zeros([CH], tl.int32)
+        hi = n
+        for _ in range(NSTEP):
+            live = lo < hi
+            mid = (lo + hi) // 2
+            right = tl.load(base + mid, mask=live, other=0) < c
+            lo = tl.where(live & right, mid + 1, lo)
+            hi = tl.where(live & ~right, mid, hi)
+        found = (lo < n) & (tl.load(base + lo, mask=gm & (lo < n), other=-1) == c)
+        fi = found.to(tl.int32)
+        pos = out + tl.cumsum(fi, 0) - 1
+        tl.store(OUT_IDX + pos, g, mask=found)
+        tl.store(OUT_START + pos, tl.load(blk_start + g, mask=found, other=0), mask=found)
+        tl.store(OUT_END + pos, tl.load(blk_end + g, mask=found, other=0), mask=found)
+        out += tl.sum(fi, 0)
+
+
+def reverse_lists_triton(q2k_idx, q2k_cnt, k2q_ptr, nnz: int, lay):
+    """(k2q_idx, k2q_start, k2q_end) [nnz] int32 from the forward lists and the CSR row pointers."""
+    Hkv, NB, W = q2k_idx.shape
+    dev = q2k_idx.device
+    out = [torch.empty(max(nnz, 1), dtype=torch.int32, device=dev) for _ in range(3)]
+    _reverse_kernel[(NB, Hkv)](q2k_idx, q2k_cnt, lay.block_doc, lay.doc_first_block_t, lay.block_start,
+                               lay.block_end, k2q_ptr, *out, NB, W, max(1, W.bit_length()), CH=64, num_warps=2)
+    return out
+
+
+@triton.jit
+def _doc_stats_kernel(CNT, COV, doc_first, doc_causal, OUT_KEPT, OUT_COV, NB, HKV, CH: tl.constexpr):
+    """One program per document: kept blocks / causal blocks and mean coverage over its (KV head, query
+    block) rows, summed in a fixed order (deterministic, unlike float atomics)."""
+    d = tl.program_id(0)
+    f = tl.load(doc_first + d).to(tl.int32)
+    e = tl.load(doc_first + d + 1).to(tl.int32)
+    kept = tl.zeros([CH], tl.float32)
+    cov = tl.zeros([CH], tl.float32)
+    for h in range(0, HKV):
+        for g0 in range(f, e, CH):
+            g = g0 + tl.arange(0, CH)
+            gm = g < e
+            kept += tl.load(CNT + h * NB + g, mask=gm, other=0).to(tl.float32)
+            cov += tl.load(COV + h * NB + g, mask=gm, other=0.0)
+    tl.store(OUT_KEPT + d, tl.sum(kept, 0) / (tl.load(doc_causal + d) * HKV))
+    tl.store(OUT_COV + d, tl.sum(cov, 0) / ((e - f) * HKV).to(tl.float32))
+
+
+def doc_stats_triton(cnt, cov, lay):
+    """Per-document (kept_fraction, coverage) float32 [n] from per-row counts and coverages [Hkv, NB]."""
+    Hkv, NB = cnt.shape
+    kept = torch.empty(lay.num_docs, dtype=torch.float32, device=cnt.device)
+    cv = torch.empty_like(kept)
+    _doc_stats_kernel[(lay.num_docs,)](cnt, cov, lay.doc_first_block_t, lay.doc_causal_t, kept, cv, NB, Hkv,
+                                       CH=64, num_warps=2)
+    return kept, cv
 
 
 LAST_COMPILED: dict = {}  # diagnostics: the last compiled kernel of each kind (registers, spills, PTX)

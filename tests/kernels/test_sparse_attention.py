@@ -261,11 +261,15 @@ def test_bad_input_raises_value_error(mutate, match):
     assert "\n" not in str(info.value), "one-line message"
 
 
-@pytest.mark.parametrize("budget", [dict(p=0.7), dict(p=1.0), dict(kept_fraction=torch.tensor([0.3, 0.6, 1.0, 0.1]))],
-                         ids=["p0.7", "p1.0", "kf-per-doc"])
-def test_fused_triton_selection_equals_torch_selection(budget, monkeypatch):
-    """The fused Triton selection (used on CUDA) picks exactly the blocks of the torch path."""
-    lens = [1, 40, 37, 60]
+@pytest.mark.parametrize("lens,budget", [
+    ([1, 40, 37, 60], dict(p=0.7)), ([1, 40, 37, 60], dict(p=1.0)),
+    ([1, 40, 37, 60], dict(kept_fraction=torch.tensor([0.3, 0.6, 1.0, 0.1]))),
+    # 70 blocks: the reverse-list kernel scans a KV block's rows in several 64-row chunks
+    ([1, 1100, 37, 3], dict(kept_fraction=torch.tensor([1.0, 0.2, 0.5, 1.0]))),
+], ids=["p0.7", "p1.0", "kf-per-doc", "long-doc-kf0.2"])
+def test_fused_triton_selection_equals_torch_selection(lens, budget, monkeypatch):
+    """The fused Triton selection (used on CUDA) picks exactly the blocks of the torch path and builds the
+    same reverse lists and per-document stats."""
     q, k, _ = qkv(lens, 4, 2, 16, seed=6)
     q, k = q.detach() * 3, k.detach() * 3
     cu = cu_of(lens)
@@ -278,7 +282,10 @@ def test_fused_triton_selection_equals_torch_selection(budget, monkeypatch):
     assert a.q2k_idx.shape == b.q2k_idx.shape
     used = torch.arange(a.q2k_idx.shape[-1], device=DEV) < a.q2k_cnt[..., None]  # slots past the count: unused
     assert torch.equal(a.q2k_idx[used], b.q2k_idx[used]) and torch.equal(a.q2k_start[used], b.q2k_start[used])
-    assert torch.equal(a.k2q_ptr, b.k2q_ptr) and torch.equal(a.k2q_idx, b.k2q_idx)
+    nnz = int(a.k2q_ptr[-1])  # the sort-built lists carry padding past nnz
+    assert torch.equal(a.k2q_ptr, b.k2q_ptr)
+    for name in ("k2q_idx", "k2q_start", "k2q_end"):
+        assert torch.equal(getattr(a, name)[:nnz], getattr(b, name)[:nnz]), name
     torch.testing.assert_close(a.kept_fraction, b.kept_fraction)
     torch.testing.assert_close(a.coverage, b.coverage)
 
