@@ -18,17 +18,26 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# Tunables per (block_size, head_dim). warps/stages only matter on the GPU.
+# Tunables per (block_size, head_dim) (BM, BN, num_warps, num_stages), from ``benchmarks/attention.py --tune``
+# on an H100 (benchmarks/results/attention_h100_tune.log). The forward has two: 128x128 tiles amortise
+# their setup over long rows, 64x64 tiles with 4 warps (twice the programs, more of them per SM) win when
+# every row is short, as in packed batches of short documents or at high sparsity on 8K tokens.
 DEFAULT_CONFIG = {
-    "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=3),
-    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2),
-    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=3),
+    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3),
+    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=4),
+    "dq": dict(BM=64, BN=64, num_warps=4, num_stages=3),
+    "dkdv": dict(BN=64, BM=64, num_warps=4, num_stages=3),
 }
+SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this uses "fwd_short"
 CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, ...}} set by benchmarks / tuning
 
 
-def get_config(kind: str, block: int, D: int) -> dict:
-    cfg = dict(DEFAULT_CONFIG[kind])
+def get_config(kind: str, block: int, D: int, row_blocks: int | None = None) -> dict:
+    """Launch config of one kernel kind; ``row_blocks`` (the most KV blocks any query row keeps) picks the
+    forward's short-row tiles. An override of "fwd" applies to both forward configs."""
+    base = "fwd_short" if kind == "fwd" and row_blocks is not None and row_blocks * block < SHORT_ROW_TOKENS \
+        else kind
+    cfg = dict(DEFAULT_CONFIG[base])
     cfg.update(CONFIG_OVERRIDES.get((block, D), {}).get(kind, {}))
     for key in ("BM", "BN"):
         cfg[key] = min(cfg[key], block)
@@ -452,7 +461,7 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     Hkv = k.shape[1]
     lay = sel.layout
     B, NB = lay.block_size, lay.num_blocks
-    cfg = get_config("fwd", B, D)
+    cfg = get_config("fwd", B, D, row_blocks=sel.q2k_idx.shape[-1])
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
     grid = (Hq, NB * (B // cfg["BM"]))
