@@ -1,7 +1,8 @@
 """Benchmark and GPU checks of kernels.sparse_attention (run on an H200).
 
     python benchmarks/attention.py --check            # bf16/fp16 fwd + grads vs the fp32 naive reference
-    python benchmarks/attention.py --tune             # time a few (BM, BN, warps, stages) per kernel
+    python benchmarks/attention.py --tune             # time a few (BM, BN, warps, stages, grid order) per kernel
+    python benchmarks/attention.py --tune --apply-tuned --check --bench --csv grid.csv --check-csv check.csv
     python benchmarks/attention.py --csv out.csv      # the benchmark grid (default)
 
 Grid: single sequences L in {8K, 32K, 128K} x sparsity {0, .5, .75, .9, .95} and a packed 64K-token batch of
@@ -121,56 +122,66 @@ def check(args):
 
 # ---------------------------------------------------------------------------------------------- tune
 def tune(args):
-    """Time each candidate config of one kernel kind (the others at their defaults) on three shapes and
-    pick the lowest sum of times relative to each shape's best (so no shape dominates by its size)."""
+    """Time candidate configs of each kernel config (``fwd``, ``dq``, ``dkdv`` for long rows and their
+    ``_short`` twins), the others at their defaults, on shapes of its row-length class, and pick the lowest
+    sum of times relative to each shape's best (so no shape dominates by its size). Returns the winners."""
     H, D, B = 16, 128, 128
+    shapes = {"long": (("single128k_kf0.25", [131072], 0.25), ("single32k_dense", [32768], 1.0),
+                       ("single32k_kf0.1", [32768], 0.1)),
+              "short": (("packed64k_kf0.1", long_tail_lengths(65536), 0.1), ("single8k_kf0.1", [8192], 0.1))}
+    keys = ("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER")
     res = {}
-    shapes = (("single32k_kf0.1", [32768], 0.1), ("single16k_dense", [16384], 1.0),
-              ("packed64k_kf0.1", long_tail_lengths(65536), 0.1))
-    for name, lens, kf in shapes:
-        q, k, v = make_qkv(sum(lens), H, H, D, torch.bfloat16)
-        cu = cu_from_lens(lens)
-        sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
-        o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
-        do = torch.randn_like(o)
-        for kind, cands in args.tune_cands.items():
-            for cand in cands:
-                keys = ("BM", "BN", "num_warps", "num_stages")
-                tk.CONFIG_OVERRIDES[(B, D)] = {kind: dict(zip(keys, cand))}
-                try:
-                    if kind == "fwd":
-                        ms = bench(lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5))
-                    else:
-                        ms = bench(lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5))
-                    ck = tk.LAST_COMPILED[kind]
-                    info = f"regs={ck.n_regs} spills={ck.n_spills}"
-                except Exception as e:  # noqa: BLE001
-                    ms, info = float("nan"), repr(e)[:200]
-                res.setdefault((kind, cand), {})[name] = ms
-                log(f"tune {name} {kind} {cand} {ms:.3f} ms {info}")
-        tk.CONFIG_OVERRIDES.clear()
+    for cls, cls_shapes in shapes.items():
+        for name, lens, kf in cls_shapes:
+            q, k, v = make_qkv(sum(lens), H, H, D, torch.bfloat16, grad=False)
+            cu = cu_from_lens(lens)
+            sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
+            W = sel.q2k_idx.shape[-1]
+            assert (W * B < tk.SHORT_ROW_TOKENS) == (cls == "short"), f"{name}: longest row {W} blocks"
+            o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
+            do = torch.randn_like(o)
+            for kind, cands in args.tune_cands.items():
+                if kind.endswith("_short") != (cls == "short"):
+                    continue
+                for cand in cands:
+                    tk.CONFIG_OVERRIDES[(B, D)] = {kind: dict(zip(keys, cand))}
+                    try:
+                        if kind.startswith("fwd"):
+                            ms = bench(lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5))
+                        else:
+                            ms = bench(lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5))
+                        ck = tk.LAST_COMPILED[kind.split("_")[0]]
+                        info = f"regs={ck.n_regs} spills={ck.n_spills}"
+                    except Exception as e:  # noqa: BLE001
+                        ms, info = float("nan"), repr(e)[:200]
+                    res.setdefault((kind, cand), {})[name] = ms
+                    log(f"tune {name} {kind} {cand} {ms:.3f} ms {info}")
+            tk.CONFIG_OVERRIDES.clear()
+            del q, k, v, o, lse, do, sel
+            torch.cuda.empty_cache()
     best = {}
     for kind, cands in args.tune_cands.items():
-        ok = [c for c in cands if all(math.isfinite(x) for x in res[(kind, c)].values())]
+        names = [n for n, _, _ in shapes["short" if kind.endswith("_short") else "long"]]
+        ok = [c for c in cands if all(math.isfinite(res[(kind, c)][n]) for n in names)]
         if not ok:
-            best[kind] = None
             continue
-        low = {name: min(res[(kind, c)][name] for c in ok) for name, _, _ in shapes}
-        scored = sorted((sum(res[(kind, c)][n] / low[n] for n in low), c) for c in ok)
+        low = {n: min(res[(kind, c)][n] for c in ok) for n in names}
+        scored = sorted((sum(res[(kind, c)][n] / low[n] for n in names), c) for c in ok)
         log(f"TUNE_RANK {kind} " + " ".join(f"{c}:{sc:.3f}" for sc, c in scored))
-        best[kind] = scored[0][1]
+        best[kind] = dict(zip(keys, scored[0][1]))
     log("TUNE_BEST", json.dumps(best))
+    return best
 
 
+# (BM, BN, num_warps, num_stages, HEAD_OUTER); dkdv: BN is the program's KV tile, BM the query sub-tile.
 TUNE_CANDS = {
-    "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4),
-            (128, 32, 4, 4)],
-    "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3),
-           (128, 128, 8, 2), (64, 32, 4, 4)],
-    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4),
-             (64, 128, 4, 3), (32, 128, 8, 4)],
+    "fwd": [(128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 64, 8, 3, True)],
+    "fwd_short": [(64, 64, 4, 4, False), (64, 64, 4, 4, True), (64, 64, 4, 3, True)],
+    "dq": [(128, 128, 8, 2, False), (128, 128, 8, 2, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True)],
+    "dq_short": [(64, 64, 4, 3, False), (64, 64, 4, 3, True)],
+    "dkdv": [(64, 128, 8, 3, False), (64, 128, 8, 3, True), (64, 64, 4, 3, True)],
+    "dkdv_short": [(64, 64, 4, 3, False), (64, 64, 4, 3, True)],
 }
-# dkdv: BN is the program's KV tile, BM the query sub-tile it loops over.
 
 
 # ---------------------------------------------------------------------------------------------- bench
@@ -471,8 +482,11 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="short follow-up check + a few of our grid points")
+    ap.add_argument("--apply-tuned", action="store_true", help="--tune's winners for the other modes")
     ap.add_argument("--csv", default=None)
-    ap.add_argument("--config", default=None, help="json {kind: [BM, BN, warps, stages]} for block 128, D 128")
+    ap.add_argument("--check-csv", default=None, help="--check's CSV when --csv is the grid's")
+    ap.add_argument("--config", default=None,
+                    help="json {kind: [BM, BN, warps, stages, head_outer]} for block 128, D 128")
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--sparsities", default="0,0.5,0.75,0.9,0.95")
     ap.add_argument("--flex-dense-max", type=int, default=1 << 30)
@@ -484,11 +498,13 @@ def main():
     if args.config:
         cfg = json.loads(args.config)
         tk.CONFIG_OVERRIDES[(128, 128)] = {
-            kind: dict(zip(("BM", "BN", "num_warps", "num_stages"), c)) for kind, c in cfg.items() if c}
-    if args.check:
-        check(args)
+            kind: dict(zip(("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER"), c)) for kind, c in cfg.items() if c}
     if args.tune:
-        tune(args)
+        best = tune(args)
+        if args.apply_tuned:
+            tk.CONFIG_OVERRIDES[(128, 128)] = best
+    if args.check:
+        check(argparse.Namespace(**{**vars(args), "csv": args.check_csv or args.csv}))
     if args.quick:
         args.csv = args.csv or "attention_quick.csv"
         quick(args)

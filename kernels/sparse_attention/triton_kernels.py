@@ -18,30 +18,41 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# Tunables per (block_size, head_dim) (BM, BN, num_warps, num_stages), from ``benchmarks/attention.py --tune``
-# on an H100 (benchmarks/results/attention_h100_tune.log). The forward has two: 128x128 tiles amortise
-# their setup over long rows, 64x64 tiles with 4 warps (twice the programs, more of them per SM) win when
-# every row is short, as in packed batches of short documents or at high sparsity on 8K tokens.
+# Tunables per (block_size, head_dim): tiles, warps, stages and grid order, from ``benchmarks/attention.py
+# --tune`` (benchmarks/results/). Each kernel has a long-row and a short-row config: large tiles amortise
+# their setup and halve K/V re-reads on long rows (which matters once K/V outgrow L2, e.g. 128K tokens),
+# small 4-warp tiles (twice the programs, more per SM) win when every row is short, as in packed batches
+# of short documents or at high sparsity on 8K tokens. HEAD_OUTER puts the head on grid axis 1, so the
+# programs running together share one head's K/V (axis 0 = head otherwise).
 DEFAULT_CONFIG = {
-    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3),
-    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=4),
-    "dq": dict(BM=64, BN=64, num_warps=4, num_stages=3),
-    "dkdv": dict(BN=64, BM=64, num_warps=4, num_stages=3),
+    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=False),
+    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=4, HEAD_OUTER=False),
+    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=False),
+    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=False),
+    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=3, HEAD_OUTER=False),
+    "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=3, HEAD_OUTER=False),
 }
-SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this uses "fwd_short"
-CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, ...}} set by benchmarks / tuning
+SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this is "short"
+CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, "dq_short": {...}, ...}} (tuning, tests)
 
 
 def get_config(kind: str, block: int, D: int, row_blocks: int | None = None) -> dict:
-    """Launch config of one kernel kind; ``row_blocks`` (the most KV blocks any query row keeps) picks the
-    forward's short-row tiles. An override of "fwd" applies to both forward configs."""
-    base = "fwd_short" if kind == "fwd" and row_blocks is not None and row_blocks * block < SHORT_ROW_TOKENS \
-        else kind
-    cfg = dict(DEFAULT_CONFIG[base])
-    cfg.update(CONFIG_OVERRIDES.get((block, D), {}).get(kind, {}))
+    """Launch config of one kernel kind ("fwd", "dq", "dkdv"); ``row_blocks`` (the most KV blocks any query
+    row keeps) picks the short-row config. An override of ``kind`` applies to both of its configs, one of
+    ``kind + "_short"`` to the short-row one only."""
+    short = row_blocks is not None and row_blocks * block < SHORT_ROW_TOKENS
+    cfg = dict(DEFAULT_CONFIG[kind + "_short" if short else kind])
+    over = CONFIG_OVERRIDES.get((block, D), {})
+    cfg.update(over.get(kind, {}))
+    if short:
+        cfg.update(over.get(kind + "_short", {}))
     for key in ("BM", "BN"):
         cfg[key] = min(cfg[key], block)
     return cfg
+
+
+def _grid(cfg: dict, heads: int, rows: int):
+    return (rows, heads) if cfg["HEAD_OUTER"] else (heads, rows)
 
 
 @triton.jit
@@ -49,9 +60,13 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order
                 qk_scale, T, NB, WK,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
                 G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                D: tl.constexpr, PREC: tl.constexpr):
-    hq = tl.program_id(0)
-    pid = tl.program_id(1)
+                D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
+    if HEAD_OUTER:
+        hq = tl.program_id(1)
+        pid = tl.program_id(0)
+    else:
+        hq = tl.program_id(0)
+        pid = tl.program_id(1)
     NSUB: tl.constexpr = BLOCK // BM
     NSN: tl.constexpr = BLOCK // BN
     r = tl.load(q_order + pid // NSUB)
@@ -119,9 +134,13 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start
                    qk_scale, sm_scale, T, NB, WK,
                    sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sdqt, sdqh,
                    G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   D: tl.constexpr, PREC: tl.constexpr):
-    hq = tl.program_id(0)
-    pid = tl.program_id(1)
+                   D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
+    if HEAD_OUTER:
+        hq = tl.program_id(1)
+        pid = tl.program_id(0)
+    else:
+        hq = tl.program_id(0)
+        pid = tl.program_id(1)
     NSUB: tl.constexpr = BLOCK // BM
     NSN: tl.constexpr = BLOCK // BN
     r = tl.load(q_order + pid // NSUB)
@@ -206,9 +225,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
                      qk_scale, sm_scale, T, NB,
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh,
                      G: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                     D: tl.constexpr, PREC: tl.constexpr):
-    hk = tl.program_id(0)
-    pid = tl.program_id(1)
+                     D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
+    if HEAD_OUTER:
+        hk = tl.program_id(1)
+        pid = tl.program_id(0)
+    else:
+        hk = tl.program_id(0)
+        pid = tl.program_id(1)
     NSUB: tl.constexpr = BLOCK // BN
     NSM: tl.constexpr = BLOCK // BM
     c = tl.load(k_order + pid // NSUB)
@@ -464,13 +487,13 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     cfg = get_config("fwd", B, D, row_blocks=sel.q2k_idx.shape[-1])
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
-    grid = (Hq, NB * (B // cfg["BM"]))
+    grid = _grid(cfg, Hq, NB * (B // cfg["BM"]))
     LAST_COMPILED["fwd"] = _fwd_kernel[grid](q, k, v, o, lse, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
                       sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       o.stride(0), o.stride(1),
                       G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype),
-                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                      HEAD_OUTER=cfg["HEAD_OUTER"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
 
@@ -485,21 +508,23 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
     dk = _empty(k.shape, k)
     dv = _empty(v.shape, v)
     prec = _prec(q.dtype)
-    cfg = get_config("dq", B, D)
-    LAST_COMPILED["dq"] = _bwd_dq_kernel[(Hq, NB * (B // cfg["BM"]))](
+    W = sel.q2k_idx.shape[-1]
+    cfg = get_config("dq", B, D, row_blocks=W)
+    LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
         q, k, v, o, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=prec,
+        G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=prec, HEAD_OUTER=cfg["HEAD_OUTER"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    cfg = get_config("dkdv", B, D)
-    LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[(Hkv, NB * (B // cfg["BN"]))](
+    # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
+    cfg = get_config("dkdv", B, D, row_blocks=W)
+    LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[_grid(cfg, Hkv, NB * (B // cfg["BN"]))](
         q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start, sel.k2q_end, sel.k_order,
         sm_scale * LOG2E, sm_scale, T, NB,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=prec,
+        G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=prec, HEAD_OUTER=cfg["HEAD_OUTER"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq, dk, dv
 

@@ -72,6 +72,9 @@ CASES = [
     # program tiles smaller than the selection block (what the GPU defaults do at block 128)
     ("subtiles-block32-tile16", [77, 32, 9], 2, 1, 16, 32, dict(kept_fraction=0.5), torch.float32,
      {"fwd": dict(BM=16, BN=16), "dq": dict(BM=16, BN=16), "dkdv": dict(BM=16, BN=16)}),
+    # head on grid axis 1, short-row configs (what the tuned GPU defaults may pick)
+    ("head-outer-short-rows", [77, 32, 9], 4, 2, 16, 32, dict(kept_fraction=0.5), torch.float32,
+     {k: dict(BM=16, BN=16, HEAD_OUTER=True) for k in ("fwd_short", "dq_short", "dkdv_short")}),
     ("fp16-gqa2to1-p0.9", [45, 70], 4, 2, 16, 16, dict(p=0.9), torch.float16, None),
 ]
 
@@ -84,6 +87,8 @@ def test_matches_naive(lens, Hq, Hkv, D, B, budget, dtype, cfg):
     cu = cu_of(lens)
     budget = {n: (x.to(DEV) if isinstance(x, torch.Tensor) else x) for n, x in budget.items()}
     sel = select_blocks(q, k, cu, block_size=B, **budget)
+    if cfg and "fwd_short" in cfg:  # the case exercises the short-row configs
+        assert tk.get_config("fwd", B, D, row_blocks=sel.q2k_idx.shape[-1])["HEAD_OUTER"]
     check_against_naive(q, k, v, cu, sel, ATOL[dtype])
 
 
