@@ -136,7 +136,7 @@ def tune(args):
             q, k, v = make_qkv(sum(lens), H, H, D, torch.bfloat16, grad=False)
             cu = cu_from_lens(lens)
             sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
-            W = sel.q2k_idx.shape[-1]
+            W = sel.row_blocks
             assert (W * B < tk.SHORT_ROW_TOKENS) == (cls == "short"), f"{name}: longest row {W} blocks"
             o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
             do = torch.randn_like(o)

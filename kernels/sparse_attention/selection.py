@@ -12,7 +12,8 @@ the causal blocks ``c <= g`` of the same document, softmax-normalised per query 
 In both modes the diagonal block is always kept. Budgets are per document (float or ``[n]`` tensor).
 
 Storage (all plain tensors, memory O(NB x max kept), never O(T^2)):
-  ``q2k_idx [Hkv, NB, W]`` int32 selected KV blocks of each query block, ascending (the diagonal is last),
+  ``q2k_idx [Hkv, NB, W]`` int32 selected KV blocks of each query block, ascending (the diagonal is last;
+  W >= ``row_blocks``, the most any row keeps),
   ``q2k_cnt [Hkv, NB]`` int32 how many of the W slots are used,
   ``k2q_ptr [Hkv*NB+1]`` / ``k2q_idx`` int32: reverse lists (CSR, ascending; the diagonal is first), used by
   the dK/dV backward; built by one sort (torch path) or by a Triton binary-search kernel (fused path),
@@ -53,9 +54,12 @@ class BlockSelection:
     q2k_start: torch.Tensor = None  # int32 [Hkv, NB, W]
     k2q_start: torch.Tensor = None  # int32 like k2q_idx
     k2q_end: torch.Tensor = None  # int32 like k2q_idx (query blocks may be partial)
+    row_blocks: int = None  # host: the most blocks any row keeps (<= W; picks the kernels' tile configs)
 
     def __post_init__(self):
         lay = self.layout
+        if self.row_blocks is None:
+            self.row_blocks = self.q2k_idx.shape[-1]
         if self.q2k_start is None:
             self.q2k_start = lay.block_start[self.q2k_idx.long()].contiguous()
         if self.k2q_start is None:
@@ -171,7 +175,7 @@ def use_triton_selection(q: torch.Tensor) -> bool:
 
 
 def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, scale: float, kf_host):
-    """Fused selection: five small launches and one host sync (list width and nonzero count)."""
+    """Fused selection: five Triton launches, a cumsum and one host sync (list width, nonzero count)."""
     from .triton_kernels import doc_stats_triton, reverse_lists_triton, select_rows_triton
 
     dev = qbar.device
@@ -183,16 +187,18 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
         kmax = max(min(nb, max(1, math.floor(kf * nb + 0.5))) for kf, nb in zip(kfs, lay.doc_nblocks))
         wout = min(nbmax, kmax + 16)
     idx, start, cnt, cov, kcnt = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout)
-    kept_fraction, coverage = doc_stats_triton(cnt, cov, lay)
-    k2q_ptr = torch.zeros(Hkv * lay.num_blocks + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(kcnt, 0, dtype=torch.int32, out=k2q_ptr[1:])
-    w, nnz = torch.stack([cnt.max(), k2q_ptr[-1]]).tolist()  # the one host sync
+    HN = Hkv * lay.num_blocks
+    kept_fraction, coverage = doc_stats_triton(cnt, cov, lay, kcnt[HN + 1:])
+    k2q_ptr = torch.zeros(HN + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(kcnt[:HN], 0, dtype=torch.int32, out=k2q_ptr[1:])
+    w, nnz = kcnt[HN:].tolist()  # the one host sync: list width and nonzero count
     w = max(1, w)
-    if w < wout:
+    # top-p rows are sized for the longest document: trim them (a top-k width is already within 16)
+    if w < wout - 16:
         idx, start = idx[..., :w].contiguous(), start[..., :w].contiguous()
     k2q_idx, k2q_start, k2q_end = reverse_lists_triton(idx, cnt, k2q_ptr, nnz, lay)
     return BlockSelection(lay, Hkv, idx, cnt, k2q_ptr, k2q_idx, lay.q_order, lay.k_order, kept_fraction,
-                          coverage, q2k_start=start, k2q_start=k2q_start, k2q_end=k2q_end)
+                          coverage, q2k_start=start, k2q_start=k2q_start, k2q_end=k2q_end, row_blocks=w)
 
 
 def _all_dense(value, budget: torch.Tensor) -> bool:

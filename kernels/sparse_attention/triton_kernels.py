@@ -19,17 +19,17 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 # Tunables per (block_size, head_dim): tiles, warps, stages and grid order, from ``benchmarks/attention.py
-# --tune`` (benchmarks/results/). Each kernel has a long-row and a short-row config: large tiles amortise
-# their setup and halve K/V re-reads on long rows (which matters once K/V outgrow L2, e.g. 128K tokens),
+# --tune`` on an H200 (benchmarks/results/attention_h200_tune.log). Each kernel has a long-row and a
+# short-row config: large tiles amortise their setup and halve K/V re-reads on long rows (which matters once K/V outgrow L2, e.g. 128K tokens),
 # small 4-warp tiles (twice the programs, more per SM) win when every row is short, as in packed batches
 # of short documents or at high sparsity on 8K tokens. HEAD_OUTER puts the head on grid axis 1, so the
 # programs running together share one head's K/V (axis 0 = head otherwise).
 DEFAULT_CONFIG = {
-    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=False),
-    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=4, HEAD_OUTER=False),
-    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=False),
-    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=False),
-    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=3, HEAD_OUTER=False),
+    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
+    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
+    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True),
+    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
+    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=3, HEAD_OUTER=True),
     "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=3, HEAD_OUTER=False),
 }
 SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this is "short"
@@ -313,7 +313,8 @@ def _select_kernel(QB, KB, block_doc, doc_first, blk_start, row_offset, budget, 
     """One program per (query block g, KV head h): routing scores over the causal blocks of g's document,
     softmax, then the kept set by an exact binary search over the float bit patterns (top-k: the k-th
     largest key; top-p: the smallest prefix of the descending order reaching mass p), diagonal forced.
-    Also counts, per (h, KV block), the rows that keep it (integer atomics: order-free, deterministic)."""
+    Also counts, per (h, KV block), the rows that keep it, and the widest row (integer atomics: order-free,
+    deterministic)."""
     g = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.load(block_doc + g)
@@ -371,13 +372,16 @@ def _select_kernel(QB, KB, block_doc, doc_first, blk_start, row_offset, budget, 
     # counted as stored: when the slots overflow, the last one holds the diagonal instead
     tl.atomic_add(KCNT + h * NB + f + cols, ki, mask=om & (pos < WOUT - over.to(tl.int32)))
     tl.atomic_add(KCNT + h * NB + g, 1, mask=over)
+    # slot Hkv*NB: the widest row (the list width the host needs)
+    tl.atomic_max(KCNT + HKV * NB, tl.minimum(cnt, WOUT))
     tl.store(OUT_CNT + h * NB + g, tl.minimum(cnt, WOUT))
     tl.store(OUT_COV + h * NB + g, tl.sum(tl.where(keep, prob, 0.0), 0))
 
 
 def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: int):
     """Launch _select_kernel; returns (q2k_idx, q2k_start [Hkv, NB, wout], cnt [Hkv, NB], cov [Hkv, NB],
-    kcnt [Hkv * NB] rows keeping each KV block)."""
+    kcnt [Hkv * NB + 2]: rows keeping each KV block, then the widest row, then a slot for the nonzero count
+    that doc_stats_triton fills)."""
     NB, Hkv, D = qbar.shape
     dev = qbar.device
     wp2 = max(16, triton.next_power_of_2(lay.max_doc_blocks))
@@ -387,7 +391,7 @@ def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: 
     start = torch.empty(Hkv, NB, wout, dtype=torch.int32, device=dev)
     cnt = torch.empty(Hkv, NB, dtype=torch.int32, device=dev)
     cov = torch.empty(Hkv, NB, dtype=torch.float32, device=dev)
-    kcnt = torch.zeros(Hkv * NB, dtype=torch.int32, device=dev)
+    kcnt = torch.zeros(Hkv * NB + 2, dtype=torch.int32, device=dev)
     _select_kernel[(NB, Hkv)](qbar, kbar, lay.block_doc, lay.doc_first_block_t, lay.block_start, lay.row_offset,
                               budget, scr, idx, start, cnt, cov, kcnt, scale, NB, wout, lay.total_causal,
                               HKV=Hkv, TOPP=topp, D=D, CH=64, WP2=wp2, num_warps=4 if wp2 <= 512 else 8)
@@ -436,9 +440,9 @@ def reverse_lists_triton(q2k_idx, q2k_cnt, k2q_ptr, nnz: int, lay):
 
 
 @triton.jit
-def _doc_stats_kernel(CNT, COV, doc_first, doc_causal, OUT_KEPT, OUT_COV, NB, HKV, CH: tl.constexpr):
+def _doc_stats_kernel(CNT, COV, doc_first, doc_causal, OUT_KEPT, OUT_COV, NNZ, NB, HKV, CH: tl.constexpr):
     """One program per document: kept blocks / causal blocks and mean coverage over its (KV head, query
-    block) rows, summed in a fixed order (deterministic, unlike float atomics)."""
+    block) rows, summed in a fixed order (deterministic, unlike float atomics); adds its kept blocks to NNZ."""
     d = tl.program_id(0)
     f = tl.load(doc_first + d).to(tl.int32)
     e = tl.load(doc_first + d + 1).to(tl.int32)
@@ -450,17 +454,20 @@ def _doc_stats_kernel(CNT, COV, doc_first, doc_causal, OUT_KEPT, OUT_COV, NB, HK
             gm = g < e
             kept += tl.load(CNT + h * NB + g, mask=gm, other=0).to(tl.float32)
             cov += tl.load(COV + h * NB + g, mask=gm, other=0.0)
-    tl.store(OUT_KEPT + d, tl.sum(kept, 0) / (tl.load(doc_causal + d) * HKV))
+    total = tl.sum(kept, 0)
+    tl.atomic_add(NNZ, total.to(tl.int32))
+    tl.store(OUT_KEPT + d, total / (tl.load(doc_causal + d) * HKV))
     tl.store(OUT_COV + d, tl.sum(cov, 0) / ((e - f) * HKV).to(tl.float32))
 
 
-def doc_stats_triton(cnt, cov, lay):
-    """Per-document (kept_fraction, coverage) float32 [n] from per-row counts and coverages [Hkv, NB]."""
+def doc_stats_triton(cnt, cov, lay, nnz_slot):
+    """Per-document (kept_fraction, coverage) float32 [n] from per-row counts and coverages [Hkv, NB];
+    adds the total kept count to the (zeroed) int32 ``nnz_slot``."""
     Hkv, NB = cnt.shape
     kept = torch.empty(lay.num_docs, dtype=torch.float32, device=cnt.device)
     cv = torch.empty_like(kept)
-    _doc_stats_kernel[(lay.num_docs,)](cnt, cov, lay.doc_first_block_t, lay.doc_causal_t, kept, cv, NB, Hkv,
-                                       CH=64, num_warps=2)
+    _doc_stats_kernel[(lay.num_docs,)](cnt, cov, lay.doc_first_block_t, lay.doc_causal_t, kept, cv, nnz_slot,
+                                       NB, Hkv, CH=64, num_warps=2)
     return kept, cv
 
 
@@ -484,7 +491,7 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     Hkv = k.shape[1]
     lay = sel.layout
     B, NB = lay.block_size, lay.num_blocks
-    cfg = get_config("fwd", B, D, row_blocks=sel.q2k_idx.shape[-1])
+    cfg = get_config("fwd", B, D, row_blocks=sel.row_blocks)
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
     grid = _grid(cfg, Hq, NB * (B // cfg["BM"]))
@@ -508,8 +515,7 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
     dk = _empty(k.shape, k)
     dv = _empty(v.shape, v)
     prec = _prec(q.dtype)
-    W = sel.q2k_idx.shape[-1]
-    cfg = get_config("dq", B, D, row_blocks=W)
+    cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
         q, k, v, o, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
@@ -518,7 +524,7 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
         G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=prec, HEAD_OUTER=cfg["HEAD_OUTER"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
-    cfg = get_config("dkdv", B, D, row_blocks=W)
+    cfg = get_config("dkdv", B, D, row_blocks=sel.row_blocks)
     LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[_grid(cfg, Hkv, NB * (B // cfg["BN"]))](
         q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start, sel.k2q_end, sel.k_order,
         sm_scale * LOG2E, sm_scale, T, NB,
