@@ -4,6 +4,7 @@
     python benchmarks/attention.py --tune             # time a few (BM, BN, warps, stages, grid order) per kernel
     python benchmarks/attention.py --tune --apply-tuned --check --bench --csv grid.csv --check-csv check.csv
     python benchmarks/attention.py --csv out.csv      # the benchmark grid (default)
+    python benchmarks/attention.py --selection        # selection time vs fwd+bwd, 3 repeats
 
 Grid: single sequences L in {8K, 32K, 128K} x sparsity {0, .5, .75, .9, .95} and a packed 64K-token batch of
 long-tail documents; H=16, D=128, bf16, block 128. Sparsity s means ``kept_fraction = 1 - s`` (selection by
@@ -229,6 +230,29 @@ def flex_block_mask_packed(sel, cu, H, T, B):
     return create_block_mask(mask_mod, 1, H, T, T, device=dev, BLOCK_SIZE=B, _compile=dev.type == "cuda")
 
 
+def selection_cost(emit, H, D, B, dtype, lengths=(32768,), repeats=1):
+    """Selection time against our fwd+bwd on the same selection, single sequences, sparsity 0.9 (top-k and
+    top-p budgets). Selection is host-bound (a few launches and one sync), so ``repeats`` shows its spread."""
+    for L in lengths:
+        try:
+            q, k, v = make_qkv(L, H, H, D, dtype)
+            cu = cu_from_lens([L])
+            do = torch.randn_like(q)
+            for _ in range(repeats):
+                for mode, kw in (("kept_fraction=0.1", dict(kept_fraction=0.1)), ("p=0.9", dict(p=0.9))):
+                    s_ms = bench(lambda: select_blocks(q, k, cu, block_size=B, **kw))
+                    sel = select_blocks(q, k, cu, block_size=B, **kw)
+                    fb_ms = bench(lambda: torch.autograd.grad(
+                        sparse_attention(q, k, v, cu, selection=sel, backend="triton"), (q, k, v), do))
+                    emit(dict(case=f"selection_{L // 1024}k", T=L, ndocs=1,
+                              sparsity=round(1 - float(sel.kept_fraction[0]), 4),
+                              kept_fraction=round(float(sel.kept_fraction[0]), 4), impl=f"select[{mode}]",
+                              fwd_ms=round(s_ms, 4), fwdbwd_ms=round(fb_ms, 4),
+                              error=f"select/attn_fwdbwd={s_ms / fb_ms:.3f}"))
+        except Exception as e:  # noqa: BLE001
+            emit(dict(case=f"selection_{L // 1024}k", impl="select", error=repr(e)[:300]))
+
+
 def run_bench(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
@@ -252,23 +276,7 @@ def run_bench(args):
         out.flush()
         log(json.dumps(row))
 
-    # selection cost vs attention at 32K, sparsity 0.9
-    try:
-        L = 32768
-        q, k, v = make_qkv(L, H, H, D, dtype)
-        cu = cu_from_lens([L])
-        do = torch.randn_like(q)
-        for mode, kw in (("kept_fraction=0.1", dict(kept_fraction=0.1)), ("p=0.9", dict(p=0.9))):
-            s_ms = bench(lambda: select_blocks(q, k, cu, block_size=B, **kw))
-            sel = select_blocks(q, k, cu, block_size=B, **kw)
-            fb_ms = bench(lambda: torch.autograd.grad(
-                sparse_attention(q, k, v, cu, selection=sel, backend="triton"), (q, k, v), do))
-            emit(dict(case="selection_32k", T=L, ndocs=1, sparsity=round(1 - float(sel.kept_fraction[0]), 4),
-                      kept_fraction=round(float(sel.kept_fraction[0]), 4), impl=f"select[{mode}]",
-                      fwd_ms=round(s_ms, 4), fwdbwd_ms=round(fb_ms, 4),
-                      error=f"select/attn_fwdbwd={s_ms / fb_ms:.3f}"))
-    except Exception as e:  # noqa: BLE001
-        emit(dict(case="selection_32k", impl="select", error=repr(e)[:300]))
+    selection_cost(emit, H, D, B, dtype)
     cases = [("packed64k", long_tail_lengths(65536))] + [("single", [L]) for L in args.lengths]
     t_start = time.time()
     for case, lens in cases:
@@ -482,6 +490,7 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="short follow-up check + a few of our grid points")
+    ap.add_argument("--selection", action="store_true", help="selection cost vs fwd+bwd at 8K/32K/128K, 3 repeats")
     ap.add_argument("--apply-tuned", action="store_true", help="--tune's winners for the other modes")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--check-csv", default=None, help="--check's CSV when --csv is the grid's")
@@ -505,10 +514,13 @@ def main():
             tk.CONFIG_OVERRIDES[(128, 128)] = best
     if args.check:
         check(argparse.Namespace(**{**vars(args), "csv": args.check_csv or args.csv}))
+    if args.selection:
+        selection_cost(lambda row: log(json.dumps(row)), 16, 128, 128, torch.bfloat16, lengths=(8192, 32768, 131072),
+                       repeats=3)
     if args.quick:
         args.csv = args.csv or "attention_quick.csv"
         quick(args)
-    if args.bench or not (args.check or args.tune or args.quick):
+    if args.bench or not (args.check or args.tune or args.quick or args.selection):
         if args.csv is None:
             args.csv = "attention_bench.csv"
         run_bench(args)
