@@ -253,6 +253,29 @@ def selection_cost(emit, H, D, B, dtype, lengths=(32768,), repeats=1):
             emit(dict(case=f"selection_{L // 1024}k", impl="select", error=repr(e)[:300]))
 
 
+def short_vs_long(args):
+    """On short-row selections (MHA and GQA), time each kernel with its short-row config and with its
+    long-row config (every launch of the row class); prints one JSON row per shape."""
+    D, B = 128, 128
+    cases = [((16, 2), [1024], 0.2), ((16, 2), [2048], 0.2), ((16, 2), [4096], 0.1), ((16, 2), [8192], 0.1),
+             ((16, 2), [16384], 0.05), ((32, 8), [2048], 0.2), ((32, 8), [8192], 0.1), ((16, 16), [8192], 0.1),
+             ((16, 2), long_tail_lengths(65536), 0.1), ((16, 16), long_tail_lengths(65536), 0.1)]
+    for (Hq, Hkv), lens, kf in cases:
+        q, k, v = make_qkv(sum(lens), Hq, Hkv, D, torch.bfloat16, grad=False)
+        cu = cu_from_lens(lens)
+        sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
+        o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
+        do = torch.randn_like(o)
+        row = dict(Hq=Hq, Hkv=Hkv, T=sum(lens), ndocs=len(lens), kf=kf, row_tokens=sel.row_blocks * B)
+        for name, over in (("short", {}), ("long", {f"{k_}_short": dict(tk.DEFAULT_CONFIG[k_])
+                                                    for k_ in ("fwd", "dq", "dkdv")})):
+            tk.CONFIG_OVERRIDES[(B, D)] = over
+            row[f"fwd_{name}"] = round(bench(lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)), 4)
+            row[f"bwd_{name}"] = round(bench(lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5)), 4)
+        tk.CONFIG_OVERRIDES.clear()
+        log("SHORT_VS_LONG", json.dumps(row))
+
+
 def run_bench(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
@@ -490,6 +513,7 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="short follow-up check + a few of our grid points")
+    ap.add_argument("--short-vs-long", action="store_true", help="short- vs long-row configs, MHA and GQA")
     ap.add_argument("--selection", action="store_true", help="selection cost vs fwd+bwd at 8K/32K/128K, 3 repeats")
     ap.add_argument("--apply-tuned", action="store_true", help="--tune's winners for the other modes")
     ap.add_argument("--csv", default=None)
@@ -514,13 +538,15 @@ def main():
             tk.CONFIG_OVERRIDES[(128, 128)] = best
     if args.check:
         check(argparse.Namespace(**{**vars(args), "csv": args.check_csv or args.csv}))
+    if args.short_vs_long:
+        short_vs_long(args)
     if args.selection:
         selection_cost(lambda row: log(json.dumps(row)), 16, 128, 128, torch.bfloat16, lengths=(8192, 32768, 131072),
                        repeats=3)
     if args.quick:
         args.csv = args.csv or "attention_quick.csv"
         quick(args)
-    if args.bench or not (args.check or args.tune or args.quick or args.selection):
+    if args.bench or not (args.check or args.tune or args.quick or args.selection or args.short_vs_long):
         if args.csv is None:
             args.csv = "attention_bench.csv"
         run_bench(args)
