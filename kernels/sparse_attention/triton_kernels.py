@@ -56,24 +56,30 @@ def _grid(cfg: dict, heads: int, rows: int):
 
 
 @triton.jit
+def _program_tile(order, blk_start, blk_end, BLOCK: tl.constexpr, TILE: tl.constexpr, HEAD_OUTER: tl.constexpr):
+    """This program's (head, block, block start, block end, tile start): the grid is (heads, rows) or, with
+    HEAD_OUTER, (rows, heads); row i is tile i % (BLOCK // TILE) of block order[i // (BLOCK // TILE)]."""
+    if HEAD_OUTER:
+        h = tl.program_id(1)
+        pid = tl.program_id(0)
+    else:
+        h = tl.program_id(0)
+        pid = tl.program_id(1)
+    NSUB: tl.constexpr = BLOCK // TILE
+    b = tl.load(order + pid // NSUB)
+    start = tl.load(blk_start + b)
+    return h, b, start, tl.load(blk_end + b), start + (pid % NSUB) * TILE
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                 qk_scale, T, NB, WK,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
                 G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
-    if HEAD_OUTER:
-        hq = tl.program_id(1)
-        pid = tl.program_id(0)
-    else:
-        hq = tl.program_id(0)
-        pid = tl.program_id(1)
-    NSUB: tl.constexpr = BLOCK // BM
-    NSN: tl.constexpr = BLOCK // BN
-    r = tl.load(q_order + pid // NSUB)
+    hq, r, qs, qe, m0 = _program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
     hk = hq // G
-    qs = tl.load(blk_start + r)
-    qe = tl.load(blk_end + r)
-    m0 = qs + (pid % NSUB) * BM
+    NSN: tl.constexpr = BLOCK // BN
     if m0 < qe:
         # 64-bit scalar bases, 32-bit tile offsets (fewer registers than 64-bit offset tiles)
         offs_m = tl.arange(0, BM)
@@ -135,19 +141,9 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start
                    sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sdqt, sdqh,
                    G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
-    if HEAD_OUTER:
-        hq = tl.program_id(1)
-        pid = tl.program_id(0)
-    else:
-        hq = tl.program_id(0)
-        pid = tl.program_id(1)
-    NSUB: tl.constexpr = BLOCK // BM
-    NSN: tl.constexpr = BLOCK // BN
-    r = tl.load(q_order + pid // NSUB)
+    hq, r, qs, qe, m0 = _program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
     hk = hq // G
-    qs = tl.load(blk_start + r)
-    qe = tl.load(blk_end + r)
-    m0 = qs + (pid % NSUB) * BM
+    NSN: tl.constexpr = BLOCK // BN
     if m0 < qe:
         offs_m = tl.arange(0, BM)
         offs_n = tl.arange(0, BN)
@@ -226,18 +222,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh,
                      G: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                      D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
-    if HEAD_OUTER:
-        hk = tl.program_id(1)
-        pid = tl.program_id(0)
-    else:
-        hk = tl.program_id(0)
-        pid = tl.program_id(1)
-    NSUB: tl.constexpr = BLOCK // BN
+    hk, c, ks, ke, n0 = _program_tile(k_order, blk_start, blk_end, BLOCK, BN, HEAD_OUTER)
     NSM: tl.constexpr = BLOCK // BM
-    c = tl.load(k_order + pid // NSUB)
-    ks = tl.load(blk_start + c)
-    ke = tl.load(blk_end + c)
-    n0 = ks + (pid % NSUB) * BN
     if n0 < ke:
         offs_n = tl.arange(0, BN)
         offs_m = tl.arange(0, BM)
