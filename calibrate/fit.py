@@ -17,7 +17,7 @@ import os
 import shlex
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +86,10 @@ class FeatureSource:
     """Features of a measurement, by model name (shapes as recorded in the run's metadata)."""
 
     def __init__(self, models: dict[str, dict], block_size: int) -> None:
-        self.taps = {name: _FeatureTap(ModelConfig(**shape), block_size) for name, shape in models.items()}
+        # a recorded shape may carry more than the simulator prices (the runner's rope_theta)
+        keys = [f.name for f in fields(ModelConfig)]
+        self.taps = {name: _FeatureTap(ModelConfig(**{k: shape[k] for k in keys}), block_size)
+                     for name, shape in models.items()}
 
     def __call__(self, m: Measurement) -> dict[str, dict[str, float]]:
         return self.taps[m.model].features(m.lengths, m.kept_fractions)

@@ -15,7 +15,6 @@ from calibrate.grid import GridPoint, estimate_term_ms
 from calibrate.shapes import ModelShape
 from calibrate.timing import Timing
 from runner.model import Block, packed_positions, rope_angles
-from runner.model import ModelShape as RunnerShape
 
 Bench = Callable[..., Timing]
 
@@ -137,12 +136,12 @@ class Measurer:
         shape = self.shapes[point.model]
         if point.model not in self._blocks:
             torch.manual_seed(self.seed)
-            block = Block(RunnerShape.from_config(shape)).to(device=self.device, dtype=self.dtype)
+            block = Block(shape).to(device=self.device, dtype=self.dtype)
             self._blocks[point.model] = block
         torch.manual_seed(self.seed)
         x = self._randn(point.tokens, shape.hidden).requires_grad_()
         cu = self._cu_seqlens(point.lengths)
-        rotary = rope_angles(packed_positions(cu, point.tokens), shape.head_dim, RunnerShape.rope_theta)
+        rotary = rope_angles(packed_positions(cu, point.tokens), shape.head_dim, shape.rope_theta)
         return self._blocks[point.model], x, cu, rotary
 
 

@@ -1,12 +1,12 @@
 """Model shapes read from conf/model/*.yaml with plain YAML.
 
 The GPU box has no Hydra/OmegaConf (and no simpy, so no ``sim`` import either): the measuring side reads the
-model files itself. Field names are those of ``sim.config.ModelConfig``, so the same object also serves
-``runner.model.ModelShape.from_config`` and ``sim.cost``'s feature helpers.
+model files itself. Field names are those of ``sim.config.ModelConfig``; the runner's model takes the same
+record (``ModelShape.from_config`` of the Hydra config), and so do ``sim.cost``'s feature helpers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -16,6 +16,9 @@ CONF_MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 
 @dataclass(frozen=True)
 class ModelShape:
+    """The sizes of one model, named as in ``sim.config.ModelConfig``; the calibration grid and the runner's
+    model (``runner.model``) both use this record."""
+
     name: str
     hidden: int
     layers: int
@@ -25,6 +28,16 @@ class ModelShape:
     ffn: int
     vocab: int
     max_context: int
+    rope_theta: float = 500000.0  # not in conf/model/: RoPE base of the runner's model and calibrate.layer
+
+    def __post_init__(self) -> None:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model heads={self.heads} is not a multiple of kv_heads={self.kv_heads} (GQA)")
+
+    @classmethod
+    def from_config(cls, model) -> ModelShape:
+        """From a ``ModelConfig`` (or anything with its attributes)."""
+        return cls(**{f.name: getattr(model, f.name) for f in _REQUIRED})
 
     @property
     def params_per_layer(self) -> int:
@@ -34,10 +47,13 @@ class ModelShape:
         return qkv + out + 3 * self.hidden * self.ffn
 
 
+_REQUIRED = [f for f in fields(ModelShape) if f.default is MISSING]
+
+
 def load_shape(path: Path) -> ModelShape:
     raw = yaml.safe_load(path.read_text()) or {}
     values = {"name": raw.get("name", path.stem)}
-    for f in fields(ModelShape):
+    for f in _REQUIRED:
         if f.name == "name":
             continue
         if f.name not in raw:

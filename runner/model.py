@@ -14,34 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from calibrate.shapes import ModelShape
+
 # attention(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], cu_seqlens [n+1], budgets) -> (o [T,Hq,D], kept [n], coverage [n])
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the runner needs, named as in ``sim.config.ModelConfig`` (the ``conf/model/`` group)."""
-
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    max_context: int
-    rope_theta: float = 500000.0  # as calibrate.layer
-
-    @classmethod
-    def from_config(cls, model) -> ModelShape:
-        return cls(**{f: getattr(model, f) for f in
-                      ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "max_context")})
-
-    def __post_init__(self) -> None:
-        if self.heads % self.kv_heads:
-            raise ValueError(
-                f"model heads={self.heads} is not a multiple of kv_heads={self.kv_heads} (GQA)"
-            )
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
