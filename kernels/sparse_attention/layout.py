@@ -8,7 +8,7 @@ key/value block. Blocks tile ``[0, T)`` contiguously in order. Only the last blo
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -39,8 +39,6 @@ class BlockLayout:
     # reverse row nb-local; sparse rows keep roughly the same order, and the layout is all it depends on
     q_order: torch.Tensor  # int32 [NB]
     k_order: torch.Tensor  # int32 [NB]
-    # per-layout memo (the dense selection of each KV-head count), not part of the layout's identity
-    memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def max_doc_blocks(self) -> int:

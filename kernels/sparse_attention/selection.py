@@ -208,21 +208,26 @@ def _all_dense(value, budget: torch.Tensor) -> bool:
     return bool((budget >= 1.0).all())
 
 
+_LAST_DENSE: list = []  # [(layout, Hkv, selection)]: the last dense selection built
+
+
 def _dense_selection(lay: BlockLayout, Hkv: int) -> BlockSelection:
     """Every causal block of the same document: what ``p = 1`` keeps, built without routing scores, so
     that a dense micro-batch pays no selection (the simulator's cost model prices it at zero). It depends
-    on the layout alone, so it is built once per (layout, Hkv) and reused."""
-    key = ("dense", Hkv)
-    if key not in lay.memo:
-        dev = lay.block_start.device
-        first = lay.doc_first_block_t[lay.block_doc]  # [NB] first block of each block's document
-        cnt = lay.block_local + 1  # [NB] causal blocks of each query block
-        j = torch.arange(lay.max_doc_blocks, device=dev)
-        idx = torch.where(j[None, :] < cnt[:, None], first[:, None] + j[None, :], 0)  # ascending, diagonal last
-        ones = torch.ones(lay.num_docs, dtype=torch.float32, device=dev)
-        lay.memo[key] = _finalize(lay, Hkv, idx.to(torch.int32).expand(Hkv, -1, -1).contiguous(),
-                                  cnt.to(torch.int32).expand(Hkv, -1).contiguous(), ones, ones)
-    return lay.memo[key]
+    on the layout alone: the last one is kept for the next call (the other layers of a micro-batch), and
+    only that one, since at 128K tokens a dense selection takes hundreds of MB."""
+    if _LAST_DENSE and _LAST_DENSE[0][0] is lay and _LAST_DENSE[0][1] == Hkv:
+        return _LAST_DENSE[0][2]
+    dev = lay.block_start.device
+    first = lay.doc_first_block_t[lay.block_doc]  # [NB] first block of each block's document
+    cnt = lay.block_local + 1  # [NB] causal blocks of each query block
+    j = torch.arange(lay.max_doc_blocks, device=dev)
+    idx = torch.where(j[None, :] < cnt[:, None], first[:, None] + j[None, :], 0)  # ascending, diagonal last
+    ones = torch.ones(lay.num_docs, dtype=torch.float32, device=dev)
+    sel = _finalize(lay, Hkv, idx.to(torch.int32).expand(Hkv, -1, -1).contiguous(),
+                    cnt.to(torch.int32).expand(Hkv, -1).contiguous(), ones, ones)
+    _LAST_DENSE[:] = [(lay, Hkv, sel)]
+    return sel
 
 
 @torch.no_grad()
