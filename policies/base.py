@@ -8,7 +8,7 @@ the YAML's parameters against it, so a misspelt or mistyped parameter fails befo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Mapping, Protocol, runtime_checkable
 
 import numpy as np
@@ -138,4 +138,8 @@ def uniform_budget_plan(plan: Plan, budget: Budget) -> Plan:
     """The plan with one budget for every sequence (a no-op when it already has it)."""
     if all(a.budget == budget for a in plan.assignments):
         return plan
-    return plan.with_budgets({a.seq_id: budget for a in plan.assignments})
+    # Plan.with_budgets without the id map: `fixed` runs this for every sequence of every step.
+    return replace(plan, assignments=tuple(
+        Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, budget, a.cp_budgets)
+        for a in plan.assignments
+    ))

@@ -27,12 +27,11 @@ def _initial_tuples(costs: np.ndarray, k: int, equal_count: bool) -> list[tuple[
     costs = costs.tolist()  # Python floats: this runs once per rank and step, numpy scalars are slow here
     if not equal_count:
         return [([costs[i]] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]) for i in order]
-    order += [-1] * (-len(order) % k)  # -1: zero-cost placeholder, dropped at the end
-    tuples = []
-    for start in range(0, len(order), k):
-        chunk = order[start : start + k]  # descending costs, so the tuple is sorted heaviest first
-        tuples.append(([costs[i] if i >= 0 else 0.0 for i in chunk], [[i] if i >= 0 else [] for i in chunk]))
-    return tuples
+    pad = -len(order) % k  # zero-cost placeholders (empty members) complete the last tuple
+    loads = [costs[i] for i in order] + [0.0] * pad
+    members = [[i] for i in order] + [[] for _ in range(pad)]
+    # Consecutive chunks of descending costs, so every tuple is sorted heaviest first.
+    return [(loads[start : start + k], members[start : start + k]) for start in range(0, len(loads), k)]
 
 
 def ldm_partition(costs: np.ndarray, k: int, equal_count: bool) -> list[list[int]]:
@@ -48,12 +47,12 @@ def ldm_partition(costs: np.ndarray, k: int, equal_count: bool) -> list[list[int
     while len(heap) > 1:
         _, _, loads_a, members_a = heapq.heappop(heap)
         _, _, loads_b, members_b = heapq.heappop(heap)
-        merged = sorted(
-            zip((x + y for x, y in zip(loads_a, reversed(loads_b))), (m + o for m, o in zip(members_a, reversed(members_b)))),
-            key=lambda pair: -pair[0],
-        )
-        loads = [load for load, _ in merged]
-        heapq.heappush(heap, (loads[-1] - loads[0], counter, loads, [m for _, m in merged]))
+        sums = [x + y for x, y in zip(loads_a, reversed(loads_b))]
+        members_b = members_b[::-1]  # paired as the loads: the heavier parts of a with the lighter parts of b
+        # Heaviest first; reverse=True keeps equal loads in pairing order, as a stable sort on -load does.
+        order = sorted(range(k), key=sums.__getitem__, reverse=True)
+        loads = [sums[i] for i in order]
+        heapq.heappush(heap, (loads[-1] - loads[0], counter, loads, [members_a[i] + members_b[i] for i in order]))
         counter += 1
     if not heap:
         return [[] for _ in range(k)]

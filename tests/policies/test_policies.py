@@ -1,3 +1,6 @@
+import inspect
+from dataclasses import MISSING, FrozenInstanceError, fields
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -5,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 from policies.base import BATCHING, SPARSITY, make_batching, make_sparsity
 from policies.karmarkar_karp import kk_partition, ldm_partition
 from policies.lpt import lpt_partition
+from policies.plan import Assignment, Budget
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError
 from sim.cost import make_cost
@@ -85,6 +89,21 @@ def test_policy_params_are_type_checked(kind, name, params, needle):
     make = make_batching if kind == "batching" else make_sparsity
     with pytest.raises(ConfigError, match=needle):
         make(name, params)
+
+
+def test_assignment_init_matches_its_fields():
+    """Assignment.__init__ is written out for speed (policies/plan.py): it must take every field, in order,
+    with the fields' defaults, and leave the instance frozen."""
+    params = list(inspect.signature(Assignment.__init__).parameters.values())[1:]
+    assert [p.name for p in params] == [f.name for f in fields(Assignment)]
+    assert [p.default for p in params] == [
+        inspect.Parameter.empty if f.default is MISSING else f.default for f in fields(Assignment)
+    ]
+    a = Assignment(1, 2, 0.5, 3, 4, Budget(p=0.9))
+    assert (a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, a.budget, a.cp_budgets) == (
+        1, 2, 0.5, 3, 4, Budget(p=0.9), ())
+    with pytest.raises(FrozenInstanceError):
+        a.budget = Budget()
 
 
 def test_registries_hold_the_baselines():
