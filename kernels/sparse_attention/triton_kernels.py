@@ -20,9 +20,9 @@ LOG2E = 1.4426950408889634
 
 # Tunables per (block_size, head_dim): tiles, warps, stages and grid order, from ``benchmarks/attention.py
 # --tune`` on an H200 (benchmarks/results/attention_h200_tune.log). Each kernel has a long-row and a
-# short-row config: large tiles amortise their setup and halve K/V re-reads on long rows (which matters once K/V outgrow L2, e.g. 128K tokens),
-# small 4-warp tiles (twice the programs, more per SM) win when every row is short, as in packed batches
-# of short documents or at high sparsity on 8K tokens. HEAD_OUTER puts the head on grid axis 1, so the
+# short-row config: large tiles amortise their setup and halve K/V re-reads on long rows (which matters
+# once K/V outgrow L2, e.g. 128K tokens), small 4-warp tiles (twice the programs, more per SM) win when
+# every row is short, as in packed batches of short documents or at high sparsity on 8K tokens. HEAD_OUTER puts the head on grid axis 1, so the
 # programs running together share one head's K/V (axis 0 = head otherwise).
 DEFAULT_CONFIG = {
     "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
