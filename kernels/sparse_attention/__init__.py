@@ -90,7 +90,8 @@ def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with n+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     if q.device != k.device or (v is not None and v.device != q.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device if v is not None else None}")
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device if v is not None else None}")
     if p is not None and kept_fraction is not None:
         raise ValueError("give p or kept_fraction, not both")
     if not check_cu_values:

@@ -236,8 +236,9 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
     """Select KV blocks per (KV head, query block). See the module docstring.
 
     q ``[T, Hq, D]``, k ``[T, Hkv, D]``, cu_seqlens int32 ``[n+1]`` (on any device: only its values are
-    used, through the cached block layout; a host tensor saves a device->host copy). Exactly one of ``p`` (top-p coverage
-    target) and ``kept_fraction`` may be given (float or ``[n]`` tensor, in (0, 1]); neither means dense.
+    used, through the cached block layout; a host tensor saves a device->host copy). Exactly one of ``p``
+    (top-p coverage target) and ``kept_fraction`` may be given (float or ``[n]`` tensor, in (0, 1]); neither
+    means dense.
     """
     if p is not None and kept_fraction is not None:
         raise ValueError("give p or kept_fraction, not both")

@@ -22,15 +22,18 @@ LOG2E = 1.4426950408889634
 # --tune`` on an H200 (benchmarks/results/attention_h200_tune.log). Each kernel has a long-row and a
 # short-row config: large tiles amortise their setup and halve K/V re-reads on long rows (which matters
 # once K/V outgrow L2, e.g. 128K tokens), small 4-warp tiles (twice the programs, more per SM) win when
-# every row is short, as in packed batches of short documents or at high sparsity on 8K tokens. HEAD_OUTER puts the head on grid axis 1, so the
-# programs running together share one head's K/V (axis 0 = head otherwise).
+# every row is short, as in packed batches of short documents or at high sparsity on 8K tokens.
+# HEAD_OUTER puts the head on grid axis 1, so the programs running together share one head's K/V (axis 0 =
+# head otherwise). dK/dV runs unpipelined (num_stages=1): its dK and dV accumulators take half the registers,
+# and Triton's software pipeline (index loads staged through shared memory, more spills) made it 9% slower
+# at 128K tokens (benchmarks/results/attention_h200_tune.log).
 DEFAULT_CONFIG = {
     "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
     "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
-    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True),
+    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
     "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
-    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=3, HEAD_OUTER=True),
-    "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=3, HEAD_OUTER=False),
+    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=1, HEAD_OUTER=True),
+    "dkdv_short": dict(BN=64, BM=32, num_warps=4, num_stages=1, HEAD_OUTER=True),
 }
 SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this is "short"
 CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, "dq_short": {...}, ...}} (tuning, tests)
@@ -481,12 +484,12 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
     grid = _grid(cfg, Hq, NB * (B // cfg["BM"]))
-    LAST_COMPILED["fwd"] = _fwd_kernel[grid](q, k, v, o, lse, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
-                      sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
-                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                      o.stride(0), o.stride(1),
-                      G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype),
-                      HEAD_OUTER=cfg["HEAD_OUTER"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    LAST_COMPILED["fwd"] = _fwd_kernel[grid](
+        q, k, v, o, lse, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
+        sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+        G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype), HEAD_OUTER=cfg["HEAD_OUTER"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
 
@@ -512,7 +515,8 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
     # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
     cfg = get_config("dkdv", B, D, row_blocks=sel.row_blocks)
     LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[_grid(cfg, Hkv, NB * (B // cfg["BN"]))](
-        q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start, sel.k2q_end, sel.k_order,
+        q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start, sel.k2q_end,
+        sel.k_order,
         sm_scale * LOG2E, sm_scale, T, NB,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
