@@ -25,8 +25,8 @@ LOG2E = 1.4426950408889634
 # every row is short, as in packed batches of short documents or at high sparsity on 8K tokens.
 # HEAD_OUTER puts the head on grid axis 1, so the programs running together share one head's K/V (axis 0 =
 # head otherwise). dK/dV runs unpipelined (num_stages=1): its dK and dV accumulators take half the registers,
-# and Triton's software pipeline (index loads staged through shared memory, more spills) made it 9% slower
-# at 128K tokens (benchmarks/results/attention_h200_tune.log).
+# and Triton's software pipeline (index loads staged through shared memory, 26 spills instead of 14) cost
+# more than it hid: backward at 128K tokens, kept 0.25, 126.2 ms unpipelined vs 130.8 ms with 3 stages.
 DEFAULT_CONFIG = {
     "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
     "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
