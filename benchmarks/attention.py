@@ -130,7 +130,7 @@ def tune(args):
     shapes = {"long": (("single128k_kf0.25", [131072], 0.25), ("single32k_dense", [32768], 1.0),
                        ("single32k_kf0.1", [32768], 0.1)),
               "short": (("packed64k_kf0.1", long_tail_lengths(65536), 0.1), ("single8k_kf0.1", [8192], 0.1))}
-    keys = ("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER", "TMA")
+    keys = ("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER")
     res = {}
     for cls, cls_shapes in shapes.items():
         for name, lens, kf in cls_shapes:
@@ -174,14 +174,14 @@ def tune(args):
     return best
 
 
-# (BM, BN, num_warps, num_stages, HEAD_OUTER[, TMA]); dkdv: BN is the program's KV tile, BM the query sub-tile.
+# (BM, BN, num_warps, num_stages, HEAD_OUTER); dkdv: BN is the program's KV tile, BM the query sub-tile.
 TUNE_CANDS = {
     "fwd": [(128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 64, 8, 3, True)],
     "fwd_short": [(64, 64, 4, 4, False), (64, 64, 4, 4, True), (64, 64, 4, 3, True)],
-    "dq": [(128, 128, 8, 2, True, True), (128, 128, 8, 3, True, False), (64, 64, 4, 3, True, False)],
-    "dq_short": [(64, 64, 4, 3, True, False), (64, 64, 4, 3, True, True)],
-    "dkdv": [(32, 64, 4, 2, True, True), (64, 128, 8, 1, True, False)],
-    "dkdv_short": [(32, 64, 4, 1, True, False), (32, 64, 4, 2, True, True), (64, 64, 4, 3, True, False)],
+    "dq": [(128, 128, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True)],
+    "dq_short": [(64, 64, 4, 3, False), (64, 64, 4, 3, True)],
+    "dkdv": [(64, 128, 8, 1, True), (64, 128, 8, 3, True), (32, 64, 4, 1, True)],
+    "dkdv_short": [(32, 64, 4, 1, True), (64, 64, 4, 3, True), (64, 64, 4, 1, True)],
 }
 
 

@@ -7,18 +7,14 @@ Grids (axis 0 = head so that all heads of the longest rows start first):
 Only the diagonal block needs a mask (causal, and the document end): every other selected block is a full
 block strictly in the past of the same document. The diagonal is the last entry of a forward list and the
 first of a reverse list. LSE is stored in the log2 domain (``m + log2(l)`` of ``qk * scale * log2(e)``).
-With ``TMA`` the backward's main loops load their K/V (dQ) or Q/dO (dK/dV) tiles through host-built tensor
-descriptors over the ``[T, H*D]`` view instead of pointer tiles (Hopper and later, or the interpreter).
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 
@@ -31,15 +27,13 @@ LOG2E = 1.4426950408889634
 # head otherwise). dK/dV runs unpipelined (num_stages=1): its dK and dV accumulators take half the registers,
 # and Triton's software pipeline (index loads staged through shared memory, 26 spills instead of 14) cost
 # more than it hid: backward at 128K tokens, kept 0.25, 126.2 ms unpipelined vs 130.8 ms with 3 stages.
-# TMA tile loads (no address tiles in registers) let long-row dK/dV pipeline again with 64x32 tiles and 4
-# warps; on short rows the pointer loads stayed faster.
 DEFAULT_CONFIG = {
     "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
     "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
-    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True),
-    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True, TMA=False),
-    "dkdv": dict(BN=64, BM=32, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True),
-    "dkdv_short": dict(BN=64, BM=32, num_warps=4, num_stages=1, HEAD_OUTER=True, TMA=False),
+    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
+    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
+    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=1, HEAD_OUTER=True),
+    "dkdv_short": dict(BN=64, BM=32, num_warps=4, num_stages=1, HEAD_OUTER=True),
 }
 SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this is "short"
 CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, "dq_short": {...}, ...}} (tuning, tests)
@@ -145,11 +139,11 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
+def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                    qk_scale, sm_scale, T, NB, WK,
                    sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sdqt, sdqh,
                    G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, TMA: tl.constexpr):
+                   D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
     hq, r, qs, qe, m0 = _program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
     hk = hq // G
     NSN: tl.constexpr = BLOCK // BN
@@ -177,13 +171,9 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q
         k_off = offs_n[:, None] * skt + offs_d[None, :]
         v_off = offs_n[None, :] * svt + offs_d[:, None]
         for it in range(0, (tl.load(q2k_cnt + row) - 1) * NSN):
-            kb = tl.load(lst + it // NSN) + (it % NSN) * BN
-            if TMA:
-                kk = KD.load([kb, hk * D])
-                vT = tl.trans(VD.load([kb, hk * D]))
-            else:
-                kk = tl.load(Kh + kb.to(tl.int64) * skt + k_off)
-                vT = tl.load(Vh + kb.to(tl.int64) * svt + v_off)
+            kb = (tl.load(lst + it // NSN) + (it % NSN) * BN).to(tl.int64)
+            kk = tl.load(Kh + kb * skt + k_off)
+            vT = tl.load(Vh + kb * svt + v_off)
             s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
             pr = tl.math.exp2(s - lse[:, None])
             dp = tl.dot(do, vT, input_precision=PREC)
@@ -209,26 +199,19 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q
 
 
 @triton.jit
-def _q_rows(Qh, DOh, LSEh, DELh, q0, qlen, offs_m, offs_d, sqt, sdot):
-    """Pointer loads of query rows [q0, q0 + BM) of one head, valid below ``qlen`` of them: (qT [D, BM],
-    dO [BM, D], lse, delta); invalid rows get lse = +inf, which zeroes their P and dS."""
+def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, qlen, kv0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale,
+               MASK_DIAG: tl.constexpr, PREC: tl.constexpr):
+    """dK/dV contribution of the query rows [q0, q0 + BM) (valid below ``qlen`` of them) to KV rows kv0 + offs_n."""
     qmask = offs_m < qlen
     qb = q0.to(tl.int64)
     qT = tl.load(Qh + qb * sqt + offs_m[None, :] * sqt + offs_d[:, None], mask=qmask[None, :], other=0.0)
     do = tl.load(DOh + qb * sdot + offs_m[:, None] * sdot + offs_d[None, :], mask=qmask[:, None], other=0.0)
     lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
     delta = tl.load(DELh + q0 + offs_m, mask=qmask, other=0.0)
-    return qT, do, lse, delta
-
-
-@triton.jit
-def _dkdv_tile(kk, vv, dk, dv, qT, do, lse, delta, q0, kv0, offs_n, offs_m, qk_scale,
-               MASK_DIAG: tl.constexpr, PREC: tl.constexpr):
-    """dK/dV contribution of the query rows q0 + offs_m (qT, dO, lse, delta) to the KV rows kv0 + offs_n."""
     sT = tl.dot(kk, qT, input_precision=PREC) * qk_scale
     pT = tl.math.exp2(sT - lse[None, :])
     if MASK_DIAG:
-        pT = tl.where(kv0 + offs_n[:, None] <= q0 + offs_m[None, :], pT, 0.0)
+        pT = tl.where((kv0 + offs_n[:, None] <= q0 + offs_m[None, :]) & qmask[None, :], pT, 0.0)
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
     dpT = tl.dot(vv, tl.trans(do), input_precision=PREC)
     dsT = pT * (dpT - delta[None, :])
@@ -237,11 +220,11 @@ def _dkdv_tile(kk, vv, dk, dv, qT, do, lse, delta, q0, kv0, offs_n, offs_m, qk_s
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, QD, DOD, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end,
-                     k_order, qk_scale, sm_scale, T, NB,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end, k_order,
+                     qk_scale, sm_scale, T, NB,
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh,
                      G: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                     D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, TMA: tl.constexpr):
+                     D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
     hk, c, ks, ke, n0 = _program_tile(k_order, blk_start, blk_end, BLOCK, BN, HEAD_OUTER)
     NSM: tl.constexpr = BLOCK // BM
     if n0 < ke:
@@ -269,26 +252,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, QD, DOD, blk_start, blk_en
             for j in tl.static_range(NSM):
                 mq = ks + j * BM
                 if (mq + BM > n0) & (mq < ke):
-                    qT, do, lse, delta = _q_rows(Qh, DOh, LSEh, DELh, mq, ke - mq, offs_m, offs_d, sqt, sdot)
-                    dk, dv = _dkdv_tile(kk, vv, dk, dv, qT, do, lse, delta, mq, n0, offs_n, offs_m, qk_scale,
-                                        MASK_DIAG=True, PREC=PREC)
+                    dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, mq, ke - mq, n0, offs_n, offs_m,
+                                        offs_d, sqt, sdot, qk_scale, MASK_DIAG=True, PREC=PREC)
             # one flat loop over the BM-row sub-tiles of the later query blocks (only a document's last
             # block can be partial, hence the row bound)
             for it in range(0, n_it):
                 e = e0 + it // NSM
                 q0 = tl.load(k2q_start + e) + (it % NSM) * BM
-                qlen = tl.load(k2q_end + e) - q0
-                if TMA:
-                    # unmasked tiles: rows past the document end are other rows of Q (or TMA's zero fill
-                    # past T), neutralised by their lse = +inf
-                    qT = tl.trans(QD.load([q0, hq * D]))
-                    do = DOD.load([q0, hq * D])
-                    lse = tl.load(LSEh + q0 + offs_m, mask=offs_m < qlen, other=float("inf"))
-                    delta = tl.load(DELh + q0 + offs_m, mask=offs_m < qlen, other=0.0)
-                else:
-                    qT, do, lse, delta = _q_rows(Qh, DOh, LSEh, DELh, q0, qlen, offs_m, offs_d, sqt, sdot)
-                dk, dv = _dkdv_tile(kk, vv, dk, dv, qT, do, lse, delta, q0, n0, offs_n, offs_m, qk_scale,
-                                    MASK_DIAG=False, PREC=PREC)
+                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, tl.load(k2q_end + e) - q0, n0,
+                                    offs_n, offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=False, PREC=PREC)
         dk = dk * sm_scale
         tl.store(DK + nb * sdkt + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=nmask[:, None])
@@ -503,21 +475,6 @@ def _prec(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _descriptors(cfg: dict, rows: int, *xs):
-    """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[rows, D]`` boxes when the
-    config asks for TMA and it can run: Hopper or later (or the interpreter), unit D stride, heads D apart,
-    16-byte aligned base and token stride. Otherwise Nones (the kernels then load pointer tiles)."""
-    x0 = xs[0]
-    on_gpu = x0.is_cuda and torch.cuda.get_device_capability(x0.device)[0] >= 9
-    ok = cfg.get("TMA") and (on_gpu or os.environ.get("TRITON_INTERPRET") == "1") and all(
-        x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
-        and x.stride(0) * x.element_size() % 16 == 0 for x in xs)
-    if not ok:
-        return (None,) * len(xs)
-    return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [rows, x.shape[2]])
-                 for x in xs)
-
-
 def sparse_attn_fwd(q, k, v, sel, sm_scale):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -548,26 +505,23 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
     dv = _empty(v.shape, v)
     prec = _prec(q.dtype)
     cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
-    kd, vd = _descriptors(cfg, cfg["BN"], k, v)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
-        q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt,
-        sel.q_order,
+        q, k, v, o, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=prec, HEAD_OUTER=cfg["HEAD_OUTER"],
-        TMA=kd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
     cfg = get_config("dkdv", B, D, row_blocks=sel.row_blocks)
-    qd, dod = _descriptors(cfg, cfg["BM"], q, do)
     LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[_grid(cfg, Hkv, NB * (B // cfg["BN"]))](
-        q, k, v, do, dk, dv, lse, delta, qd, dod, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start,
-        sel.k2q_end, sel.k_order,
+        q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start, sel.k2q_end,
+        sel.k_order,
         sm_scale * LOG2E, sm_scale, T, NB,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=prec, HEAD_OUTER=cfg["HEAD_OUTER"],
-        TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq, dk, dv
 
 

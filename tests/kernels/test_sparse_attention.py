@@ -76,12 +76,6 @@ CASES = [
     ("head-outer-short-rows", [77, 32, 9], 4, 2, 16, 32, dict(kept_fraction=0.5), torch.float32,
      {k: dict(BM=16, BN=16, HEAD_OUTER=True) for k in ("fwd_short", "dq_short", "dkdv_short")}),
     ("fp16-gqa2to1-p0.9", [45, 70], 4, 2, 16, 16, dict(p=0.9), torch.float16, None),
-    # backward tiles through TMA descriptors (the long-row GPU defaults): partial last blocks, a document
-    # ending at T, GQA
-    ("tma-backward-gqa-odd", [77, 32, 9], 4, 2, 16, 32, dict(kept_fraction=0.5), torch.float32,
-     {k: dict(BM=16, BN=16, TMA=True) for k in ("dq_short", "dkdv_short")}),
-    ("tma-backward-fp16-p0.9", [45, 70, 3], 4, 1, 32, 32, dict(p=0.9), torch.float16,
-     {"dq_short": dict(BM=32, BN=16, TMA=True), "dkdv_short": dict(BN=32, BM=16, TMA=True)}),
 ]
 
 
@@ -95,27 +89,7 @@ def test_matches_naive(lens, Hq, Hkv, D, B, budget, dtype, cfg):
     sel = select_blocks(q, k, cu, block_size=B, **budget)
     if cfg and "fwd_short" in cfg:  # the case exercises the short-row configs
         assert tk.get_config("fwd", B, D, row_blocks=sel.row_blocks)["HEAD_OUTER"]
-    if cfg and cfg.get("dq_short", {}).get("TMA"):  # the case runs the TMA loads
-        assert tk._descriptors(tk.get_config("dq", B, D, row_blocks=sel.row_blocks), 16, k, v)[0] is not None
     check_against_naive(q, k, v, cu, sel, ATOL[dtype])
-
-
-def test_tma_falls_back_to_pointer_tiles():
-    """Heads not D apart (a [H, T, D] tensor seen as [T, H, D]) have no [T, H*D] view: pointer tiles, same
-    result as the contiguous layout."""
-    lens = [40, 23]
-    q, k, v = qkv(lens, 4, 2, 16)
-    cu = cu_of(lens)
-    tk.CONFIG_OVERRIDES[(16, 16)] = {key: dict(TMA=True) for key in ("dq_short", "dkdv_short")}
-    cfg = tk.get_config("dkdv", 16, 16, row_blocks=1)
-    qh = q.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
-    assert tk._descriptors(cfg, 16, q)[0] is not None and tk._descriptors(cfg, 16, qh)[0] is None
-    sel = select_blocks(q, k, cu, kept_fraction=0.5, block_size=16)
-    do = torch.randn_like(q)
-    ga = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel, backend="triton"), (q, k, v), do)
-    gb = torch.autograd.grad(sparse_attention(qh, k, v, cu, selection=sel, backend="triton"), (qh, k, v), do)
-    for a, b in zip(ga, gb):
-        torch.testing.assert_close(a, b, atol=ATOL[torch.float32], rtol=0)
 
 
 def test_p1_equals_dense_sdpa():
