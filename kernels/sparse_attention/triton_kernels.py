@@ -75,6 +75,28 @@ def _program_tile(order, blk_start, blk_end, BLOCK: tl.constexpr, TILE: tl.const
 
 
 @triton.jit
+def _fwd_step(q, kT, Vh, kb, svt, v_off, m_i, l_i, acc, qk_scale, n0, m0, offs_n, offs_m, kmask,
+              MASK: tl.constexpr, PREC: tl.constexpr):
+    """One online-softmax step of the query rows m0 + offs_m over the key tile kT (rows kb + offs_n, V read
+    from ``Vh + kb * svt + v_off``). MASK: the diagonal tile, keys causal and before the document end (kmask)
+    only; other tiles are full."""
+    s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+    if MASK:
+        s = tl.where((n0 + offs_n[None, :] <= m0 + offs_m[:, None]) & kmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    pr = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    acc = acc * alpha[:, None]
+    if MASK:
+        vv = tl.load(Vh + kb * svt + v_off, mask=kmask[:, None], other=0.0)
+    else:
+        vv = tl.load(Vh + kb * svt + v_off)
+    acc = tl.dot(pr.to(vv.dtype), vv, acc, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                 qk_scale, T, NB, WK,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
@@ -105,15 +127,8 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order
         for it in range(0, (tl.load(q2k_cnt + row) - 1) * NSN):
             kb = (tl.load(lst + it // NSN) + (it % NSN) * BN).to(tl.int64)
             kT = tl.load(Kh + kb * skt + k_off)
-            s = tl.dot(q, kT, input_precision=PREC) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            pr = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            acc = acc * alpha[:, None]
-            vv = tl.load(Vh + kb * svt + v_off)
-            acc = tl.dot(pr.to(vv.dtype), vv, acc, input_precision=PREC)
-            m_i = m_new
+            m_i, l_i, acc = _fwd_step(q, kT, Vh, kb, svt, v_off, m_i, l_i, acc, qk_scale, 0, 0, offs_n, offs_m,
+                                      None, MASK=False, PREC=PREC)
         # diagonal block, masked (causal + document end)
         hi = tl.minimum(m0 + BM, qe)
         for j in tl.static_range(NSN):
@@ -122,20 +137,26 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order
                 kmask = offs_n < qe - n0
                 kb = n0.to(tl.int64)
                 kT = tl.load(Kh + kb * skt + k_off, mask=kmask[None, :], other=0.0)
-                s = tl.dot(q, kT, input_precision=PREC) * qk_scale
-                s = tl.where((n0 + offs_n[None, :] <= m0 + offs_m[:, None]) & kmask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                pr = tl.math.exp2(s - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(pr, 1)
-                acc = acc * alpha[:, None]
-                vv = tl.load(Vh + kb * svt + v_off, mask=kmask[:, None], other=0.0)
-                acc = tl.dot(pr.to(vv.dtype), vv, acc, input_precision=PREC)
-                m_i = m_new
+                m_i, l_i, acc = _fwd_step(q, kT, Vh, kb, svt, v_off, m_i, l_i, acc, qk_scale, n0, m0, offs_n,
+                                          offs_m, kmask, MASK=True, PREC=PREC)
         acc = acc / l_i[:, None]
         tl.store(O + m0.to(tl.int64) * sot + hq * soh + offs_m[:, None] * sot + offs_d[None, :],
                  acc.to(O.dtype.element_ty), mask=mmask[:, None])
         tl.store(LSE + hq.to(tl.int64) * T + m0 + offs_m, m_i + tl.math.log2(l_i), mask=mmask)
+
+
+@triton.jit
+def _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, n0, m0, offs_n, offs_m, kmask,
+             MASK: tl.constexpr, PREC: tl.constexpr):
+    """dQ contribution of the key tile kk / vT (rows n0 + offs_n) to the query rows m0 + offs_m. MASK: the
+    diagonal tile, keys causal and before the document end (kmask) only; other tiles are full."""
+    s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
+    pr = tl.math.exp2(s - lse[:, None])
+    if MASK:
+        pr = tl.where((n0 + offs_n[None, :] <= m0 + offs_m[:, None]) & kmask[None, :], pr, 0.0)
+    dp = tl.dot(do, vT, input_precision=PREC)
+    ds = pr * (dp - delta[:, None])
+    return tl.dot(ds.to(kk.dtype), kk, dq, input_precision=PREC)
 
 
 @triton.jit
@@ -174,11 +195,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start
             kb = (tl.load(lst + it // NSN) + (it % NSN) * BN).to(tl.int64)
             kk = tl.load(Kh + kb * skt + k_off)
             vT = tl.load(Vh + kb * svt + v_off)
-            s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
-            pr = tl.math.exp2(s - lse[:, None])
-            dp = tl.dot(do, vT, input_precision=PREC)
-            ds = pr * (dp - delta[:, None])
-            dq = tl.dot(ds.to(kk.dtype), kk, dq, input_precision=PREC)
+            dq = _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, 0, 0, offs_n, offs_m, None, MASK=False,
+                          PREC=PREC)
         hi = tl.minimum(m0 + BM, qe)
         for j in tl.static_range(NSN):
             n0 = qs + j * BN
@@ -187,12 +205,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start
                 kb = n0.to(tl.int64)
                 kk = tl.load(Kh + kb * skt + k_off, mask=kmask[:, None], other=0.0)
                 vT = tl.load(Vh + kb * svt + v_off, mask=kmask[None, :], other=0.0)
-                s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
-                pr = tl.math.exp2(s - lse[:, None])
-                pr = tl.where((n0 + offs_n[None, :] <= m0 + offs_m[:, None]) & kmask[None, :], pr, 0.0)
-                dp = tl.dot(do, vT, input_precision=PREC)
-                ds = pr * (dp - delta[:, None])
-                dq = tl.dot(ds.to(kk.dtype), kk, dq, input_precision=PREC)
+                dq = _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, n0, m0, offs_n, offs_m, kmask, MASK=True,
+                              PREC=PREC)
         dq = dq * sm_scale
         tl.store(DQ + mb * sdqt + hq * sdqh + offs_m[:, None] * sdqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=mmask[:, None])

@@ -1,0 +1,94 @@
+"""Compile the sparse-attention kernels for sm_90 on any machine (no GPU needed) and write each one's PTX
+instruction stream (debug info and labels stripped), so that a refactor can be checked to leave the generated
+code unchanged before any GPU time is spent on it.
+
+    python benchmarks/kernel_ptx.py OUT_DIR                 # write OUT_DIR/<config>.ptx
+    python benchmarks/kernel_ptx.py OUT_DIR --compare REF   # also report which differ from REF_DIR/<config>.ptx
+
+The configs are the committed defaults (long and short rows) at H=16, D=128, block 128, bf16, plus a GQA 4:1
+dK/dV.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kernels.sparse_attention import triton_kernels as tk  # noqa: E402
+
+POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16",
+            "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}
+INDEX_ARRAYS = ("blk_start", "blk_end", "q2k_start", "q2k_cnt", "q_order", "k2q_ptr", "k2q_start", "k2q_end",
+                "k_order")
+
+
+def signature(fn, consts: dict) -> dict:
+    """Triton signature of a kernel: tensors, int32 index arrays, fp32 scales, int32 sizes and strides."""
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in POINTERS:
+            sig[name] = POINTERS[name]
+        elif name in INDEX_ARRAYS:
+            sig[name] = "*i32"
+        else:
+            sig[name] = "fp32" if name in ("qk_scale", "sm_scale") else "i32"
+    return sig
+
+
+def jobs():
+    kernels = {"fwd": tk._fwd_kernel, "dq": tk._bwd_dq_kernel, "dkdv": tk._bwd_dkdv_kernel}
+    for kind, fn in kernels.items():
+        for suffix, rows, G in (("", 64, 1), ("_short", 8, 1)) + ((("_gqa4", 64, 4),) if kind == "dkdv" else ()):
+            cfg = tk.get_config(kind, 128, 128, row_blocks=rows)
+            consts = dict(G=G, BLOCK=128, BM=cfg["BM"], BN=cfg["BN"], D=128, PREC="tf32",
+                          HEAD_OUTER=cfg["HEAD_OUTER"])
+            yield kind + suffix, fn, consts, cfg["num_warps"], cfg["num_stages"]
+
+
+def instructions(ptx: str) -> str:
+    """The PTX code without its DWARF sections, source locations, comments and debug labels (all of which
+    move with source lines)."""
+    code = ptx.split(".section", 1)[0]
+    lines = (line.split("//")[0].rstrip() for line in code.splitlines())
+    return "\n".join(line for line in lines if line and not line.lstrip().startswith((".loc", ".file"))
+                     and not re.fullmatch(r"\$L__tmp\d+:", line)) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--compare", metavar="REF_DIR")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    differ = []
+    for name, fn, consts, warps, stages in jobs():
+        sig = signature(fn, consts)
+        src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=stages))
+        code = instructions(compiled.asm["ptx"])
+        with open(os.path.join(args.out, name + ".ptx"), "w") as f:
+            f.write(code)
+        if args.compare:
+            ref = open(os.path.join(args.compare, name + ".ptx")).read()
+            same = ref == code
+            differ += [] if same else [name]
+            print(f"{name}: {'identical' if same else 'DIFFERS'}")
+        else:
+            print(f"{name}: {len(code.splitlines())} lines")
+    if differ:
+        sys.exit(f"PTX differs for: {', '.join(differ)}")
+
+
+if __name__ == "__main__":
+    main()
