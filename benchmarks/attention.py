@@ -28,8 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kernels.sparse_attention import (dense_causal_varlen, select_blocks, sparse_attention,  # noqa: E402
-                                      sparse_attention_naive)
+from kernels.sparse_attention import select_blocks, sparse_attention, sparse_attention_naive  # noqa: E402
 from kernels.sparse_attention import triton_kernels as tk  # noqa: E402
 
 
@@ -124,8 +123,9 @@ def check(args):
 # ---------------------------------------------------------------------------------------------- tune
 def tune(args):
     """Time candidate configs of each kernel config (``fwd``, ``dq``, ``dkdv`` for long rows and their
-    ``_short`` twins), the others at their defaults, on shapes of its row-length class, and pick the lowest
-    sum of times relative to each shape's best (so no shape dominates by its size). Returns the winners."""
+    ``_short`` twins) on shapes of its row-length class, each kernel launched alone (the dK/dV kernel on a
+    delta from one dQ pass), and pick the lowest sum of times relative to each shape's best (so no shape
+    dominates by its size). Returns the winners."""
     H, D, B = 16, 128, 128
     shapes = {"long": (("single128k_kf0.25", [131072], 0.25), ("single32k_dense", [32768], 1.0),
                        ("single32k_kf0.1", [32768], 0.1)),
@@ -141,16 +141,17 @@ def tune(args):
             assert (W * B < tk.SHORT_ROW_TOKENS) == (cls == "short"), f"{name}: longest row {W} blocks"
             o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
             do = torch.randn_like(o)
+            _, delta = tk.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, D ** -0.5)
+            launch = {"fwd": lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5),
+                      "dq": lambda: tk.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, D ** -0.5),
+                      "dkdv": lambda: tk.sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, D ** -0.5)}
             for kind, cands in args.tune_cands.items():
                 if kind.endswith("_short") != (cls == "short"):
                     continue
                 for cand in cands:
                     tk.CONFIG_OVERRIDES[(B, D)] = {kind: dict(zip(keys, cand))}
                     try:
-                        if kind.startswith("fwd"):
-                            ms = bench(lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5))
-                        else:
-                            ms = bench(lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5))
+                        ms = bench(launch[kind.split("_")[0]])
                         ck = tk.LAST_COMPILED[kind.split("_")[0]]
                         info = f"regs={ck.n_regs} spills={ck.n_spills}"
                     except Exception as e:  # noqa: BLE001
@@ -158,7 +159,7 @@ def tune(args):
                     res.setdefault((kind, cand), {})[name] = ms
                     log(f"tune {name} {kind} {cand} {ms:.3f} ms {info}")
             tk.CONFIG_OVERRIDES.clear()
-            del q, k, v, o, lse, do, sel
+            del q, k, v, o, lse, do, delta, sel, launch
             torch.cuda.empty_cache()
     best = {}
     for kind, cands in args.tune_cands.items():

@@ -10,8 +10,6 @@ first of a reverse list. LSE is stored in the log2 domain (``m + log2(l)`` of ``
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -507,25 +505,33 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     return o, lse
 
 
-def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
+def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale):
+    """dQ ``[T, Hq, D]`` and delta = rowsum(dO * O) ``[Hq, T]`` (which the dK/dV kernel reads); ``do`` with a
+    unit stride along D."""
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
     lay = sel.layout
     B, NB = lay.block_size, lay.num_blocks
-    do = do.contiguous() if do.stride(-1) != 1 else do
     delta = _empty((Hq, T), q, torch.float32)  # written by the dQ kernel
     dq = _empty(q.shape, q)
-    dk = _empty(k.shape, k)
-    dv = _empty(v.shape, v)
-    prec = _prec(q.dtype)
     cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
         q, k, v, o, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=prec, HEAD_OUTER=cfg["HEAD_OUTER"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype),
+        HEAD_OUTER=cfg["HEAD_OUTER"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq, delta
+
+
+def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
+    """dK, dV ``[T, Hkv, D]`` from delta of :func:`sparse_attn_bwd_dq`."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    lay = sel.layout
+    B, NB = lay.block_size, lay.num_blocks
+    dk = _empty(k.shape, k)
+    dv = _empty(v.shape, v)
     # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
     cfg = get_config("dkdv", B, D, row_blocks=sel.row_blocks)
     LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[_grid(cfg, Hkv, NB * (B // cfg["BN"]))](
@@ -534,8 +540,15 @@ def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
         sm_scale * LOG2E, sm_scale, T, NB,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=prec, HEAD_OUTER=cfg["HEAD_OUTER"],
+        G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=_prec(q.dtype), HEAD_OUTER=cfg["HEAD_OUTER"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dk, dv
+
+
+def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
+    do = do.contiguous() if do.stride(-1) != 1 else do
+    dq, delta = sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale)
+    dk, dv = sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale)
     return dq, dk, dv
 
 
