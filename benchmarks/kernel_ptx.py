@@ -1,12 +1,14 @@
 """Compile the sparse-attention kernels for sm_90 on any machine (no GPU needed) and write each one's PTX
 instruction stream (debug info and labels stripped), so that a refactor can be checked to leave the generated
-code unchanged before any GPU time is spent on it.
+code unchanged before any GPU time is spent on it; also prints each kernel's registers and stack (spills)
+from the compiled cubin.
 
     python benchmarks/kernel_ptx.py OUT_DIR                 # write OUT_DIR/<config>.ptx
     python benchmarks/kernel_ptx.py OUT_DIR --compare REF   # also report which differ from REF_DIR/<config>.ptx
 
 The configs are the committed defaults (long and short rows) at H=16, D=128, block 128, bf16, plus a GQA 4:1
-dK/dV.
+dK/dV. Pointers and strides are specialised as divisible by 16, as the launcher does for contiguous
+``[T, H, 128]`` tensors; the local Triton may differ from the GPU machine's, so registers are indicative.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import argparse
 import inspect
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -45,6 +49,23 @@ def signature(fn, consts: dict) -> dict:
     return sig
 
 
+def divisible_by_16(sig: dict) -> dict:
+    """Specialisation attributes: tensors, index arrays and the (token, head) strides are 16-divisible."""
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+            if ty.startswith("*") or re.fullmatch(r"s[a-z]{1,3}[th]", name)}
+
+
+def resources(cubin: bytes) -> str:
+    """``REG:n STACK:bytes`` of a cubin, by the cuobjdump that ships with Triton."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f"REG:{m.group(1)} STACK:{m.group(2)}" if m else "REG:? STACK:?"
+
+
 def jobs():
     kernels = {"fwd": tk._fwd_kernel, "dq": tk._bwd_dq_kernel, "dkdv": tk._bwd_dkdv_kernel}
     for kind, fn in kernels.items():
@@ -73,19 +94,21 @@ def main():
     differ = []
     for name, fn, consts, warps, stages in jobs():
         sig = signature(fn, consts)
-        src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+        src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
+                        attrs=divisible_by_16(sig))
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=stages))
         code = instructions(compiled.asm["ptx"])
+        usage = resources(compiled.asm["cubin"])
         with open(os.path.join(args.out, name + ".ptx"), "w") as f:
             f.write(code)
         if args.compare:
             ref = open(os.path.join(args.compare, name + ".ptx")).read()
             same = ref == code
             differ += [] if same else [name]
-            print(f"{name}: {'identical' if same else 'DIFFERS'}")
+            print(f"{name}: {'identical' if same else 'DIFFERS'} {usage}")
         else:
-            print(f"{name}: {len(code.splitlines())} lines")
+            print(f"{name}: {len(code.splitlines())} lines {usage}")
     if differ:
         sys.exit(f"PTX differs for: {', '.join(differ)}")
 
