@@ -90,6 +90,8 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--compare", metavar="REF_DIR")
     args = ap.parse_args()
+    if args.compare and not os.path.isdir(args.compare):
+        ap.error(f"--compare {args.compare!r} is not a directory (write one first: kernel_ptx.py REF_DIR)")
     os.makedirs(args.out, exist_ok=True)
     differ = []
     for name, fn, consts, warps, stages in jobs():
@@ -103,10 +105,12 @@ def main():
         with open(os.path.join(args.out, name + ".ptx"), "w") as f:
             f.write(code)
         if args.compare:
-            ref = open(os.path.join(args.compare, name + ".ptx")).read()
-            same = ref == code
-            differ += [] if same else [name]
-            print(f"{name}: {'identical' if same else 'DIFFERS'} {usage}")
+            ref_path = os.path.join(args.compare, name + ".ptx")
+            ref = open(ref_path).read() if os.path.exists(ref_path) else None
+            if ref != code:
+                differ.append(name)
+            verdict = "no reference" if ref is None else "identical" if ref == code else "DIFFERS"
+            print(f"{name}: {verdict} {usage}")
         else:
             print(f"{name}: {len(code.splitlines())} lines {usage}")
     if differ:
