@@ -215,9 +215,11 @@ def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, qlen, kv0, offs_n, offs_
                MASK_DIAG: tl.constexpr, PREC: tl.constexpr):
     """dK/dV contribution of the query rows [q0, q0 + BM) (valid below ``qlen`` of them) to KV rows kv0 + offs_n."""
     qmask = offs_m < qlen
-    qb = q0.to(tl.int64)
-    qT = tl.load(Qh + qb * sqt + offs_m[None, :] * sqt + offs_d[:, None], mask=qmask[None, :], other=0.0)
-    do = tl.load(DOh + qb * sdot + offs_m[:, None] * sdot + offs_d[None, :], mask=qmask[:, None], other=0.0)
+    # rows past the bound re-read the last valid row rather than load under a mask (faster, and never another
+    # document's data); their lse of +inf zeroes their probabilities, hence their contributions
+    rows = tl.minimum(q0 + offs_m, q0 + qlen - 1).to(tl.int64)
+    qT = tl.load(Qh + rows[None, :] * sqt + offs_d[:, None])
+    do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
     lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
     delta = tl.load(DELh + q0 + offs_m, mask=qmask, other=0.0)
     sT = tl.dot(kk, qT, input_precision=PREC) * qk_scale
@@ -253,7 +255,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
         dv = tl.zeros([BN, D], tl.float32)
         row = hk * NB + c
         e0 = tl.load(k2q_ptr + row) + 1
-        n_it = (tl.load(k2q_ptr + row + 1) - e0) * NSM
+        e_end = tl.load(k2q_ptr + row + 1)
+        n_it = (e_end - e0) * NSM
         for g in range(0, G):
             hq = hk * G + g
             Qh = Q + hq * sqh
@@ -267,12 +270,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
                     dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, mq, ke - mq, n0, offs_n, offs_m,
                                         offs_d, sqt, sdot, qk_scale, MASK_DIAG=True, PREC=PREC)
             # one flat loop over the BM-row sub-tiles of the later query blocks (only a document's last
-            # block can be partial, hence the row bound)
+            # block can be partial, hence the row bound). Each sub-tile's bounds are loaded one iteration
+            # ahead, so that its tile loads need not wait on them (this loop is not software-pipelined).
+            q0 = tl.load(k2q_start + e0, mask=e0 < e_end, other=0)
+            qe = tl.load(k2q_end + e0, mask=e0 < e_end, other=0)
             for it in range(0, n_it):
-                e = e0 + it // NSM
-                q0 = tl.load(k2q_start + e) + (it % NSM) * BM
-                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, tl.load(k2q_end + e) - q0, n0,
-                                    offs_n, offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=False, PREC=PREC)
+                nxt = it + 1
+                e = e0 + nxt // NSM
+                q0_next = tl.load(k2q_start + e, mask=nxt < n_it, other=0) + (nxt % NSM) * BM
+                qe_next = tl.load(k2q_end + e, mask=nxt < n_it, other=0)
+                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, qe - q0, n0, offs_n, offs_m, offs_d,
+                                    sqt, sdot, qk_scale, MASK_DIAG=False, PREC=PREC)
+                q0 = q0_next
+                qe = qe_next
         dk = dk * sm_scale
         tl.store(DK + nb * sdkt + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=nmask[:, None])
