@@ -1,0 +1,230 @@
+"""Scratch lab (not for landing): dK/dV configs of the package kernel, and a two-phase variant (dV loop, then
+dK loop: one accumulator live at a time, S recomputed) timed alone."""
+import itertools, math, os, sys
+import torch, triton, triton.language as tl
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernels.sparse_attention import select_blocks
+from kernels.sparse_attention import triton_kernels as tk
+from kernels.sparse_attention.triton_kernels import _program_tile, _dkdv_tile
+
+
+@triton.jit
+def _loads(Qh, DOh, LSEh, DELh, q0, qlen, offs_m, offs_d, sqt, sdot, NEED_Q: tl.constexpr, NEED_DEL: tl.constexpr):
+    qmask = offs_m < qlen
+    rows = tl.minimum(q0 + offs_m, q0 + qlen - 1).to(tl.int64)
+    qT = tl.load(Qh + rows[None, :] * sqt + offs_d[:, None])
+    do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
+    lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
+    delta = tl.load(DELh + q0 + offs_m, mask=qmask, other=0.0)
+    return qT, do, lse, delta
+
+
+@triton.jit
+def _lab2_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end, k_order,
+                 qk_scale, sm_scale, T, NB,
+                 sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh,
+                 G: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                 D: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
+    hk, c, ks, ke, n0 = _program_tile(k_order, blk_start, blk_end, BLOCK, BN, True)
+    NSM: tl.constexpr = BLOCK // BM
+    if n0 < ke:
+        offs_n = tl.arange(0, BN)
+        offs_m = tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        nmask = offs_n < ke - n0
+        nb = n0.to(tl.int64)
+        kk = tl.load(K + nb * skt + hk * skh + offs_n[:, None] * skt + offs_d[None, :], mask=nmask[:, None],
+                     other=0.0)
+        vv = tl.load(V + nb * svt + hk * svh + offs_n[:, None] * svt + offs_d[None, :], mask=nmask[:, None],
+                     other=0.0)
+        row = hk * NB + c
+        e0 = tl.load(k2q_ptr + row) + 1
+        e_end = tl.load(k2q_ptr + row + 1)
+        n_it = (e_end - e0) * NSM
+        # phase 1: dV
+        dv = tl.zeros([BN, D], tl.float32)
+        for g in range(0, G):
+            hq = hk * G + g
+            Qh = Q + hq * sqh
+            DOh = DO + hq * sdoh
+            LSEh = LSE + hq.to(tl.int64) * T
+            for j in tl.static_range(NSM):
+                mq = ks + j * BM
+                if (mq + BM > n0) & (mq < ke):
+                    qlen = ke - mq
+                    qmask = offs_m < qlen
+                    rows = tl.minimum(mq + offs_m, mq + qlen - 1).to(tl.int64)
+                    qT = tl.load(Qh + rows[None, :] * sqt + offs_d[:, None])
+                    do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
+                    lse = tl.load(LSEh + mq + offs_m, mask=qmask, other=float("inf"))
+                    pT = tl.math.exp2(tl.dot(kk, qT, input_precision=PREC) * qk_scale - lse[None, :])
+                    pT = tl.where(n0 + offs_n[:, None] <= mq + offs_m[None, :], pT, 0.0)
+                    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+            for it in tl.range(0, n_it, num_stages=STAGES):
+                e = e0 + it // NSM
+                q0 = tl.load(k2q_start + e) + (it % NSM) * BM
+                qlen = tl.load(k2q_end + e) - q0
+                qmask = offs_m < qlen
+                rows = tl.minimum(q0 + offs_m, q0 + qlen - 1).to(tl.int64)
+                qT = tl.load(Qh + rows[None, :] * sqt + offs_d[:, None])
+                do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
+                lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
+                pT = tl.math.exp2(tl.dot(kk, qT, input_precision=PREC) * qk_scale - lse[None, :])
+                dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        tl.store(DV + nb * sdvt + hk * sdvh + offs_n[:, None] * sdvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                 mask=nmask[:, None])
+        # phase 2: dK
+        dk = tl.zeros([BN, D], tl.float32)
+        for g in range(0, G):
+            hq = hk * G + g
+            Qh = Q + hq * sqh
+            DOh = DO + hq * sdoh
+            LSEh = LSE + hq.to(tl.int64) * T
+            DELh = DELTA + hq.to(tl.int64) * T
+            for j in tl.static_range(NSM):
+                mq = ks + j * BM
+                if (mq + BM > n0) & (mq < ke):
+                    qlen = ke - mq
+                    qmask = offs_m < qlen
+                    rows = tl.minimum(mq + offs_m, mq + qlen - 1).to(tl.int64)
+                    qT = tl.load(Qh + rows[None, :] * sqt + offs_d[:, None])
+                    do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
+                    lse = tl.load(LSEh + mq + offs_m, mask=qmask, other=float("inf"))
+                    delta = tl.load(DELh + mq + offs_m, mask=qmask, other=0.0)
+                    pT = tl.math.exp2(tl.dot(kk, qT, input_precision=PREC) * qk_scale - lse[None, :])
+                    pT = tl.where(n0 + offs_n[:, None] <= mq + offs_m[None, :], pT, 0.0)
+                    dsT = pT * (tl.dot(vv, tl.trans(do), input_precision=PREC) - delta[None, :])
+                    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PREC)
+            for it in tl.range(0, n_it, num_stages=STAGES):
+                e = e0 + it // NSM
+                q0 = tl.load(k2q_start + e) + (it % NSM) * BM
+                qlen = tl.load(k2q_end + e) - q0
+                qmask = offs_m < qlen
+                rows = tl.minimum(q0 + offs_m, q0 + qlen - 1).to(tl.int64)
+                qT = tl.load(Qh + rows[None, :] * sqt + offs_d[:, None])
+                do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
+                lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
+                delta = tl.load(DELh + q0 + offs_m, mask=qmask, other=0.0)
+                pT = tl.math.exp2(tl.dot(kk, qT, input_precision=PREC) * qk_scale - lse[None, :])
+                dsT = pT * (tl.dot(vv, tl.trans(do), input_precision=PREC) - delta[None, :])
+                dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PREC)
+        dk = dk * sm_scale
+        tl.store(DK + nb * sdkt + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=nmask[:, None])
+
+
+def lab2(do, q, k, v, lse, delta, sel, sm_scale, BN, BM, w, s):
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    lay = sel.layout
+    B, NB = lay.block_size, lay.num_blocks
+    BN, BM = min(BN, B), min(BM, B)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    ck = _lab2_kernel[(NB * (B // BN), Hkv)](
+        q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start, sel.k2q_end,
+        sel.k_order, sm_scale * tk.LOG2E, sm_scale, T, NB,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        G=Hq // Hkv, BLOCK=B, BN=BN, BM=BM, D=D, PREC=tk._prec(q.dtype), STAGES=s, num_warps=w, num_stages=s)
+    return dk, dv, ck
+
+
+def pkg(cfg):
+    def f(do, q, k, v, lse, delta, sel, sc):
+        B, D = sel.layout.block_size, q.shape[2]
+        tk.CONFIG_OVERRIDES[(B, D)] = {"dkdv": cfg}
+        try:
+            dk, dv = tk.sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sc)
+        finally:
+            tk.CONFIG_OVERRIDES.clear()
+        return dk, dv, tk.LAST_COMPILED["dkdv"]
+    return f
+
+
+def cfg(BM, BN, w, s):
+    return dict(BM=BM, BN=BN, num_warps=w, num_stages=s, HEAD_OUTER=True)
+
+
+VARIANTS = {
+    "pkg_default": None,
+    "pkg_bm64bn128w8s1": pkg(cfg(64, 128, 8, 1)),
+    "pkg_bm32bn128w8s1": pkg(cfg(32, 128, 8, 1)),
+    "pkg_bm64bn64w8s1": pkg(cfg(64, 64, 8, 1)),
+    "pkg_bm64bn64w8s3": pkg(cfg(64, 64, 8, 3)),
+    "pkg_bm128bn64w8s3": pkg(cfg(128, 64, 8, 3)),
+    "pkg_bm32bn64w4s1": pkg(cfg(32, 64, 4, 1)),
+    "pkg_bm64bn64w4s1": pkg(cfg(64, 64, 4, 1)),
+    "two_bn128bm64w8s3": lambda *a: lab2(*a, 128, 64, 8, 3),
+    "two_bn128bm64w8s2": lambda *a: lab2(*a, 128, 64, 8, 2),
+    "two_bn128bm64w8s1": lambda *a: lab2(*a, 128, 64, 8, 1),
+    "two_bn128bm128w8s3": lambda *a: lab2(*a, 128, 128, 8, 3),
+    "two_bn64bm64w4s3": lambda *a: lab2(*a, 64, 64, 4, 3),
+}
+
+
+def long_tail(total, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = []
+    while sum(lens) < total:
+        x = int(math.exp(6.5 + 1.6 * torch.randn(1, generator=g).item()))
+        lens.append(max(16, min(32768, x)))
+    lens[-1] -= sum(lens) - total
+    if lens[-1] <= 0:
+        lens.pop()
+        lens[-1] += total - sum(lens)
+    return lens
+
+
+def run(shapes, dev, bench):
+    rows = []
+    for name, lens, Hq, Hkv, kf in shapes:
+        T, D, B = sum(lens), (128 if dev == "cuda" else 64), (128 if dev == "cuda" else 64)
+        g = torch.Generator(device=dev).manual_seed(0)
+        dt = torch.bfloat16 if dev == "cuda" else torch.float32
+        q = torch.randn(T, Hq, D, device=dev, dtype=dt, generator=g)
+        k = torch.randn(T, Hkv, D, device=dev, dtype=dt, generator=g)
+        v = torch.randn(T, Hkv, D, device=dev, dtype=dt, generator=g)
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=dev)
+        sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
+        sc = D ** -0.5
+        o, lse = tk.sparse_attn_fwd(q, k, v, sel, sc)
+        do = torch.randn_like(o)
+        _, delta = tk.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sc)
+        args = (do, q, k, v, lse, delta, sel, sc)
+        rk, rv = tk.sparse_attn_bwd_dkdv(*args)
+        ref_ms = bench(lambda: tk.sparse_attn_bwd_dkdv(*args)) if bench else float("nan")
+        print(f"{name} default {tk.get_config('dkdv', B, D, sel.row_blocks)} {ref_ms:.3f} ms", flush=True)
+        for vn, fn in VARIANTS.items():
+            if fn is None:
+                continue
+            try:
+                dk, dv, ck = fn(*args)
+                err = max((dk.float() - rk.float()).abs().max().item(), (dv.float() - rv.float()).abs().max().item())
+                ms = bench(lambda: fn(*args)) if bench else float("nan")
+                info = f"regs={getattr(ck, 'n_regs', '?')} spills={getattr(ck, 'n_spills', '?')}"
+            except Exception as ex:  # noqa: BLE001
+                err, ms, info = float("nan"), float("nan"), repr(ex)[:300]
+            rows.append(dict(shape=name, variant=vn, ms=ms, ref_ms=ref_ms, ratio=ref_ms / ms, err=err))
+            print(f"{name} {vn} {ms:.3f} ms ratio {ref_ms / ms:.3f} err {err:.2e} {info}", flush=True)
+        del q, k, v, o, lse, do, delta, sel, args
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "cpu":
+        run([("docs", [70, 1, 130, 64, 200], 4, 2, 0.5), ("single", [320], 2, 2, 1.0)], "cpu", None)
+    else:
+        import pandas as pd
+        from triton.testing import do_bench
+        shapes = [("128k_kf0.25", [131072], 16, 16, 0.25), ("32k_dense", [32768], 16, 16, 1.0),
+                  ("32k_kf0.1", [32768], 16, 16, 0.1), ("8k_dense", [8192], 16, 16, 1.0),
+                  ("gqa4_32k_kf0.25", [32768], 16, 4, 0.25),
+                  ("packed64k_kf0.1", long_tail(65536), 16, 16, 0.1),
+                  ("gqa4_packed64k_kf0.1", long_tail(65536), 16, 4, 0.1), ("8k_kf0.1", [8192], 16, 16, 0.1)]
+        rows = run(shapes, "cuda", lambda f: do_bench(f, warmup=25, rep=150))
+        df = pd.DataFrame(rows)
+        df.to_csv(os.path.join(sys.argv[2], "lab2.csv"), index=False)
+        print(df.pivot(index="variant", columns="shape", values="ratio").round(3).to_string())
