@@ -23,15 +23,15 @@ LOG2E = 1.4426950408889634
 # every row is short, as in packed batches of short documents or at high sparsity on 8K tokens.
 # HEAD_OUTER puts the head on grid axis 1, so the programs running together share one head's K/V (axis 0 =
 # head otherwise). dK/dV runs unpipelined (num_stages=1): its dK and dV accumulators take half the registers,
-# and Triton's software pipeline (index loads staged through shared memory, 26 spills instead of 14) cost
-# more than it hid: backward at 128K tokens, kept 0.25, 126.2 ms unpipelined vs 130.8 ms with 3 stages.
+# and Triton's software pipeline (index loads staged through shared memory, more spills) cost more than it
+# hid: dK/dV alone at 128K tokens, kept 0.25, 75.6 ms unpipelined vs 92.7 ms with 3 stages (tune log).
 DEFAULT_CONFIG = {
     "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
     "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
     "dq": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
     "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
     "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=1, HEAD_OUTER=True),
-    "dkdv_short": dict(BN=64, BM=32, num_warps=4, num_stages=1, HEAD_OUTER=True),
+    "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=1, HEAD_OUTER=True),
 }
 SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this is "short"
 CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, "dq_short": {...}, ...}} (tuning, tests)
