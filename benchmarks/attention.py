@@ -508,6 +508,20 @@ def quick(args):
         log("KERNEL_INFO failed", repr(e)[:300])
 
 
+def comma_list(cast, valid, what: str):
+    """An argparse type: a comma-separated list of ``cast`` values, each passing ``valid``."""
+    def parse(text: str) -> list:
+        try:
+            values = [cast(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {what}") from None
+        bad = [v for v in values if not valid(v)]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: {bad} not allowed, expected {what}")
+        return values
+    return parse
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -521,13 +535,16 @@ def main():
     ap.add_argument("--check-csv", default=None, help="--check's CSV when --csv is the grid's")
     ap.add_argument("--config", default=None,
                     help="json {kind: [BM, BN, warps, stages, head_outer]} for block 128, D 128")
-    ap.add_argument("--lengths", default="8192,32768,131072")
-    ap.add_argument("--sparsities", default="0,0.5,0.75,0.9,0.95")
+    ap.add_argument("--lengths", type=comma_list(int, lambda x: x > 0, "positive token counts"),
+                    default="8192,32768,131072")
+    ap.add_argument("--sparsities", type=comma_list(float, lambda x: 0 <= x < 1, "sparsities in [0, 1)"),
+                    default="0,0.5,0.75,0.9,0.95")
     ap.add_argument("--flex-dense-max", type=int, default=1 << 30)
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the remaining grid after this")
     args = ap.parse_args()
-    args.lengths = [int(x) for x in args.lengths.split(",")]
-    args.sparsities = [float(x) for x in args.sparsities.split(",")]
+    if not torch.cuda.is_available():
+        ap.error("no CUDA GPU here: this benchmark times the kernels, FlexAttention and cuDNN on one (the CPU "
+                 "correctness tests are `python -m pytest tests/kernels`)")
     args.tune_cands = {k: [tuple(c) for c in v] for k, v in TUNE_CANDS.items()}
     if args.config:
         cfg = json.loads(args.config)

@@ -269,6 +269,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.csv.is_file():
+        raise SystemExit(f"error: --csv {args.csv}: no such file (raw measurements are written by calibrate.run)")
     meta = meta_path(args.csv)
     if not meta.exists():
         raise SystemExit(f"{meta}: no run metadata beside {args.csv} (written by calibrate.run)")

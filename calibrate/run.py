@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from calibrate import grid, store, timing
 from calibrate.grid import GridPoint, build_grid
-from calibrate.shapes import ModelShape, load_shapes
+from calibrate.shapes import CONF_MODEL_DIR, ModelShape, load_shapes
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / "h200_raw.csv"
 
@@ -40,7 +40,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the grid and its estimated cost, time nothing")
     ap.add_argument("--code-version", default=None,
                     help="commit of the kernel and layer code being timed (GPU boxes get a copy without .git)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    known = sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))
+    unknown = [m for m in args.models or [] if m not in known]
+    if unknown:
+        ap.error(f"--models {' '.join(unknown)}: no such model config; allowed: {', '.join(known)}")
+    if args.block_size not in (64, 128):
+        ap.error(f"--block-size {args.block_size}: the kernel is tuned for 64 or 128")
+    for name in ("max_tokens", "time_budget_s"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            ap.error(f"--{name.replace('_', '-')} {value}: must be > 0")
+    return args
 
 
 def select_points(points: list[GridPoint], max_tokens: int | None) -> list[GridPoint]:
@@ -186,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(points)} points, {len(todo)} to measure, roughly {estimate_s:.0f}s of GPU time", file=sys.stderr)
     if args.dry_run or not todo:
         return 0
+    if args.device == "cuda":
+        import torch
+
+        # checked before anything is written, so that a run on the wrong machine leaves no meta behind
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --device cuda: this machine has no CUDA GPU; time on a GPU box, or pass "
+                             "--device cpu (Triton interpreter, fp32: for tests, not a profile)")
     command = shlex.join(["python", "-m", "calibrate.run", *(sys.argv[1:] if argv is None else argv)])
     entry = {"command": command, "code_version": args.code_version, **machine_facts(args.device),
              "grid": grid_description(shapes, args.block_size, args.max_tokens, len(points))}

@@ -113,6 +113,13 @@ def test_fit_refuses_to_write_a_profile_the_simulator_would_reject(tmp_path, sha
     assert not out.exists() and not list(tmp_path.glob("*.check"))
 
 
+def test_fit_without_the_csv_names_it(tmp_path):
+    missing = tmp_path / "raw.csv"
+    with pytest.raises(SystemExit, match=f"--csv {missing}: no such file"):
+        fit.main(["--csv", str(missing), "--out", str(tmp_path / "p.json")])
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_fit_without_run_metadata_says_so(tmp_path):
     csv = tmp_path / "raw.csv"
     csv.write_text("")

@@ -113,6 +113,29 @@ def test_dry_run_prints_estimate_and_writes_nothing(tmp_path, capsys):
     assert not csv.exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--models", "llama3-8b", "gpt5"], "--models gpt5: no such model config; allowed: llama3-8b, qwen2.5-3b"),
+    (["--block-size", "96"], "--block-size 96: the kernel is tuned for 64 or 128"),
+    (["--max-tokens", "0"], "--max-tokens 0: must be > 0"),
+    (["--time-budget-s", "-5"], "--time-budget-s -5.0: must be > 0"),
+], ids=["unknown-model", "block-size", "max-tokens", "time-budget"])
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--csv", str(tmp_path / "raw.csv"), "--dry-run", *args])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("error: " + message)
+
+
+def test_no_gpu_is_one_line_before_anything_is_written(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    csv = tmp_path / "raw.csv"
+    with pytest.raises(SystemExit, match="--device cuda: this machine has no CUDA GPU"):
+        run.main(["--csv", str(csv), "--max-tokens", "1024"])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_meta_lists_each_run_and_the_last_is_rewritten_at_its_end(tmp_path):
     csv = tmp_path / "raw.csv"
     run.write_meta(csv, {"command": "first", "points_measured": 3})
