@@ -58,6 +58,12 @@ def main() -> None:
     parser.add_argument("--seqs-per-micro-batch", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="keep the fastest of this many runs")
     args = parser.parse_args()
+    for name in ("steps", "seqs_per_micro_batch", "repeat"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    unknown = [p for p in args.policies.split(",") if p not in group_options("policy")]
+    if unknown:
+        parser.error(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(group_options('policy'))}")
     per_mb = args.seqs_per_micro_batch
     rows = [
         {"policy": p, **speed(g, p, args.steps, per_mb, args.repeat)}

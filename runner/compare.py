@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the error")
     parser.add_argument("--out", type=Path, help="write the combined per-step CSV here (and a .json beside it)")
     args = parser.parse_args(argv)
+    if args.skip < 0:
+        parser.error(f"--skip {args.skip}: must be >= 0 (the number of warm-up steps left out)")
     tables, summaries = [], []
     for run_dir in args.run_dirs:
         try:

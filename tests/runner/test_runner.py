@@ -112,6 +112,18 @@ def test_compare_replays_the_run_through_the_simulator(full_run):
     assert summary["steps_compared"] == STEPS - 1 and summary["policy"] == "sparsebalance"
 
 
+def test_compare_refuses_a_negative_skip_before_writing(full_run, capsys):
+    from runner.compare import main
+
+    before = {p.name: p.read_bytes() for p in full_run.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit) as exc:
+        main([str(full_run), "--skip", "-1"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("error: --skip -1: must be >= 0 (the number of "
+                                                             "warm-up steps left out)")
+    assert {p.name: p.read_bytes() for p in full_run.iterdir() if p.is_file()} == before
+
+
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert lines, proc.stderr[-3000:]

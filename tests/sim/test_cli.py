@@ -94,3 +94,14 @@ def test_trace_lengths_above_max_context_are_rejected(tmp_path):
     trace = write(tmp_path / "t.jsonl", '{"length": 100}\n{"length": 50000}\n')
     run = sim_run(tmp_path / "run", "workload=trace", f"workload.trace_path={trace}")
     assert run.returncode != 0 and "length 50000 is outside the allowed range [1, 32768]" in run.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps 0: must be >= 1"),
+    (["--policies", "baseline,nope"], "--policies: unknown nope; allowed: "),
+], ids=["steps", "policy"])
+def test_sim_speed_benchmark_bad_arguments_are_one_line(args, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_speed.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr.splitlines()[-1]
