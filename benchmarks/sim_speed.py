@@ -61,9 +61,10 @@ def main() -> None:
     for name in ("steps", "seqs_per_micro_batch", "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    unknown = [p for p in args.policies.split(",") if p not in group_options("policy")]
+    known = group_options("policy")
+    unknown = [p for p in args.policies.split(",") if p not in known]
     if unknown:
-        parser.error(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(group_options('policy'))}")
+        parser.error(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(known)}")
     per_mb = args.seqs_per_micro_batch
     rows = [
         {"policy": p, **speed(g, p, args.steps, per_mb, args.repeat)}

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from calibrate import grid, store, timing
 from calibrate.grid import GridPoint, build_grid
-from calibrate.shapes import CONF_MODEL_DIR, ModelShape, load_shapes
+from calibrate.shapes import ModelShape, load_shapes, model_names
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / "h200_raw.csv"
 
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--code-version", default=None,
                     help="commit of the kernel and layer code being timed (GPU boxes get a copy without .git)")
     args = ap.parse_args(argv)
-    known = sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))
+    known = model_names()
     unknown = [m for m in args.models or [] if m not in known]
     if unknown:
         ap.error(f"--models {' '.join(unknown)}: no such model config; allowed: {', '.join(known)}")

@@ -62,9 +62,14 @@ def load_shape(path: Path) -> ModelShape:
     return ModelShape(**values)
 
 
+def model_names(conf_dir: Path = CONF_MODEL_DIR) -> list[str]:
+    """The models there are configs for, sorted."""
+    return sorted(p.stem for p in conf_dir.glob("*.yaml"))
+
+
 def load_shapes(names: list[str] | None = None, conf_dir: Path = CONF_MODEL_DIR) -> list[ModelShape]:
     """The named models (all of conf/model/ when ``names`` is None), in a stable order."""
-    paths = sorted(conf_dir.glob("*.yaml")) if names is None else [conf_dir / f"{n}.yaml" for n in names]
+    paths = [conf_dir / f"{n}.yaml" for n in (model_names(conf_dir) if names is None else names)]
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         raise FileNotFoundError(f"no such model config: {', '.join(missing)}")
