@@ -120,6 +120,9 @@ class Comm:
 
     def close(self) -> None:
         if dist.is_initialized():
+            # No rank tears its connections down while another may still be in its last collective: a rank
+            # of a 2-rank gloo run once aborted at exit (std::terminate, SIGABRT) after its last step in CI.
+            self.barrier("the end of the run")
             dist.destroy_process_group()
 
 

@@ -119,11 +119,11 @@ def main(cfg: DictConfig) -> None:
         except ConfigError as exc:  # a checkpoint this run cannot continue
             fail(str(exc))
         trainer.train()
+        comm.close()
     except RankFailure as exc:
         # No orderly shutdown: the process group may wait on the rank that failed.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_RANK_FAILURE)
-    comm.close()
 
 
 def cli() -> None:
