@@ -22,16 +22,16 @@ LOG2E = 1.4426950408889634
 # once K/V outgrow L2, e.g. 128K tokens), small 4-warp tiles (twice the programs, more per SM) win when
 # every row is short, as in packed batches of short documents or at high sparsity on 8K tokens.
 # HEAD_OUTER puts the head on grid axis 1, so the programs running together share one head's K/V (axis 0 =
-# head otherwise). dK/dV runs unpipelined (num_stages=1): its dK and dV accumulators take half the registers,
-# and Triton's software pipeline (index loads staged through shared memory, more spills) cost more than it
-# hid: dK/dV alone at 128K tokens, kept 0.25, 75.6 ms unpipelined vs 92.7 ms with 3 stages (tune log).
+# head otherwise). dK/dV takes 64-key tiles with 4 warps and 2 stages for long rows as well: computed
+# query-major (see _dkdv_tile) they compile without spills and pipeline, which beat 128-key tiles with 8
+# warps (key-major, unpipelined, 12 spills) by 4-13% alone (benchmarks/results/trials/README.md).
 DEFAULT_CONFIG = {
     "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
     "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
     "dq": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
     "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
-    "dkdv": dict(BN=128, BM=64, num_warps=8, num_stages=1, HEAD_OUTER=True),
-    "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=1, HEAD_OUTER=True),
+    "dkdv": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True),
+    "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True),
 }
 SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this is "short"
 CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, "dq_short": {...}, ...}} (tuning, tests)
@@ -213,23 +213,27 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start
 @triton.jit
 def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, qlen, kv0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale,
                MASK_DIAG: tl.constexpr, PREC: tl.constexpr):
-    """dK/dV contribution of the query rows [q0, q0 + BM) (valid below ``qlen`` of them) to KV rows kv0 + offs_n."""
+    """dK/dV contribution of the query rows [q0, q0 + BM) (valid below ``qlen`` of them) to KV rows kv0 + offs_n.
+    S and dP are computed query-major (Q K^T, dO V^T), as FlashAttention-3's backward does: K and V are the
+    shared-memory operand of both matmuls, and P^T, dS^T reach the dV, dK matmuls through shared memory.
+    Key-major (K Q^T, V dO^T) at the same 64 x 64 tiles spilled 30 registers on the H200 (Triton 3.6) and
+    slowed down when pipelined; query-major compiles without spills and gains from 2 stages."""
     qmask = offs_m < qlen
     # rows past the bound re-read the last valid row rather than load under a mask (faster, and never another
     # document's data); their lse of +inf zeroes their probabilities, hence their contributions
     rows = tl.minimum(q0 + offs_m, q0 + qlen - 1).to(tl.int64)
-    qT = tl.load(Qh + rows[None, :] * sqt + offs_d[:, None])
+    q = tl.load(Qh + rows[:, None] * sqt + offs_d[None, :])
     do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
     lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
     delta = tl.load(DELh + q0 + offs_m, mask=qmask, other=0.0)
-    sT = tl.dot(kk, qT, input_precision=PREC) * qk_scale
-    pT = tl.math.exp2(sT - lse[None, :])
+    s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
+    p = tl.math.exp2(s - lse[:, None])
     if MASK_DIAG:
-        pT = tl.where((kv0 + offs_n[:, None] <= q0 + offs_m[None, :]) & qmask[None, :], pT, 0.0)
-    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
-    dpT = tl.dot(vv, tl.trans(do), input_precision=PREC)
-    dsT = pT * (dpT - delta[None, :])
-    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PREC)
+        p = tl.where((kv0 + offs_n[None, :] <= q0 + offs_m[:, None]) & qmask[:, None], p, 0.0)
+    dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PREC)
+    dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
     return dk, dv
 
 
@@ -270,19 +274,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
                     dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, mq, ke - mq, n0, offs_n, offs_m,
                                         offs_d, sqt, sdot, qk_scale, MASK_DIAG=True, PREC=PREC)
             # one flat loop over the BM-row sub-tiles of the later query blocks (only a document's last
-            # block can be partial, hence the row bound). Each sub-tile's bounds are loaded one iteration
-            # ahead, so that its tile loads need not wait on them (this loop is not software-pipelined).
-            q0 = tl.load(k2q_start + e0, mask=e0 < e_end, other=0)
-            qe = tl.load(k2q_end + e0, mask=e0 < e_end, other=0)
+            # block can be partial, hence the row bound), software-pipelined by num_stages
             for it in range(0, n_it):
-                nxt = it + 1
-                e = e0 + nxt // NSM
-                q0_next = tl.load(k2q_start + e, mask=nxt < n_it, other=0) + (nxt % NSM) * BM
-                qe_next = tl.load(k2q_end + e, mask=nxt < n_it, other=0)
-                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, qe - q0, n0, offs_n, offs_m, offs_d,
-                                    sqt, sdot, qk_scale, MASK_DIAG=False, PREC=PREC)
-                q0 = q0_next
-                qe = qe_next
+                e = e0 + it // NSM
+                q0 = tl.load(k2q_start + e) + (it % NSM) * BM
+                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, tl.load(k2q_end + e) - q0, n0, offs_n,
+                                    offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=False, PREC=PREC)
         dk = dk * sm_scale
         tl.store(DK + nb * sdkt + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=nmask[:, None])
