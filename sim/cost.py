@@ -38,6 +38,9 @@ ATTENTION_FEATURES = ("const", "tokens", "blocks", "flops", "q_blocks", "kv_bloc
 # Multiprocessors of the calibrated GPU (H200): one wave of the kernel's programs. Small batches are
 # bound by their longest program, not by their total work over the chip (see ``path_flops``).
 WAVE = 132
+# Keys per dK/dV program of the calibrated kernel (kernels/sparse_attention DEFAULT_CONFIG["dkdv"]["BN"],
+# at most the block size): a key block is split over block_size / DKDV_KEYS programs.
+DKDV_KEYS = 64
 LAYER_FEATURES = ("const", "tokens", "flops")
 BF16 = 2  # bytes per element of activations, K/V and weights
 
@@ -69,16 +72,17 @@ def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfi
     kept = np.asarray(kept, dtype=np.float64)
     # QK^T and PV of one (query block, key block) pair: 2 matmuls x 2 FLOPs per MAC, one head.
     head_pair_flops = 4.0 * block_size * block_size * model.head_dim
+    tiles = block_size / min(DKDV_KEYS, block_size)
     return {
         "const": np.ones_like(lengths),
         "tokens": lengths,
         "blocks": causal * model.heads,
         "flops": kept * causal * head_pair_flops * model.heads,
         "q_blocks": nb * model.heads,  # forward and dQ programs: one per (query block, head)
-        "kv_blocks": nb * model.kv_heads,  # dK/dV programs: one per (key block, KV head)
-        # The longest dK/dV program: a GQA group's query heads over a key block's ~kf*nb query blocks.
+        "kv_blocks": nb * model.kv_heads * tiles,  # dK/dV programs: per (key tile, KV head)
+        # The longest dK/dV program: a GQA group's query heads over a key tile's ~kf*nb query blocks.
         # Per sequence here; a micro-batch takes the max (see _path_flops).
-        "path_flops": (model.heads // model.kv_heads) * np.maximum(1.0, kept * nb) * head_pair_flops,
+        "path_flops": (model.heads // model.kv_heads) * np.maximum(1.0, kept * nb) * head_pair_flops / tiles,
     }
 
 
