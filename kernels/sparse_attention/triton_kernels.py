@@ -158,9 +158,9 @@ def _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, n0, m0, offs_n, offs_m, km
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                    qk_scale, sm_scale, T, NB, WK,
-                   sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sdqt, sdqh,
+                   sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdqt, sdqh,
                    G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
     hq, r, qs, qe, m0 = _program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
@@ -177,11 +177,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start
         do = tl.load(DO + mb * sdot + hq * sdoh + offs_m[:, None] * sdot + offs_d[None, :], mask=mmask[:, None],
                      other=0.0)
         lse = tl.load(LSE + hq.to(tl.int64) * T + m0 + offs_m, mask=mmask, other=0.0)
-        # delta = rowsum(dO * O), computed here and stored for the dK/dV kernel (which runs after this one)
-        o = tl.load(O + mb * sot + hq * soh + offs_m[:, None] * sot + offs_d[None, :], mask=mmask[:, None],
-                    other=0.0)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        tl.store(DELTA + hq.to(tl.int64) * T + m0 + offs_m, delta, mask=mmask)
+        delta = tl.load(DELTA + hq.to(tl.int64) * T + m0 + offs_m, mask=mmask, other=0.0)
         dq = tl.zeros([BM, D], tl.float32)
         row = hk * NB + r
         lst = q2k_start + row.to(tl.int64) * WK
@@ -208,6 +204,20 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start
         dq = dq * sm_scale
         tl.store(DQ + mb * sdqt + hq * sdqh + offs_m[:, None] * sdqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=mmask[:, None])
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, T, sot, soh, sdot, sdoh, BT: tl.constexpr, D: tl.constexpr):
+    """delta = rowsum(dO * O) ``[Hq, T]`` float32, for the dQ and dK/dV kernels."""
+    t0 = tl.program_id(0) * BT
+    h = tl.program_id(1)
+    offs_t = t0 + tl.arange(0, BT)
+    offs_d = tl.arange(0, D)
+    tmask = offs_t < T
+    rows = offs_t.to(tl.int64)[:, None]
+    o = tl.load(O + rows * sot + h * soh + offs_d[None, :], mask=tmask[:, None], other=0.0)
+    do = tl.load(DO + rows * sdot + h * sdoh + offs_d[None, :], mask=tmask[:, None], other=0.0)
+    tl.store(DELTA + h.to(tl.int64) * T + offs_t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=tmask)
 
 
 @triton.jit
@@ -512,27 +522,37 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     return o, lse
 
 
-def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale):
-    """dQ ``[T, Hq, D]`` and delta = rowsum(dO * O) ``[Hq, T]`` (which the dK/dV kernel reads); ``do`` with a
-    unit stride along D."""
+DELTA_TOKENS = 64  # tokens per program of the delta pre-pass
+
+
+def sparse_attn_bwd_delta(o, do):
+    """delta = rowsum(dO * O) ``[Hq, T]`` float32 (one pass over O and dO, before both backward kernels)."""
+    T, Hq, D = o.shape
+    delta = _empty((Hq, T), o, torch.float32)
+    _delta_kernel[(triton.cdiv(T, DELTA_TOKENS), Hq)](o, do, delta, T, o.stride(0), o.stride(1), do.stride(0),
+                                                       do.stride(1), BT=DELTA_TOKENS, D=D)
+    return delta
+
+
+def sparse_attn_bwd_dq(do, q, k, v, lse, delta, sel, sm_scale, dq=None):
+    """dQ ``[T, Hq, D]`` (into ``dq`` when given); ``do`` with a unit stride along D."""
     T, Hq, D = q.shape
     lay = sel.layout
     B, NB = lay.block_size, lay.num_blocks
-    delta = _empty((Hq, T), q, torch.float32)  # written by the dQ kernel
-    dq = _empty(q.shape, q)
+    dq = _empty(q.shape, q) if dq is None else dq
     cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
-        q, k, v, o, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
+        q, k, v, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype),
         HEAD_OUTER=cfg["HEAD_OUTER"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return dq, delta
+    return dq
 
 
 def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
-    """dK, dV ``[T, Hkv, D]`` from delta of :func:`sparse_attn_bwd_dq`."""
+    """dK, dV ``[T, Hkv, D]`` from delta of :func:`sparse_attn_bwd_delta`."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     lay = sel.layout
@@ -552,10 +572,30 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
     return dk, dv
 
 
+_SIDE_STREAMS: dict = {}  # one per device, reused: a new stream per call costs host time
+
+
 def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
+    """dQ, dK, dV. On a GPU dQ runs on a side stream alongside dK/dV (launched first: its programs are the
+    longer ones), so that each kernel's last wave overlaps the other's instead of idling SMs; the two have
+    their own tiles and warps, unlike one fused grid (benchmarks/results/trials/README.md)."""
     do = do.contiguous() if do.stride(-1) != 1 else do
-    dq, delta = sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale)
+    delta = sparse_attn_bwd_delta(o, do)
+    if not q.is_cuda:
+        return (sparse_attn_bwd_dq(do, q, k, v, lse, delta, sel, sm_scale),
+                *sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale))
+    main = torch.cuda.current_stream(q.device)
+    side = _SIDE_STREAMS.get(q.device)
+    if side is None:
+        side = _SIDE_STREAMS[q.device] = torch.cuda.Stream(q.device)
+    # allocated on the main stream, where it is consumed and freed; the side stream only writes it before
+    # the main stream waits for it
+    dq = _empty(q.shape, q)
+    side.wait_stream(main)
     dk, dv = sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale)
+    with torch.cuda.stream(side):
+        sparse_attn_bwd_dq(do, q, k, v, lse, delta, sel, sm_scale, dq=dq)
+    main.wait_stream(side)
     return dq, dk, dv
 
 
