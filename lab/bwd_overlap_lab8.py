@@ -1,4 +1,4 @@
-"""Lab 8: dQ on a side stream alongside dK/dV (delta from a pre-pass) vs the committed sequential backward
+"""Lab 8 (second run: 8b, with the overlap rule of triton_kernels._overlap_backward): dQ on a side stream alongside dK/dV (delta from a pre-pass) vs the committed sequential backward
 (lab/tk_old.py = triton_kernels.py of 2b93fba), fwd+bwd through autograd and backward alone, H200.
 Also: a host profile of select_blocks at 32K / kept 0.1.  python3 lab/bwd_overlap_lab8.py OUT"""
 import csv
@@ -33,7 +33,8 @@ def long_tail(total=65536, seed=0):
 
 cases = [("8k_dense", 16, 16, [8192], 1.0), ("8k_kf0.5", 16, 16, [8192], 0.5), ("8k_kf0.1", 16, 16, [8192], 0.1),
          ("32k_dense", 16, 16, [32768], 1.0), ("32k_kf0.1", 16, 16, [32768], 0.1),
-         ("32k_kf0.1_gqa4", 16, 4, [32768], 0.1), ("128k_kf0.25", 16, 16, [131072], 0.25),
+         ("32k_kf0.1_gqa4", 16, 4, [32768], 0.1), ("32k_kf0.1_gqa8", 16, 2, [32768], 0.1),
+         ("128k_kf0.25", 16, 16, [131072], 0.25),
          ("packed64k_kf0.1", 16, 16, long_tail(), 0.1), ("packed64k_dense", 16, 16, long_tail(), 1.0)]
 rows = []
 for name, Hq, Hkv, lens, kf in cases:
@@ -48,17 +49,11 @@ for name, Hq, Hkv, lens, kf in cases:
     with torch.no_grad():
         o, lse = tk.sparse_attn_fwd(q, k, v, sel, S)
 
-    def seq_new():
-        delta = tk.sparse_attn_bwd_delta(o, do)
-        dq = tk.sparse_attn_bwd_dq(do, q, k, v, lse, delta, sel, S)
-        return (dq, *tk.sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, S))
-
     variants = {
         "fb_old": lambda: torch.autograd.grad(tk_old.SparseAttentionFunction.apply(q, k, v, sel, S), (q, k, v), do),
         "fb_new": lambda: torch.autograd.grad(tk.SparseAttentionFunction.apply(q, k, v, sel, S), (q, k, v), do),
         "bwd_old": lambda: tk_old.sparse_attn_bwd(do, q, k, v, o, lse, sel, S),
-        "bwd_new_seq": seq_new,
-        "bwd_new_overlap": lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, S),
+        "bwd_new": lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, S),
     }
     ga = tk_old.sparse_attn_bwd(do, q, k, v, o, lse, sel, S)
     gb = tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, S)
@@ -70,40 +65,17 @@ for name, Hq, Hkv, lens, kf in cases:
     for _ in range(3):  # interleaved rounds: drift hits every variant alike
         for n, fn in variants.items():
             times[n].append(bench(fn))
-    row = dict(case=name, Hq=Hq, Hkv=Hkv, T=T, kept=kf, maxdiff_vs_old=maxdiff, deterministic=determ,
+    row = dict(case=name, Hq=Hq, Hkv=Hkv, T=T, kept=kf, overlap=tk._overlap_backward(q, k, sel),
+               maxdiff_vs_old=maxdiff, deterministic=determ,
                **{n: round(statistics.median(t), 4) for n, t in times.items()})
     row["fb_new_over_old"] = round(row["fb_old"] / row["fb_new"], 3)
-    row["bwd_overlap_over_old"] = round(row["bwd_old"] / row["bwd_new_overlap"], 3)
-    row["bwd_overlap_over_seq"] = round(row["bwd_new_seq"] / row["bwd_new_overlap"], 3)
+    row["bwd_new_over_old"] = round(row["bwd_old"] / row["bwd_new"], 3)
     print(json.dumps(row), flush=True)
     rows.append(row)
     del q, k, v, o, lse, do, sel, ga, gb, gc
     torch.cuda.empty_cache()
-with open(f"{out}/bwd_overlap_lab8_h200.csv", "w", newline="") as f:
+with open(f"{out}/bwd_overlap_lab8b_h200.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()
     w.writerows(rows)
 
-# host profile of the selection at 32K / kept 0.1
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-q = torch.randn(32768, 16, D, device="cuda", dtype=torch.bfloat16)
-k = torch.randn(32768, 16, D, device="cuda", dtype=torch.bfloat16)
-cu = torch.tensor([0, 32768], dtype=torch.int32, device="cuda")
-cu_host = cu.cpu()
-for c, label in ((cu, "cu on device"), (cu_host, "cu on host")):
-    for _ in range(5):
-        select_blocks(q, k, c, kept_fraction=0.1, block_size=B)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        select_blocks(q, k, c, kept_fraction=0.1, block_size=B)
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / 50 * 1e3
-    gpu = bench(lambda: select_blocks(q, k, c, kept_fraction=0.1, block_size=B))
-    print(f"SELECT 32k kf0.1 {label}: wall {wall:.3f} ms/call, do_bench {gpu:.3f} ms", flush=True)
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    for _ in range(10):
-        select_blocks(q, k, cu, kept_fraction=0.1, block_size=B)
-    torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))

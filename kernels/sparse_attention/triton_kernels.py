@@ -158,11 +158,11 @@ def _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, n0, m0, offs_n, offs_m, km
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
+def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                    qk_scale, sm_scale, T, NB, WK,
-                   sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdqt, sdqh,
+                   sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sdqt, sdqh,
                    G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
+                   D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, STORE_DELTA: tl.constexpr):
     hq, r, qs, qe, m0 = _program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
     hk = hq // G
     NSN: tl.constexpr = BLOCK // BN
@@ -177,7 +177,14 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q
         do = tl.load(DO + mb * sdot + hq * sdoh + offs_m[:, None] * sdot + offs_d[None, :], mask=mmask[:, None],
                      other=0.0)
         lse = tl.load(LSE + hq.to(tl.int64) * T + m0 + offs_m, mask=mmask, other=0.0)
-        delta = tl.load(DELTA + hq.to(tl.int64) * T + m0 + offs_m, mask=mmask, other=0.0)
+        if STORE_DELTA:
+            # delta = rowsum(dO * O), computed here and stored for the dK/dV kernel (which runs after this one)
+            o = tl.load(O + mb * sot + hq * soh + offs_m[:, None] * sot + offs_d[None, :], mask=mmask[:, None],
+                        other=0.0)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            tl.store(DELTA + hq.to(tl.int64) * T + m0 + offs_m, delta, mask=mmask)
+        else:
+            delta = tl.load(DELTA + hq.to(tl.int64) * T + m0 + offs_m, mask=mmask, other=0.0)
         dq = tl.zeros([BM, D], tl.float32)
         row = hk * NB + r
         lst = q2k_start + row.to(tl.int64) * WK
@@ -534,25 +541,29 @@ def sparse_attn_bwd_delta(o, do):
     return delta
 
 
-def sparse_attn_bwd_dq(do, q, k, v, lse, delta, sel, sm_scale, dq=None):
-    """dQ ``[T, Hq, D]`` (into ``dq`` when given); ``do`` with a unit stride along D."""
+def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None):
+    """dQ ``[T, Hq, D]`` (into ``dq`` when given) and delta ``[Hq, T]``: the given one (from
+    :func:`sparse_attn_bwd_delta`), or computed by this kernel from ``o`` and stored for the dK/dV kernel.
+    ``do`` with a unit stride along D."""
     T, Hq, D = q.shape
     lay = sel.layout
     B, NB = lay.block_size, lay.num_blocks
+    store = delta is None
+    delta = _empty((Hq, T), q, torch.float32) if store else delta
     dq = _empty(q.shape, q) if dq is None else dq
     cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
-        q, k, v, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
+        q, k, v, o, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype),
-        HEAD_OUTER=cfg["HEAD_OUTER"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return dq
+        HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq, delta
 
 
 def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
-    """dK, dV ``[T, Hkv, D]`` from delta of :func:`sparse_attn_bwd_delta`."""
+    """dK, dV ``[T, Hkv, D]`` from delta of :func:`sparse_attn_bwd_dq` or :func:`sparse_attn_bwd_delta`."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     lay = sel.layout
@@ -572,30 +583,59 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
     return dk, dv
 
 
-_SIDE_STREAMS: dict = {}  # one per device, reused: a new stream per call costs host time
+# When dQ runs on a side stream alongside dK/dV (benchmarks/results/trials/README.md, lab 8 on the H200): the
+# overlap of the two kernels' last waves gained 2-6% of the backward where dK/dV has at most ~16 programs per
+# SM (8K tokens MHA, 32K with GQA 4:1), but the delta pre-pass it needs (one more read of dO) cost up to 3%
+# where there are many waves (packed 64K, 128K), and its extra launches (~0.1 ms on a slow host) showed
+# where the backward is short. Hence: few programs per SM, and enough kept work.
+OVERLAP_MAX_PROGRAMS_PER_SM = 32
+OVERLAP_MIN_PAIRS = 1 << 27  # kept (query, key) token pairs over all query heads
+_SIDE: dict = {}  # per device: (side stream, fork event, join event, SM count), made once (host time)
+
+
+def _overlap_backward(q, k, sel) -> bool:
+    if not q.is_cuda:
+        return False
+    B = sel.layout.block_size
+    programs = k.shape[1] * sel.layout.num_blocks * (B // get_config("dkdv", B, q.shape[-1], sel.row_blocks)["BN"])
+    # k2q_idx holds one entry per kept (KV head, query block, KV block); the dense path pads every row to the
+    # widest document's length, which only errs towards the overlap on work that is large anyway
+    pairs = sel.k2q_idx.numel() * B * B * (q.shape[1] // k.shape[1])
+    return programs <= OVERLAP_MAX_PROGRAMS_PER_SM * _side(q.device)[3] and pairs >= OVERLAP_MIN_PAIRS
+
+
+def _side(device):
+    hit = _SIDE.get(device)
+    if hit is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        hit = _SIDE[device] = (torch.cuda.Stream(device), torch.cuda.Event(), torch.cuda.Event(), sms)
+    return hit
 
 
 def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale):
-    """dQ, dK, dV. On a GPU dQ runs on a side stream alongside dK/dV (launched first: its programs are the
-    longer ones), so that each kernel's last wave overlaps the other's instead of idling SMs; the two have
-    their own tiles and warps, unlike one fused grid (benchmarks/results/trials/README.md)."""
+    """dQ, dK, dV. Where it pays (:func:`_overlap_backward`) dQ runs on a side stream alongside dK/dV
+    (launched first: its programs are the longer ones), so that each kernel's last wave overlaps the other's
+    instead of idling SMs; unlike one fused grid, each keeps its own tiles and warps."""
     do = do.contiguous() if do.stride(-1) != 1 else do
-    delta = sparse_attn_bwd_delta(o, do)
-    if not q.is_cuda:
-        return (sparse_attn_bwd_dq(do, q, k, v, lse, delta, sel, sm_scale),
-                *sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale))
+    if not _overlap_backward(q, k, sel):
+        dq, delta = sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale)
+        return (dq, *sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale))
+    side, fork, join, _ = _side(q.device)
     main = torch.cuda.current_stream(q.device)
-    side = _SIDE_STREAMS.get(q.device)
-    if side is None:
-        side = _SIDE_STREAMS[q.device] = torch.cuda.Stream(q.device)
-    # allocated on the main stream, where it is consumed and freed; the side stream only writes it before
-    # the main stream waits for it
+    delta = sparse_attn_bwd_delta(o, do)
+    # allocated on the main stream, where it is consumed and freed; the side stream writes it before the
+    # main stream waits for it
     dq = _empty(q.shape, q)
-    side.wait_stream(main)
+    fork.record(main)
+    side.wait_event(fork)
     dk, dv = sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale)
-    with torch.cuda.stream(side):
-        sparse_attn_bwd_dq(do, q, k, v, lse, delta, sel, sm_scale, dq=dq)
-    main.wait_stream(side)
+    torch.cuda.set_stream(side)
+    try:
+        sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=delta, dq=dq)
+    finally:
+        torch.cuda.set_stream(main)
+    join.record(side)
+    main.wait_event(join)
     return dq, dk, dv
 
 

@@ -311,3 +311,35 @@ def test_strided_inputs():
     a = sparse_attention(q, k, v, cu, selection=sel, backend="triton")
     b = sparse_attention_naive(q, k, v, cu, sel)
     torch.testing.assert_close(a, b, atol=ATOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("lens,Hq,Hkv", [([37, 70, 5], 2, 2), ([50, 1, 81], 4, 1)], ids=["mha-odd", "gqa4to1"])
+def test_delta_prepass_matches_delta_from_dq(lens, Hq, Hkv):
+    """The overlapped backward's pieces: the delta pre-pass equals the delta the dQ kernel stores, and dQ
+    given that delta equals dQ computing its own, bit for bit."""
+    q, k, v = [x.detach() for x in qkv(lens, Hq, Hkv, 16)]
+    sel = select_blocks(q, k, cu_of(lens), p=0.7, block_size=16)
+    o, lse = tk.sparse_attn_fwd(q, k, v, sel, 0.25)
+    do = torch.randn_like(o)
+    dq, delta = tk.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, 0.25)
+    pre = tk.sparse_attn_bwd_delta(o, do)
+    torch.testing.assert_close(pre, delta, atol=ATOL[torch.float32], rtol=0)
+    dq2, same = tk.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, 0.25, delta=delta)
+    assert same is delta and torch.equal(dq2, dq)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the side stream exists on a GPU only; CPU takes the sequential path")
+def test_overlapped_backward_matches_sequential(monkeypatch):
+    lens = [300, 129, 1]
+    q, k, v = qkv(lens, 4, 2, 64, torch.float16)
+    cu = cu_of(lens)
+    sel = select_blocks(q, k, cu, p=0.9, block_size=64)
+    do = torch.randn(q.shape, device=DEV, dtype=q.dtype)
+    grads = {}
+    for name, limit in (("sequential", 0), ("overlap", 1 << 30)):
+        monkeypatch.setattr(tk, "OVERLAP_MAX_PROGRAMS_PER_SM", limit)
+        monkeypatch.setattr(tk, "OVERLAP_MIN_PAIRS", 0)
+        assert tk._overlap_backward(q, k, sel) == (name == "overlap")
+        grads[name] = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel), (q, k, v), do)
+    for a, b in zip(grads["sequential"], grads["overlap"]):
+        torch.testing.assert_close(a, b, atol=ATOL[torch.float16], rtol=0)
