@@ -141,9 +141,9 @@ def tune(args):
             assert (W * B < tk.SHORT_ROW_TOKENS) == (cls == "short"), f"{name}: longest row {W} blocks"
             o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
             do = torch.randn_like(o)
-            delta = tk.sparse_attn_bwd_delta(o, do)
+            _, delta = tk.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, D ** -0.5)
             launch = {"fwd": lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5),
-                      "dq": lambda: tk.sparse_attn_bwd_dq(do, q, k, v, lse, delta, sel, D ** -0.5),
+                      "dq": lambda: tk.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, D ** -0.5),
                       "dkdv": lambda: tk.sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, D ** -0.5)}
             for kind, cands in args.tune_cands.items():
                 if kind.endswith("_short") != (cls == "short"):
