@@ -178,7 +178,6 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
     """Fused selection: five Triton launches, a cumsum and one host sync (list width, nonzero count)."""
     from .triton_kernels import doc_stats_triton, reverse_lists_triton, select_rows_triton
 
-    dev = qbar.device
     nbmax = lay.max_doc_blocks
     if topp:
         wout = nbmax
@@ -188,10 +187,9 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
         wout = min(nbmax, kmax + 16)
     idx, start, cnt, cov, kcnt = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout)
     HN = Hkv * lay.num_blocks
-    kept_fraction, coverage = doc_stats_triton(cnt, cov, lay, kcnt[HN + 1:])
-    k2q_ptr = torch.zeros(HN + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(kcnt[:HN], 0, dtype=torch.int32, out=k2q_ptr[1:])
-    w, nnz = kcnt[HN:].tolist()  # the one host sync: list width and nonzero count
+    kept_fraction, coverage = doc_stats_triton(cnt, cov, lay, kcnt[HN + 2:])
+    k2q_ptr = torch.cumsum(kcnt[:HN + 1], 0, dtype=torch.int32)  # kcnt starts with a zero
+    w, nnz = kcnt[HN + 1:].tolist()  # the one host sync: list width and nonzero count
     w = max(1, w)
     # top-p rows are sized for the longest document: trim them (a top-k width is already within 16)
     if w < wout - 16:

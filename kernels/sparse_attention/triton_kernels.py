@@ -405,8 +405,8 @@ def _select_kernel(QB, KB, block_doc, doc_first, blk_start, row_offset, budget, 
 
 def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: int):
     """Launch _select_kernel; returns (q2k_idx, q2k_start [Hkv, NB, wout], cnt [Hkv, NB], cov [Hkv, NB],
-    kcnt [Hkv * NB + 2]: rows keeping each KV block, then the widest row, then a slot for the nonzero count
-    that doc_stats_triton fills)."""
+    kcnt [1 + Hkv * NB + 2]: a zero, the rows keeping each KV block, then the widest row, then a slot for the
+    nonzero count that doc_stats_triton fills; its cumsum over the first 1 + Hkv * NB is the CSR pointer)."""
     NB, Hkv, D = qbar.shape
     dev = qbar.device
     wp2 = max(16, triton.next_power_of_2(lay.max_doc_blocks))
@@ -416,9 +416,9 @@ def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: 
     start = torch.empty(Hkv, NB, wout, dtype=torch.int32, device=dev)
     cnt = torch.empty(Hkv, NB, dtype=torch.int32, device=dev)
     cov = torch.empty(Hkv, NB, dtype=torch.float32, device=dev)
-    kcnt = torch.zeros(Hkv * NB + 2, dtype=torch.int32, device=dev)
+    kcnt = torch.zeros(1 + Hkv * NB + 2, dtype=torch.int32, device=dev)
     _select_kernel[(NB, Hkv)](qbar, kbar, lay.block_doc, lay.doc_first_block_t, lay.block_start, lay.row_offset,
-                              budget, scr, idx, start, cnt, cov, kcnt, scale, NB, wout, lay.total_causal,
+                              budget, scr, idx, start, cnt, cov, kcnt[1:], scale, NB, wout, lay.total_causal,
                               HKV=Hkv, TOPP=topp, D=D, CH=64, WP2=wp2, num_warps=4 if wp2 <= 512 else 8)
     return idx, start, cnt, cov, kcnt
 
