@@ -584,10 +584,11 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
 
 
 # When dQ runs on a side stream alongside dK/dV (benchmarks/results/trials/README.md, lab 8 on the H200): the
-# overlap of the two kernels' last waves gained 2-6% of the backward where dK/dV has at most ~16 programs per
-# SM (8K tokens MHA, 32K with GQA 4:1), but the delta pre-pass it needs (one more read of dO) cost up to 3%
-# where there are many waves (packed 64K, 128K), and its extra launches (~0.1 ms on a slow host) showed
-# where the backward is short. Hence: few programs per SM, and enough kept work.
+# overlap gained 2-6% of the backward where dK/dV has at most ~16 programs per SM (8K tokens MHA, 32K with GQA
+# 4:1 or 8:1), and up to 25% where dK/dV has fewer programs than the GPU has slots (Qwen2.5-3B's two KV heads
+# at 8K: calibration re-run); but the delta pre-pass it needs (one more read of dO) cost up to 3% where there
+# are many waves (packed 64K, 128K), and its extra launches (~0.1 ms on a slow host) showed where the
+# backward is short. Hence: few programs per SM, and enough kept work.
 OVERLAP_MAX_PROGRAMS_PER_SM = 32
 OVERLAP_MIN_PAIRS = 1 << 27  # kept (query, key) token pairs over all query heads
 _SIDE: dict = {}  # per device: (side stream, fork event, join event, SM count), made once (host time)
