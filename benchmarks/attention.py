@@ -233,15 +233,19 @@ def flex_block_mask_packed(sel, cu, H, T, B):
 
 def selection_cost(emit, H, D, B, dtype, lengths=(32768,), repeats=1):
     """Selection time against our fwd+bwd on the same selection, single sequences, sparsity 0.9 (top-k and
-    top-p budgets). Selection is host-bound (a few launches and one sync), so ``repeats`` shows its spread."""
+    top-p budgets), with ``cu_seqlens`` on the host (as a data loader hands it over; the layout needs its
+    values there) and on the GPU (one more device->host copy and sync per call). Selection is host-bound (a
+    few launches), so ``repeats`` shows its spread."""
     for L in lengths:
         try:
             q, k, v = make_qkv(L, H, H, D, dtype)
             cu = cu_from_lens([L])
             do = torch.randn_like(q)
             for _ in range(repeats):
-                for mode, kw in (("kept_fraction=0.1", dict(kept_fraction=0.1)), ("p=0.9", dict(p=0.9))):
-                    s_ms = bench(lambda: select_blocks(q, k, cu, block_size=B, **kw))
+                for mode, kw, c in (("kept_fraction=0.1", dict(kept_fraction=0.1), cu.cpu()),
+                                    ("kept_fraction=0.1,cu_seqlens_on_gpu", dict(kept_fraction=0.1), cu),
+                                    ("p=0.9", dict(p=0.9), cu.cpu())):
+                    s_ms = bench(lambda: select_blocks(q, k, c, block_size=B, **kw))
                     sel = select_blocks(q, k, cu, block_size=B, **kw)
                     fb_ms = bench(lambda: torch.autograd.grad(
                         sparse_attention(q, k, v, cu, selection=sel, backend="triton"), (q, k, v), do))

@@ -23,6 +23,7 @@ The score matrix is built per bucket of similar-length documents and in row chun
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -54,7 +55,9 @@ class BlockSelection:
     q2k_start: torch.Tensor = None  # int32 [Hkv, NB, W]
     k2q_start: torch.Tensor = None  # int32 like k2q_idx
     k2q_end: torch.Tensor = None  # int32 like k2q_idx (query blocks may be partial)
-    row_blocks: int = None  # host: the most blocks any row keeps (<= W; picks the kernels' tile configs)
+    # host: the most blocks any row keeps (<= W; picks the kernels' tile configs); for a top-k selection
+    # without a host sync, the budget's count (rows keep more only on exact score ties)
+    row_blocks: int = None
 
     def __post_init__(self):
         lay = self.layout
@@ -131,6 +134,12 @@ def _per_doc(value, n: int, name: str, device) -> torch.Tensor:
     v = float(value)
     if not 0.0 < v <= 1.0:
         raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return _uniform_budget(v, n, torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _uniform_budget(v: float, n: int, device: torch.device) -> torch.Tensor:
+    # cached: read-only downstream, and a fill launch per call is host time the selection is bound by
     return torch.full((n,), v, dtype=torch.float32, device=device)
 
 
@@ -174,29 +183,55 @@ def use_triton_selection(q: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and q.is_cuda)
 
 
+def _topk_host_bounds(lay: BlockLayout, kfs: list[float], wout_cap: int) -> tuple[int, int, int]:
+    """(most blocks a top-k row keeps, list width, kept-entry bound per KV head) from host budgets alone.
+    A row of n causal blocks keeps round(kf * n) of them, more only on exact score ties, and the kernel never
+    stores more than the width; the bound sums min(n, width) over every row."""
+    kmax = max(min(nb, max(1, math.floor(kf * nb + 0.5))) for kf, nb in zip(kfs, lay.doc_nblocks))
+    # 16 slots of slack for ties (the kernel keeps the diagonal last if a row overflows anyway)
+    wout = min(lay.max_doc_blocks, kmax + 16, wout_cap)
+    bound = 0
+    for nb in lay.doc_nblocks:
+        m = min(nb, wout)
+        bound += m * (m + 1) // 2 + (nb - m) * wout
+    return kmax, wout, bound
+
+
 def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, scale: float, kf_host):
-    """Fused selection: five Triton launches, a cumsum and one host sync (list width, nonzero count)."""
+    """Fused selection: four Triton launches. Top-p (and top-k with budgets only on the device) syncs once
+    with the host for the list width and the nonzero count; top-k with host budgets (``kf_host``: one float
+    per document) sizes its lists from those and never syncs."""
     from .triton_kernels import doc_stats_triton, reverse_lists_triton, select_rows_triton
 
-    nbmax = lay.max_doc_blocks
     if topp:
-        wout = nbmax
+        wout = lay.max_doc_blocks
     else:
-        kfs = [kf_host] * lay.num_docs if kf_host is not None else budget.tolist()
-        kmax = max(min(nb, max(1, math.floor(kf * nb + 0.5))) for kf, nb in zip(kfs, lay.doc_nblocks))
-        wout = min(nbmax, kmax + 16)
+        kmax, wout, bound = _topk_host_bounds(lay, kf_host if kf_host is not None else budget.tolist(),
+                                              lay.max_doc_blocks)
     idx, start, cnt, cov, kcnt = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout)
+    kept_fraction, coverage, k2q_ptr = doc_stats_triton(cnt, cov, lay, kcnt)
     HN = Hkv * lay.num_blocks
-    kept_fraction, coverage = doc_stats_triton(cnt, cov, lay, kcnt[HN + 2:])
-    k2q_ptr = torch.cumsum(kcnt[:HN + 1], 0, dtype=torch.int32)  # kcnt starts with a zero
-    w, nnz = kcnt[HN + 1:].tolist()  # the one host sync: list width and nonzero count
-    w = max(1, w)
-    # top-p rows are sized for the longest document: trim them (a top-k width is already within 16)
-    if w < wout - 16:
-        idx, start = idx[..., :w].contiguous(), start[..., :w].contiguous()
+    if topp:
+        w, nnz = kcnt[HN + 1:].tolist()  # the one host sync: list width and nonzero count
+        w = max(1, w)
+        # rows are sized for the longest document: trim them
+        if w < wout - 16:
+            idx, start = idx[..., :w].contiguous(), start[..., :w].contiguous()
+    else:
+        w, nnz = kmax, Hkv * bound
     k2q_idx, k2q_start, k2q_end = reverse_lists_triton(idx, cnt, k2q_ptr, nnz, lay)
     return BlockSelection(lay, Hkv, idx, cnt, k2q_ptr, k2q_idx, lay.q_order, lay.k_order, kept_fraction,
                           coverage, q2k_start=start, k2q_start=k2q_start, k2q_end=k2q_end, row_blocks=w)
+
+
+def _host_budgets(value, n: int) -> list[float] | None:
+    """One float per document when the budget is on the host (a float or a CPU tensor), else None."""
+    if not isinstance(value, torch.Tensor):
+        return [float(value)] * n
+    if value.device.type != "cpu":
+        return None
+    vals = value.reshape(-1).tolist()
+    return vals * n if len(vals) == 1 else vals
 
 
 def _all_dense(value, budget: torch.Tensor) -> bool:
@@ -251,21 +286,23 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
     if _all_dense(p if topp else kept_fraction, budget):
         return _dense_selection(lay, Hkv)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    qbar = pool_blocks(q, lay, Hkv)  # [NB, Hkv, D]
-    kbar = pool_blocks(k, lay, Hkv)
     if use_triton_selection(q):
         global _TRITON_SELECT_BROKEN
         if not _TRITON_SELECT_BROKEN:
             try:
+                from .triton_kernels import pool_blocks_triton
+
+                qbar, kbar = pool_blocks_triton(q, lay, Hkv, k=k)  # [NB, Hkv, D] each
                 return _select_triton(lay, Hkv, qbar, kbar, budget, topp, scale,
-                                      None if topp else (kept_fraction if not isinstance(kept_fraction, torch.Tensor)
-                                                         else None))
+                                      None if topp else _host_budgets(kept_fraction, n))
             except Exception as e:  # noqa: BLE001 - a compile failure on an untested GPU/Triton: use torch
                 if os.environ.get("SPARSE_ATTN_SELECT") == "triton":
                     raise
                 _TRITON_SELECT_BROKEN = True
                 warnings.warn(f"fused Triton selection failed ({e!r:.200}); using the torch selection")
 
+    qbar = pool_blocks(q, lay, Hkv)  # [NB, Hkv, D]
+    kbar = pool_blocks(k, lay, Hkv)
     kept_sum = torch.zeros(n, dtype=torch.float32, device=dev)
     cov_sum = torch.zeros(n, dtype=torch.float32, device=dev)
     pieces = []  # (global rows [nd, R], idx [nd, Hkv, R, w], cnt [nd, Hkv, R], rowvalid [nd, R])

@@ -305,29 +305,42 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
 
 
 @triton.jit
-def _pool_kernel(X, OUT, blk_start, blk_end, sxt, sxh, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+def _pool_kernel(Q, K, OUT, blk_start, blk_end, sqt, sqh, skt, skh, NB, G: tl.constexpr, BLOCK: tl.constexpr,
+                 D: tl.constexpr):
+    """Program (b, h, z): mean of block b over the tokens and the G query heads of KV group h (z = 0, into
+    OUT[0]) or over the tokens of KV head h (z = 1, into OUT[1]); one launch pools both."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
+    z = tl.program_id(2)
     s = tl.load(blk_start + b)
     e = tl.load(blk_end + b)
-    offs = s + tl.arange(0, BLOCK)
+    offs = (s + tl.arange(0, BLOCK)).to(tl.int64)
     offs_d = tl.arange(0, D)
+    heads = tl.where(z == 0, G, 1)
+    X = tl.where(z == 0, Q + hk * G * sqh, K + hk * skh)
+    st = tl.where(z == 0, sqt, skt)
+    sh = tl.where(z == 0, sqh, skh)
     acc = tl.zeros([D], tl.float32)
-    for g in tl.static_range(G):
-        x = tl.load(X + (hk * G + g) * sxh + offs.to(tl.int64)[:, None] * sxt + offs_d[None, :],
-                    mask=(offs < e)[:, None], other=0.0)
+    for g in range(heads):
+        x = tl.load(X + g * sh + offs[:, None] * st + offs_d[None, :], mask=(offs < e)[:, None], other=0.0)
         acc += tl.sum(x.to(tl.float32), 0)
-    acc = acc / ((e - s) * G).to(tl.float32)
-    tl.store(OUT + (b * tl.num_programs(1) + hk) * D + offs_d, acc)
+    acc = acc / ((e - s) * heads).to(tl.float32)
+    tl.store(OUT + ((z * NB + b) * tl.num_programs(1) + hk) * D + offs_d, acc)
 
 
-def pool_blocks_triton(x, lay, num_kv_heads):
+def pool_blocks_triton(x, lay, num_kv_heads, k=None):
+    """Block means ``[NB, Hkv, D]`` float32 of ``x`` (over its tokens and the query heads of each KV group);
+    given ``k`` ``[T, Hkv, D]`` too, returns ``(xbar, kbar)`` from the same launch."""
     T, H, D = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(lay.num_blocks, num_kv_heads, D, dtype=torch.float32, device=x.device)
-    _pool_kernel[(lay.num_blocks, num_kv_heads)](x, out, lay.block_start, lay.block_end, x.stride(0), x.stride(1),
-                                                 G=H // num_kv_heads, BLOCK=lay.block_size, D=D, num_warps=4)
-    return out
+    planes = 1 if k is None else 2
+    k = x if k is None else (k if k.stride(-1) == 1 else k.contiguous())
+    out = torch.empty(planes, lay.num_blocks, num_kv_heads, D, dtype=torch.float32, device=x.device)
+    _pool_kernel[(lay.num_blocks, num_kv_heads, planes)](x, k, out, lay.block_start, lay.block_end, x.stride(0),
+                                                         x.stride(1), k.stride(0), k.stride(1), lay.num_blocks,
+                                                         G=H // num_kv_heads, BLOCK=lay.block_size, D=D,
+                                                         num_warps=4)
+    return out[0] if planes == 1 else (out[0], out[1])
 
 
 @triton.jit
@@ -465,9 +478,12 @@ def reverse_lists_triton(q2k_idx, q2k_cnt, k2q_ptr, nnz: int, lay):
 
 
 @triton.jit
-def _doc_stats_kernel(CNT, COV, doc_first, doc_causal, OUT_KEPT, OUT_COV, NNZ, NB, HKV, CH: tl.constexpr):
+def _doc_stats_kernel(CNT, COV, doc_first, doc_causal, OUT_KEPT, OUT_COV, NNZ, KCNT, PTR, NB, HKV,
+                      CH: tl.constexpr, SCH: tl.constexpr):
     """One program per document: kept blocks / causal blocks and mean coverage over its (KV head, query
-    block) rows, summed in a fixed order (deterministic, unlike float atomics); adds its kept blocks to NNZ."""
+    block) rows, summed in a fixed order (deterministic, unlike float atomics); adds its kept blocks to NNZ.
+    Program 0 also writes PTR, the inclusive prefix sum of KCNT[0 : HKV*NB + 1] (the reverse lists' CSR
+    pointer: KCNT starts with a zero), which saves a separate scan launch."""
     d = tl.program_id(0)
     f = tl.load(doc_first + d).to(tl.int32)
     e = tl.load(doc_first + d + 1).to(tl.int32)
@@ -483,17 +499,27 @@ def _doc_stats_kernel(CNT, COV, doc_first, doc_causal, OUT_KEPT, OUT_COV, NNZ, N
     tl.atomic_add(NNZ, total.to(tl.int32))
     tl.store(OUT_KEPT + d, total / (tl.load(doc_causal + d) * HKV))
     tl.store(OUT_COV + d, tl.sum(cov, 0) / ((e - f) * HKV).to(tl.float32))
+    if d == 0:
+        carry = tl.zeros([], tl.int32)
+        for s0 in range(0, HKV * NB + 1, SCH):
+            o = s0 + tl.arange(0, SCH)
+            m = o <= HKV * NB
+            x = tl.load(KCNT + o, mask=m, other=0)
+            tl.store(PTR + o, tl.cumsum(x, 0) + carry, mask=m)
+            carry += tl.sum(x, 0)
 
 
-def doc_stats_triton(cnt, cov, lay, nnz_slot):
-    """Per-document (kept_fraction, coverage) float32 [n] from per-row counts and coverages [Hkv, NB];
-    adds the total kept count to the (zeroed) int32 ``nnz_slot``."""
+def doc_stats_triton(cnt, cov, lay, kcnt):
+    """Per-document (kept_fraction, coverage) float32 [n] from per-row counts and coverages [Hkv, NB], and
+    the reverse lists' CSR pointer int32 [Hkv*NB + 1] from ``kcnt`` (see :func:`select_rows_triton`); adds the
+    total kept count to kcnt's (zeroed) last slot."""
     Hkv, NB = cnt.shape
     kept = torch.empty(lay.num_docs, dtype=torch.float32, device=cnt.device)
     cv = torch.empty_like(kept)
-    _doc_stats_kernel[(lay.num_docs,)](cnt, cov, lay.doc_first_block_t, lay.doc_causal_t, kept, cv, nnz_slot,
-                                       NB, Hkv, CH=64, num_warps=2)
-    return kept, cv
+    ptr = torch.empty(Hkv * NB + 1, dtype=torch.int32, device=cnt.device)
+    _doc_stats_kernel[(lay.num_docs,)](cnt, cov, lay.doc_first_block_t, lay.doc_causal_t, kept, cv,
+                                       kcnt[Hkv * NB + 2:], kcnt, ptr, NB, Hkv, CH=64, SCH=1024, num_warps=4)
+    return kept, cv, ptr
 
 
 LAST_COMPILED: dict = {}  # diagnostics: the last compiled kernel of each kind (registers, spills, PTX)
