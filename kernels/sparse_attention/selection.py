@@ -58,6 +58,9 @@ class BlockSelection:
     # host: the most blocks any row keeps (<= W; picks the kernels' tile configs); for a top-k selection
     # without a host sync, the budget's count (rows keep more only on exact score ties)
     row_blocks: int = None
+    # host: kept (KV head, query block, KV block) entries, exact or (host-sized top-k) estimated from the
+    # budgets; None where only the device knows it. Sizes the backward's work (the overlap rule)
+    kept_entries: int = None
 
     def __post_init__(self):
         lay = self.layout
@@ -183,20 +186,20 @@ def use_triton_selection(q: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and q.is_cuda)
 
 
-def _topk_host_bounds(lay: BlockLayout, kfs: list[float], wout_cap: int) -> tuple[int, int, int]:
-    """(most blocks a top-k row keeps, list width, kept-entry bound per KV head) from host budgets alone.
-    A row of n causal blocks keeps round(kf * n) of them, more only on exact score ties, and the kernel never
-    stores more than the width; the bound sums min(n, width) over every row."""
+def _topk_host_bounds(lay: BlockLayout, kfs: list[float], wout_cap: int) -> tuple[int, int, int, int]:
+    """From host budgets alone: (most blocks a top-k row keeps, list width, kept-entry bound per KV head, kept
+    entries per KV head estimated as round(kf * causal blocks) per document, at least one per row). A row of
+    n causal blocks keeps round(kf * n) of them, more only on exact score ties, and the kernel never stores
+    more than the width; the bound sums min(n, width) over every row."""
     kmax = max(min(nb, max(1, math.floor(kf * nb + 0.5))) for kf, nb in zip(kfs, lay.doc_nblocks))
     # 16 slots of slack for ties (the kernel keeps the diagonal last if a row overflows anyway)
     wout = min(lay.max_doc_blocks, kmax + 16, wout_cap)
-    bound = 0
-    for nb in lay.doc_nblocks:
+    bound = est = 0
+    for kf, nb in zip(kfs, lay.doc_nblocks):
         m = min(nb, wout)
         bound += m * (m + 1) // 2 + (nb - m) * wout
-    return kmax, wout, bound
-
-
+        est += max(nb, round(kf * nb * (nb + 1) / 2))
+    return kmax, wout, bound, est
 def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, scale: float, kf_host):
     """Fused selection: four Triton launches. Top-p (and top-k with budgets only on the device) syncs once
     with the host for the list width and the nonzero count; top-k with host budgets (``kf_host``: one float
@@ -206,8 +209,8 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
     if topp:
         wout = lay.max_doc_blocks
     else:
-        kmax, wout, bound = _topk_host_bounds(lay, kf_host if kf_host is not None else budget.tolist(),
-                                              lay.max_doc_blocks)
+        kmax, wout, bound, est = _topk_host_bounds(lay, kf_host if kf_host is not None else budget.tolist(),
+                                                   lay.max_doc_blocks)
     idx, start, cnt, cov, kcnt = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout)
     kept_fraction, coverage, k2q_ptr = doc_stats_triton(cnt, cov, lay, kcnt)
     HN = Hkv * lay.num_blocks
@@ -217,11 +220,13 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
         # rows are sized for the longest document: trim them
         if w < wout - 16:
             idx, start = idx[..., :w].contiguous(), start[..., :w].contiguous()
+        kept = nnz
     else:
-        w, nnz = kmax, Hkv * bound
+        w, nnz, kept = kmax, Hkv * bound, Hkv * est
     k2q_idx, k2q_start, k2q_end = reverse_lists_triton(idx, cnt, k2q_ptr, nnz, lay)
     return BlockSelection(lay, Hkv, idx, cnt, k2q_ptr, k2q_idx, lay.q_order, lay.k_order, kept_fraction,
-                          coverage, q2k_start=start, k2q_start=k2q_start, k2q_end=k2q_end, row_blocks=w)
+                          coverage, q2k_start=start, k2q_start=k2q_start, k2q_end=k2q_end, row_blocks=w,
+                          kept_entries=kept)
 
 
 def _host_budgets(value, n: int) -> list[float] | None:
@@ -259,6 +264,7 @@ def _dense_selection(lay: BlockLayout, Hkv: int) -> BlockSelection:
     ones = torch.ones(lay.num_docs, dtype=torch.float32, device=dev)
     sel = _finalize(lay, Hkv, idx.to(torch.int32).expand(Hkv, -1, -1).contiguous(),
                     cnt.to(torch.int32).expand(Hkv, -1).contiguous(), ones, ones)
+    sel.kept_entries = Hkv * lay.total_causal
     _LAST_DENSE[:] = [(lay, Hkv, sel)]
     return sel
 
