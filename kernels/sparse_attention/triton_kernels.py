@@ -613,24 +613,18 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
 # overlap gained 2-6% of the backward where dK/dV has at most ~16 programs per SM (8K tokens MHA, 32K with GQA
 # 4:1 or 8:1), and up to 25% where dK/dV has fewer programs than the GPU has slots (Qwen2.5-3B's two KV heads
 # at 8K: calibration re-run); but the delta pre-pass it needs (one more read of O and dO) cost up to 3% where
-# there are many waves and little work per query (packed 64K at kept 0.1: 136 programs per SM), and its extra
-# launches (~0.1 ms on a slow host) showed where the backward is short. With 62 programs per SM (32K MHA) it
-# gained 1.9% dense and nothing at kept 0.1 (~1.6K keys per query). Hence: few programs per SM, or up to twice
-# as many where each query keeps many keys; and always enough kept work.
+# there are many waves (packed 64K at kept 0.1: 136 programs per SM), and its extra launches (~0.1 ms on a
+# slow host) showed where the backward is short. At 62 programs per SM (32K MHA) it gained -1.3..+0.8% (lab
+# 10), noise. Hence: few programs per SM, and enough kept work.
 OVERLAP_MAX_PROGRAMS_PER_SM = 32
 OVERLAP_MIN_PAIRS = 1 << 27  # kept (query, key) token pairs over all query heads
-OVERLAP_WIDE_KEYS_PER_QUERY = 2048  # kept keys per query token that let up to 2x the programs per SM overlap
 _SIDE: dict = {}  # per device: (side stream, fork event, join event, SM count), made once (host time)
 
 
-def overlap_pays(programs: int, sms: int, pairs: int, query_rows: int) -> bool:
+def overlap_pays(programs: int, sms: int, pairs: int) -> bool:
     """Whether the overlapped backward pays: ``programs`` dK/dV programs on ``sms`` SMs, ``pairs`` kept
-    (query, key) token pairs over all query heads, ``query_rows`` = tokens x query heads."""
-    if pairs < OVERLAP_MIN_PAIRS:
-        return False
-    per_sm = programs / sms
-    return per_sm <= OVERLAP_MAX_PROGRAMS_PER_SM or (
-        per_sm <= 2 * OVERLAP_MAX_PROGRAMS_PER_SM and pairs >= OVERLAP_WIDE_KEYS_PER_QUERY * query_rows)
+    (query, key) token pairs over all query heads."""
+    return programs <= OVERLAP_MAX_PROGRAMS_PER_SM * sms and pairs >= OVERLAP_MIN_PAIRS
 
 
 def _overlap_backward(q, k, sel) -> bool:
@@ -642,7 +636,7 @@ def _overlap_backward(q, k, sel) -> bool:
     # padded to the widest row), which errs towards the overlap
     kept = sel.kept_entries if sel.kept_entries is not None else sel.k2q_idx.numel()
     pairs = kept * B * B * (q.shape[1] // k.shape[1])
-    return overlap_pays(programs, _side(q.device)[3], pairs, q.shape[0] * q.shape[1])
+    return overlap_pays(programs, _side(q.device)[3], pairs)
 
 
 def _side(device):
