@@ -52,12 +52,14 @@ class Measurer:
         # Random data, never zeros: zeros run measurably faster on the tensor cores than real data.
         return torch.randn(*shape, device=self.device, dtype=self.dtype)
 
+    # cu_seqlens and budgets on the host, as the runner hands them to the attention (runner/data.py): the
+    # kernel reads their values there, and device copies would add syncs that training does not have
     def _cu_seqlens(self, lengths: tuple[int, ...]) -> torch.Tensor:
-        ends = torch.tensor(lengths, device=self.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        ends = torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return torch.cat([ends.new_zeros(1), ends])
 
     def _kept(self, point: GridPoint) -> torch.Tensor:
-        return torch.tensor(point.kept_fractions, device=self.device, dtype=torch.float32)
+        return torch.tensor(point.kept_fractions, dtype=torch.float32)
 
     def _expected(self, term: str, point: GridPoint) -> float:
         return estimate_term_ms(term, point, self.shapes[point.model])
@@ -95,7 +97,7 @@ class Measurer:
     def _layer(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
         """The layer's non-attention work: the runner's Block with a pass-through in place of attention."""
         block, x, cu, rotary = self._block_inputs(point)
-        budgets = (torch.ones(len(point.lengths), device=self.device), None)
+        budgets = (torch.ones(len(point.lengths)), None)
         y = block(x, rotary, cu, budgets, _pass_through)[0]
         grad_y = torch.randn_like(y)
         timings = {
@@ -117,7 +119,7 @@ class Measurer:
         a synchronisation that training does not have.
         """
         block, x, cu, rotary = self._block_inputs(point)
-        budgets = (torch.ones(len(point.lengths), device=self.device), self._kept(point))
+        budgets = (torch.ones(len(point.lengths)), self._kept(point))
         y, kept, _ = block(x, rotary, cu, budgets, self.attention)
         grad_y = torch.randn_like(y)
 
@@ -141,7 +143,7 @@ class Measurer:
         torch.manual_seed(self.seed)
         x = self._randn(point.tokens, shape.hidden).requires_grad_()
         cu = self._cu_seqlens(point.lengths)
-        rotary = rope_angles(packed_positions(cu, point.tokens), shape.head_dim, shape.rope_theta)
+        rotary = rope_angles(packed_positions(cu.to(self.device), point.tokens), shape.head_dim, shape.rope_theta)
         return self._blocks[point.model], x, cu, rotary
 
 

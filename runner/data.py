@@ -92,11 +92,11 @@ class MicroBatch:
     """One packed micro-batch on one rank, ready for the model."""
 
     tokens: torch.Tensor  # [T]
-    cu_seqlens: torch.Tensor  # [n+1] int32
+    cu_seqlens: torch.Tensor  # [n+1] int32, on the host
     target_positions: torch.Tensor  # [n_answers] indices into the packed stream
     targets: torch.Tensor  # [n_answers]
-    p: torch.Tensor  # [n] coverage targets
-    kept_fraction: torch.Tensor | None  # [n] fixed kept fractions, when the policy set them
+    p: torch.Tensor  # [n] coverage targets, on the host
+    kept_fraction: torch.Tensor | None  # [n] fixed kept fractions, when the policy set them, on the host
 
     @property
     def n_tokens(self) -> int:
@@ -115,16 +115,21 @@ def pack(assignments: tuple[Assignment, ...], task: TaskConfig, vocab_size: int,
     if any(f is None for f in fixed) and any(f is not None for f in fixed):
         raise ValueError("a micro-batch mixes coverage-target and fixed-kept-fraction budgets")
 
-    def tensor(x, dtype):
-        return torch.as_tensor(np.asarray(x), dtype=dtype).to(device, non_blocking=True)
+    def host(x, dtype):
+        return torch.as_tensor(np.asarray(x), dtype=dtype)
 
+    def tensor(x, dtype):
+        return host(x, dtype).to(device, non_blocking=True)
+
+    # cu_seqlens and the budgets stay on the host: the attention reads their values there (block layout,
+    # list sizes), and device copies would cost a device->host sync in every layer
     return MicroBatch(
         tokens=tensor(tokens, torch.long),
-        cu_seqlens=tensor(offsets, torch.int32),
+        cu_seqlens=host(offsets, torch.int32),
         target_positions=tensor(positions, torch.long),
         targets=tensor(answers, torch.long),
-        p=tensor([a.budget.p for a in assignments], torch.float32),
-        kept_fraction=None if fixed[0] is None else tensor(fixed, torch.float32),
+        p=host([a.budget.p for a in assignments], torch.float32),
+        kept_fraction=None if fixed[0] is None else host(fixed, torch.float32),
     )
 
 

@@ -85,6 +85,7 @@ def block_layout(cu_seqlens: torch.Tensor, block_size: int, device=None) -> Bloc
     row_offset = doc_tri[:-1][block_doc] + block_local * (block_local + 1) // 2
     q_order = torch.argsort(-(block_local + 1), stable=True)
     k_order = torch.argsort(-(nblocks[block_doc] - block_local), stable=True)
+    # non-blocking copies: host tensors are staged at once, and blocking ones would each sync the stream
     lay = BlockLayout(
         block_size=B,
         num_docs=n,
@@ -93,18 +94,18 @@ def block_layout(cu_seqlens: torch.Tensor, block_size: int, device=None) -> Bloc
         doc_nblocks=tuple(int(x) for x in nblocks),
         doc_first_block=tuple(int(x) for x in first),
         doc_start=tuple(int(x) for x in cu_host),
-        block_start=block_start.to(device=device, dtype=torch.int32),
-        block_end=block_end.to(device=device, dtype=torch.int32),
-        block_doc=block_doc.to(device),
-        block_local=block_local.to(device),
-        doc_first_block_t=first.to(device),
-        token_block=token_block.to(device),
-        row_offset=row_offset.to(device),
+        block_start=block_start.to(device=device, dtype=torch.int32, non_blocking=True),
+        block_end=block_end.to(device=device, dtype=torch.int32, non_blocking=True),
+        block_doc=block_doc.to(device, non_blocking=True),
+        block_local=block_local.to(device, non_blocking=True),
+        doc_first_block_t=first.to(device, non_blocking=True),
+        token_block=token_block.to(device, non_blocking=True),
+        row_offset=row_offset.to(device, non_blocking=True),
         total_causal=int(doc_tri[-1]),
-        doc_causal_t=tri.to(device=device, dtype=torch.float32),
-        doc_nblocks_t=nblocks.to(device=device, dtype=torch.float32),
-        q_order=q_order.to(device=device, dtype=torch.int32),
-        k_order=k_order.to(device=device, dtype=torch.int32),
+        doc_causal_t=tri.to(device=device, dtype=torch.float32, non_blocking=True),
+        doc_nblocks_t=nblocks.to(device=device, dtype=torch.float32, non_blocking=True),
+        q_order=q_order.to(device=device, dtype=torch.int32, non_blocking=True),
+        k_order=k_order.to(device=device, dtype=torch.int32, non_blocking=True),
     )
     _CACHE[key] = lay
     if len(_CACHE) > _CACHE_SIZE:

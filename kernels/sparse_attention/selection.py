@@ -128,7 +128,8 @@ def _per_doc(value, n: int, name: str, device) -> torch.Tensor:
     """Budget as a float32 [n] device tensor. Range checks of tensors are done (once, on the host) by the
     public functions' validate_inputs; floats are checked here without touching the device."""
     if isinstance(value, torch.Tensor):
-        t = value.detach().to(device=device, dtype=torch.float32).reshape(-1)
+        # non-blocking: a host budget is staged at once, and a blocking copy would sync the stream
+        t = value.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(-1)
         if t.numel() == 1:
             t = t.expand(n)
         if t.numel() != n:
@@ -240,10 +241,10 @@ def _host_budgets(value, n: int) -> list[float] | None:
 
 
 def _all_dense(value, budget: torch.Tensor) -> bool:
-    """Whether every sequence keeps all its causal blocks (a float budget needs no device sync)."""
+    """Whether every sequence keeps all its causal blocks (a float or host budget needs no device sync)."""
     if value is None or not isinstance(value, torch.Tensor):
         return value is None or float(value) >= 1.0
-    return bool((budget >= 1.0).all())
+    return bool(((value if value.device.type == "cpu" else budget) >= 1.0).all())
 
 
 _LAST_DENSE: list = []  # [(layout, Hkv, selection)]: the last dense selection built

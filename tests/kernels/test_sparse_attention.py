@@ -369,3 +369,25 @@ def test_overlapped_backward_matches_sequential(monkeypatch):
         grads[name] = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel), (q, k, v), do)
     for a, b in zip(grads["sequential"], grads["overlap"]):
         torch.testing.assert_close(a, b, atol=ATOL[torch.float16], rtol=0)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="device syncs exist on a GPU only")
+@pytest.mark.parametrize("budget", [dict(kept_fraction=0.3), dict(kept_fraction=torch.tensor([0.3, 0.6, 1.0]))],
+                         ids=["float", "host-tensor"])
+def test_topk_with_host_budgets_never_syncs(budget):
+    """Top-k selection with cu_seqlens and budgets on the host, and fwd+bwd over it, never wait for the GPU
+    (the runner calls it so in every layer; a sync per layer would stall the host's run-ahead)."""
+    lens = [300, 129, 1]
+    q, k, v = qkv(lens, 4, 2, 64, torch.float16)
+    cu = cu_of(lens).cpu()
+    do = torch.randn_like(q)
+
+    def step():
+        return torch.autograd.grad(sparse_attention(q, k, v, cu, block_size=64, **budget), (q, k, v), do)
+
+    step()  # compiles the kernels and builds the cached layout
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
