@@ -92,8 +92,9 @@ class TinyLlama(nn.Module):
     def forward(self, tokens, cu_seqlens, budgets, target_positions, attention: AttentionFn) -> ForwardOut:
         """Logits at ``target_positions`` only: the task scores a few answer tokens per sequence,
         and a full ``[T, vocab]`` projection would dominate memory at long context."""
-        rotary = rope_angles(packed_positions(cu_seqlens.to(tokens.device), tokens.shape[0]), self.shape.head_dim,
-                             self.shape.rope_theta)
+        # cu_seqlens comes from the host (runner/data.py); the positions are needed on the tokens' device
+        positions = packed_positions(cu_seqlens.to(tokens.device, non_blocking=True), tokens.shape[0])
+        rotary = rope_angles(positions, self.shape.head_dim, self.shape.rope_theta)
         x = self.embed(tokens)
         kept_sum = cov_sum = 0.0
         for block in self.blocks:
