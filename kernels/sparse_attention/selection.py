@@ -187,20 +187,22 @@ def use_triton_selection(q: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and q.is_cuda)
 
 
-def _topk_host_bounds(lay: BlockLayout, kfs: list[float], wout_cap: int) -> tuple[int, int, int, int]:
+def _topk_host_bounds(lay: BlockLayout, kfs: list[float]) -> tuple[int, int, int, int]:
     """From host budgets alone: (most blocks a top-k row keeps, list width, kept-entry bound per KV head, kept
     entries per KV head estimated as round(kf * causal blocks) per document, at least one per row). A row of
     n causal blocks keeps round(kf * n) of them, more only on exact score ties, and the kernel never stores
     more than the width; the bound sums min(n, width) over every row."""
     kmax = max(min(nb, max(1, math.floor(kf * nb + 0.5))) for kf, nb in zip(kfs, lay.doc_nblocks))
     # 16 slots of slack for ties (the kernel keeps the diagonal last if a row overflows anyway)
-    wout = min(lay.max_doc_blocks, kmax + 16, wout_cap)
+    wout = min(lay.max_doc_blocks, kmax + 16)
     bound = est = 0
     for kf, nb in zip(kfs, lay.doc_nblocks):
         m = min(nb, wout)
         bound += m * (m + 1) // 2 + (nb - m) * wout
         est += max(nb, round(kf * nb * (nb + 1) / 2))
     return kmax, wout, bound, est
+
+
 def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, scale: float, kf_host):
     """Fused selection: four Triton launches. Top-p (and top-k with budgets only on the device) syncs once
     with the host for the list width and the nonzero count; top-k with host budgets (``kf_host``: one float
@@ -210,8 +212,7 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
     if topp:
         wout = lay.max_doc_blocks
     else:
-        kmax, wout, bound, est = _topk_host_bounds(lay, kf_host if kf_host is not None else budget.tolist(),
-                                                   lay.max_doc_blocks)
+        kmax, wout, bound, est = _topk_host_bounds(lay, kf_host if kf_host is not None else budget.tolist())
     idx, start, cnt, cov, kcnt = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout)
     kept_fraction, coverage, k2q_ptr = doc_stats_triton(cnt, cov, lay, kcnt)
     HN = Hkv * lay.num_blocks
