@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kernels.sparse_attention import (BlockSelection, dense_causal_varlen, select_blocks, select_blocks_naive,
@@ -302,6 +302,37 @@ def test_fused_triton_selection_equals_torch_selection(lens, budget, monkeypatch
         assert torch.equal(getattr(a, name)[:nnz], getattr(b, name)[:nnz]), name
     torch.testing.assert_close(a.kept_fraction, b.kept_fraction)
     torch.testing.assert_close(a.coverage, b.coverage)
+
+
+# monkeypatch only sets one environment variable, the same for every example
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.integers(1, 120), min_size=1, max_size=4), kf=st.floats(0.01, 1.0),
+       ties=st.booleans(), seed=st.integers(0, 1000))
+# 44 blocks at kept 0.05: tied rows want all their blocks, more than the 3 + 16 slots (the overflow path)
+@example(lens=[700, 5], kf=0.05, ties=True, seed=0)
+def test_host_sized_topk_lists_hold_every_kept_block(lens, kf, ties, seed, monkeypatch):
+    """The fused top-k sizes its lists from the host budgets, without a sync: the lists must hold every kept
+    block, also when exact score ties (all-zero routing inputs) keep more than the budget's count."""
+    monkeypatch.setenv("SPARSE_ATTN_SELECT", "triton")
+    q, k, _ = qkv(lens, 2, 1, 16, seed=seed)
+    q, k = (q.detach() * 0, k.detach() * 0) if ties else (q.detach() * 3, k.detach() * 3)
+    sel = select_blocks(q, k, cu_of(lens), kept_fraction=kf, block_size=16)
+    rows = _rows(sel)
+    doc = sel.layout.block_doc.tolist()
+    H, NB, W = sel.q2k_idx.shape
+    assert int(sel.q2k_cnt.max()) <= W
+    assert int(sel.k2q_ptr[-1]) == int(sel.q2k_cnt.sum()) <= sel.k2q_idx.numel()
+    for (h, g), lst in rows.items():
+        assert lst == sorted(set(lst)) and lst[-1] == g, "ascending, diagonal kept and last"
+        assert all(c <= g and doc[c] == doc[g] for c in lst), "causal, within the document"
+    ptr = sel.k2q_ptr.tolist()
+    for h in range(H):
+        for c in range(NB):
+            got = sel.k2q_idx[ptr[h * NB + c]:ptr[h * NB + c + 1]].tolist()
+            assert got == [g for g in range(NB) if c in rows[(h, g)]], "reverse lists are the transpose"
+    if not ties:
+        assert sel.row_blocks == int(sel.q2k_cnt.max())
 
 
 def test_strided_inputs():
