@@ -150,6 +150,24 @@ def _rows(sel: BlockSelection):
     return out
 
 
+def _check_lists(sel: BlockSelection) -> dict:
+    """The selection's structural invariants; returns its forward rows."""
+    rows = _rows(sel)
+    doc = sel.layout.block_doc.tolist()
+    for (h, g), lst in rows.items():
+        assert lst == sorted(lst) and len(set(lst)) == len(lst), "ascending, no duplicates"
+        assert lst[-1] == g, "diagonal kept, and last"
+        assert all(c <= g and doc[c] == doc[g] for c in lst), "causal, within the document"
+    # reverse lists are the transpose of the forward lists
+    H, NB, _ = sel.q2k_idx.shape
+    ptr = sel.k2q_ptr.tolist()
+    for h in range(H):
+        for c in range(NB):
+            got = sel.k2q_idx[ptr[h * NB + c]:ptr[h * NB + c + 1]].tolist()
+            assert got == sorted(g for g in range(NB) if c in rows[(h, g)])
+    return rows
+
+
 SEL_LENS = [1, 200, 37, 129, 64, 300]
 
 
@@ -165,21 +183,12 @@ def test_selection_invariants_and_reference(mode, budget):
     lay = sel.layout
     doc = lay.block_doc.tolist()
     ref, mass = select_blocks_naive(q, k, cu, block_size=B, **{mode: budget})
-    rows = _rows(sel)
+    rows = _check_lists(sel)
     for (h, g), lst in rows.items():
-        assert lst == sorted(lst) and len(set(lst)) == len(lst), "ascending, no duplicates"
-        assert lst[-1] == g, "diagonal kept, and last"
-        assert all(c <= g and doc[c] == doc[g] for c in lst), "causal, within the document"
         assert set(lst) == ref[(h, g)], f"row {(h, g)} differs from the loop reference"
         if mode == "p":
             assert mass[(h, g)] >= budget - 1e-5, "coverage reaches p"
-    # reverse lists are the transpose of the forward lists
     H, NB, _ = sel.q2k_idx.shape
-    ptr = sel.k2q_ptr.tolist()
-    for h in range(H):
-        for c in range(NB):
-            got = sel.k2q_idx[ptr[h * NB + c]:ptr[h * NB + c + 1]].tolist()
-            assert got == sorted(g for g in range(NB) if c in rows[(h, g)])
     # stats
     causal = torch.tensor([n * (n + 1) / 2 for n in lay.doc_nblocks]) * H
     kept = torch.tensor([sum(len(rows[(h, g)]) for h in range(H) for g in range(NB) if doc[g] == d)
@@ -318,19 +327,9 @@ def test_host_sized_topk_lists_hold_every_kept_block(lens, kf, ties, seed, monke
     q, k, _ = qkv(lens, 2, 1, 16, seed=seed)
     q, k = (q.detach() * 0, k.detach() * 0) if ties else (q.detach() * 3, k.detach() * 3)
     sel = select_blocks(q, k, cu_of(lens), kept_fraction=kf, block_size=16)
-    rows = _rows(sel)
-    doc = sel.layout.block_doc.tolist()
-    H, NB, W = sel.q2k_idx.shape
-    assert int(sel.q2k_cnt.max()) <= W
+    assert int(sel.q2k_cnt.max()) <= sel.q2k_idx.shape[-1]
     assert int(sel.k2q_ptr[-1]) == int(sel.q2k_cnt.sum()) <= sel.k2q_idx.numel()
-    for (h, g), lst in rows.items():
-        assert lst == sorted(set(lst)) and lst[-1] == g, "ascending, diagonal kept and last"
-        assert all(c <= g and doc[c] == doc[g] for c in lst), "causal, within the document"
-    ptr = sel.k2q_ptr.tolist()
-    for h in range(H):
-        for c in range(NB):
-            got = sel.k2q_idx[ptr[h * NB + c]:ptr[h * NB + c + 1]].tolist()
-            assert got == [g for g in range(NB) if c in rows[(h, g)]], "reverse lists are the transpose"
+    _check_lists(sel)
     if not ties:
         assert sel.row_blocks == int(sel.q2k_cnt.max())
 
