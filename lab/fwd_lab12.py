@@ -100,7 +100,7 @@ def _dq_var(Q, K, V, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q2k_start, 
             qk_scale, sm_scale, T, NB, WK,
             sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdqt, sdqh,
             G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
+            D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, WS: tl.constexpr):
     hq, r, qs, qe, m0 = tk._program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
     hk = hq // G
     NSN: tl.constexpr = BLOCK // BN
@@ -123,7 +123,7 @@ def _dq_var(Q, K, V, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q2k_start, 
         Vh = V + hk * svh
         k_off = offs_n[:, None] * skt + offs_d[None, :]
         v_off = offs_n[None, :] * svt + offs_d[:, None]
-        for it in range(0, (tl.load(q2k_cnt + row) - 1) * NSN):
+        for it in tl.range(0, (tl.load(q2k_cnt + row) - 1) * NSN, warp_specialize=WS):
             kb32 = tl.load(lst + it // NSN) + (it % NSN) * BN
             kk = KD.load([kb32, hk * D])
             vT = tl.trans(VD.load([kb32, hk * D]))
@@ -164,7 +164,7 @@ def fwd_var(q, k, v, sel, sm_scale, BM=128, BN=128, warps=8, stages=3, lazy=Fals
     return o, lse
 
 
-def dq_var(do, q, k, v, lse, delta, sel, sm_scale, BM=128, BN=128, warps=8, stages=3):
+def dq_var(do, q, k, v, lse, delta, sel, sm_scale, BM=128, BN=128, warps=8, stages=3, ws=False):
     T, Hq, D = q.shape
     lay = sel.layout
     B, NB = lay.block_size, lay.num_blocks
@@ -174,7 +174,7 @@ def dq_var(do, q, k, v, lse, delta, sel, sm_scale, BM=128, BN=128, warps=8, stag
         sel.q2k_cnt, sel.q_order, sm_scale * tk.LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        G=Hq // k.shape[1], BLOCK=B, BM=BM, BN=BN, D=D, PREC=tk._prec(q.dtype), HEAD_OUTER=True,
+        G=Hq // k.shape[1], BLOCK=B, BM=BM, BN=BN, D=D, PREC=tk._prec(q.dtype), HEAD_OUTER=True, WS=ws,
         num_warps=warps, num_stages=stages)
     return dq
 
@@ -191,6 +191,17 @@ FWD_VARIANTS = {
     "tma_lazy_ws_s2": dict(tma=True, lazy=True, ws=True, stages=2),
 }
 DQ_VARIANTS = {"dq_tma_s3": dict(stages=3), "dq_tma_s2": dict(stages=2)}
+if "--round-b" in sys.argv:
+    # round b: warp specialisation in dQ, 3 stages in the forward, and the short-row (64x64, 4 warps) configs
+    FWD_VARIANTS = {"tma_ws_s2": dict(tma=True, ws=True, stages=2), "tma_ws_s3": dict(tma=True, ws=True, stages=3),
+                    "short_tma_ws_s2": dict(tma=True, ws=True, stages=2, BM=64, BN=64, warps=4),
+                    "short_tma_ws_s3": dict(tma=True, ws=True, stages=3, BM=64, BN=64, warps=4),
+                    "short_tma_s3": dict(tma=True, stages=3, BM=64, BN=64, warps=4)}
+    DQ_VARIANTS = {"dq_tma_s2": dict(stages=2), "dq_tma_ws_s2": dict(stages=2, ws=True),
+                   "dq_tma_ws_s3": dict(stages=3, ws=True),
+                   "dq_short_tma_s3": dict(stages=3, BM=64, BN=64, warps=4),
+                   "dq_short_tma_s2": dict(stages=2, BM=64, BN=64, warps=4),
+                   "dq_short_tma_ws_s2": dict(stages=2, BM=64, BN=64, warps=4, ws=True)}
 
 
 def cases(dev, small):
@@ -199,6 +210,8 @@ def cases(dev, small):
         yield "small_k0.5", [0, 200, 700], 4, 0.5, 2
         return
     yield "8k_dense", [0, 8192], 16, 1.0, 1
+    if "--round-b" in sys.argv:
+        yield "8k_k0.05", [0, 8192], 16, 0.05, 1
     yield "32k_dense", [0, 32768], 16, 1.0, 1
     yield "32k_k0.1", [0, 32768], 16, 0.1, 1
     yield "32k_k0.5", [0, 32768], 16, 0.5, 1
@@ -278,7 +291,7 @@ def main():
         del q, k, v, o_ref, lse_ref, do, dq_ref, delta, sel
         torch.cuda.empty_cache()
     if rows:
-        with open(f"{out}/fwd_lab12_h200.csv", "w", newline="") as f:
+        with open(f"{out}/fwd_lab12{'b' if '--round-b' in sys.argv else ''}_h200.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
