@@ -130,7 +130,6 @@ def tune(args):
     shapes = {"long": (("single128k_kf0.25", [131072], 0.25), ("single32k_dense", [32768], 1.0),
                        ("single32k_kf0.1", [32768], 0.1)),
               "short": (("packed64k_kf0.1", long_tail_lengths(65536), 0.1), ("single8k_kf0.1", [8192], 0.1))}
-    keys = ("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER")
     res = {}
     for cls, cls_shapes in shapes.items():
         for name, lens, kf in cls_shapes:
@@ -149,7 +148,7 @@ def tune(args):
                 if kind.endswith("_short") != (cls == "short"):
                     continue
                 for cand in cands:
-                    tk.CONFIG_OVERRIDES[(B, D)] = {kind: dict(zip(keys, cand))}
+                    tk.CONFIG_OVERRIDES[(B, D)] = {kind: dict(zip(CONFIG_KEYS, cand))}
                     try:
                         ms = bench(launch[kind.split("_")[0]])
                         ck = tk.LAST_COMPILED[kind.split("_")[0]]
@@ -170,17 +169,22 @@ def tune(args):
         low = {n: min(res[(kind, c)][n] for c in ok) for n in names}
         scored = sorted((sum(res[(kind, c)][n] / low[n] for n in names), c) for c in ok)
         log(f"TUNE_RANK {kind} " + " ".join(f"{c}:{sc:.3f}" for sc, c in scored))
-        best[kind] = dict(zip(keys, scored[0][1]))
+        best[kind] = dict(zip(CONFIG_KEYS, scored[0][1]))
     log("TUNE_BEST", json.dumps(best))
     return best
 
 
-# (BM, BN, num_warps, num_stages, HEAD_OUTER); dkdv: BN is the program's KV tile, BM the query sub-tile.
+# A config tuple names these keys in order (a shorter tuple leaves the rest at the defaults); dkdv: BN is the
+# program's KV tile, BM the query sub-tile; TMA and WS exist in the forward and dQ (WS: forward only).
+CONFIG_KEYS = ("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER", "TMA", "WS")
 TUNE_CANDS = {
-    "fwd": [(128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 64, 8, 3, True)],
-    "fwd_short": [(64, 64, 4, 4, False), (64, 64, 4, 4, True), (64, 64, 4, 3, True)],
-    "dq": [(128, 128, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True)],
-    "dq_short": [(64, 64, 4, 3, False), (64, 64, 4, 3, True)],
+    "fwd": [(128, 128, 8, 2, True, True, True), (128, 128, 8, 3, True, True, True),
+            (128, 128, 8, 3, True, False, False), (128, 64, 8, 3, True, False, False)],
+    "fwd_short": [(64, 64, 4, 3, True, True, False), (64, 64, 4, 3, True, True, True),
+                  (64, 64, 4, 3, True, False, False)],
+    "dq": [(128, 128, 8, 2, True, True), (128, 128, 8, 3, True, True), (128, 128, 8, 3, True, False),
+           (64, 64, 4, 3, True, False)],
+    "dq_short": [(64, 64, 4, 2, True, True), (64, 64, 4, 3, True, True), (64, 64, 4, 3, True, False)],
     "dkdv": [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 2, True)],
     "dkdv_short": [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (64, 64, 4, 1, True)],
 }
@@ -538,7 +542,8 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--check-csv", default=None, help="--check's CSV when --csv is the grid's")
     ap.add_argument("--config", default=None,
-                    help="json {kind: [BM, BN, warps, stages, head_outer]} for block 128, D 128")
+                    help="json {kind: [BM, BN, warps, stages, head_outer, tma, ws]} for block 128, D 128 (a shorter "
+                         "list leaves the rest at the defaults)")
     ap.add_argument("--lengths", type=comma_list(int, lambda x: x > 0, "positive token counts"),
                     default="8192,32768,131072")
     ap.add_argument("--sparsities", type=comma_list(float, lambda x: 0 <= x < 1, "sparsities in [0, 1)"),
@@ -553,7 +558,7 @@ def main():
     if args.config:
         cfg = json.loads(args.config)
         tk.CONFIG_OVERRIDES[(128, 128)] = {
-            kind: dict(zip(("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER"), c)) for kind, c in cfg.items() if c}
+            kind: dict(zip(CONFIG_KEYS, c)) for kind, c in cfg.items() if c}
     if args.tune:
         best = tune(args)
         if args.apply_tuned:

@@ -34,12 +34,15 @@ INDEX_ARRAYS = ("blk_start", "blk_end", "q2k_start", "q2k_cnt", "q_order", "k2q_
                 "k_order")
 
 
-def signature(fn, consts: dict) -> dict:
-    """Triton signature of a kernel: tensors, int32 index arrays, fp32 scales, int32 sizes and strides."""
+def signature(fn, consts: dict, box: list | None = None) -> dict:
+    """Triton signature of a kernel: tensors, int32 index arrays, fp32 scales, int32 sizes and strides, and
+    the K/V tensor descriptors (``box``: their block shape) unless they are constants (None: no TMA)."""
     sig = {}
     for name in inspect.signature(fn.fn).parameters:
         if name in consts:
             sig[name] = "constexpr"
+        elif name in ("KD", "VD"):
+            sig[name] = f"tensordesc<bf16{box}>"
         elif name in POINTERS:
             sig[name] = POINTERS[name]
         elif name in INDEX_ARRAYS:
@@ -67,13 +70,22 @@ def resources(cubin: bytes) -> str:
 
 
 def jobs():
+    """(name, kernel, constexprs, warps, stages, descriptor box or None) of each compiled config; the forward
+    and dQ also once with pointer tiles (``_ptr``: what runs where TMA cannot)."""
     kernels = {"fwd": tk._fwd_kernel, "dq": tk._bwd_dq_kernel, "dkdv": tk._bwd_dkdv_kernel}
     for kind, fn in kernels.items():
+        params = inspect.signature(fn.fn).parameters
         for suffix, rows, G in (("", 64, 1), ("_short", 8, 1)) + ((("_gqa4", 64, 4),) if kind == "dkdv" else ()):
             cfg = tk.get_config(kind, 128, 128, row_blocks=rows)
             consts = dict(G=G, BLOCK=128, BM=cfg["BM"], BN=cfg["BN"], D=128, PREC="tf32",
                           HEAD_OUTER=cfg["HEAD_OUTER"])
-            yield kind + suffix, fn, consts, cfg["num_warps"], cfg["num_stages"]
+            for ptr in (False, True) if "TMA" in params else (False,):
+                tma = bool(cfg.get("TMA")) and not ptr
+                flags = {"TMA": tma, "WS": tma and cfg.get("WS", False)}
+                extra = {k: v for k, v in flags.items() if k in params}
+                extra.update({} if tma else {k: None for k in ("KD", "VD") if k in params})
+                yield (kind + suffix + ("_ptr" if ptr else ""), fn, {**consts, **extra}, cfg["num_warps"],
+                       cfg["num_stages"], [cfg["BN"], 128] if tma else None)
 
 
 def instructions(ptx: str) -> str:
@@ -94,8 +106,8 @@ def main():
         ap.error(f"--compare {args.compare!r} is not a directory (write one first: kernel_ptx.py REF_DIR)")
     os.makedirs(args.out, exist_ok=True)
     differ = []
-    for name, fn, consts, warps, stages in jobs():
-        sig = signature(fn, consts)
+    for name, fn, consts, warps, stages, box in jobs():
+        sig = signature(fn, consts, box)
         src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
                         attrs=divisible_by_16(sig))
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -7,12 +7,19 @@ Grids (axis 0 = head so that all heads of the longest rows start first):
 Only the diagonal block needs a mask (causal, and the document end): every other selected block is a full
 block strictly in the past of the same document. The diagonal is the last entry of a forward list and the
 first of a reverse list. LSE is stored in the log2 domain (``m + log2(l)`` of ``qk * scale * log2(e)``).
+With ``TMA`` the forward and dQ main loops load their K/V tiles through host-built tensor descriptors over the
+``[T, Hkv*D]`` view instead of pointer tiles (Hopper and later with 16-bit inputs, or the interpreter;
+:func:`_descriptors`), and with ``WS`` the forward's main loop is warp-specialised (a producer warp issues
+the tile loads).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 
@@ -25,11 +32,15 @@ LOG2E = 1.4426950408889634
 # head otherwise). dK/dV takes 64-key tiles with 4 warps and 2 stages for long rows as well: computed
 # query-major (see _dkdv_tile) they compile without spills and pipeline, which beat 128-key tiles with 8
 # warps (key-major, unpipelined, 12 spills) by 4-13% alone (benchmarks/results/trials/README.md).
+# TMA K/V loads (lab 12, each kernel alone against the pointer-tile kernels in the same run): the long-row
+# forward warp-specialised with 2 stages 1.01-1.07x on single sequences, dQ with 2 stages 1.02-1.06x; the
+# short-row forward 1.02x and dQ 1.05x on short rows. TMA without warp specialisation left the long-row
+# forward unchanged (0.98-1.02x); dQ gained nothing from it. In dK/dV TMA lost (trials README).
 DEFAULT_CONFIG = {
-    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
-    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
-    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=3, HEAD_OUTER=True),
-    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True),
+    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, WS=True),
+    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True, TMA=True, WS=False),
+    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True),
+    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True),
     "dkdv": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True),
     "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True),
 }
@@ -73,11 +84,11 @@ def _program_tile(order, blk_start, blk_end, BLOCK: tl.constexpr, TILE: tl.const
 
 
 @triton.jit
-def _fwd_step(q, kT, Vh, kb, svt, v_off, m_i, l_i, acc, qk_scale, n0, m0, offs_n, offs_m, kmask,
-              MASK: tl.constexpr, PREC: tl.constexpr):
+def _fwd_step(q, kT, Vh, VD, kb, vcol, svt, v_off, m_i, l_i, acc, qk_scale, n0, m0, offs_n, offs_m, kmask,
+              MASK: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr):
     """One online-softmax step of the query rows m0 + offs_m over the key tile kT (rows kb + offs_n, V read
-    from ``Vh + kb * svt + v_off``). MASK: the diagonal tile, keys causal and before the document end (kmask)
-    only; other tiles are full."""
+    from ``Vh + kb * svt + v_off``, or with TMA from the descriptor VD at [kb, vcol]). MASK: the diagonal
+    tile, keys causal and before the document end (kmask) only; other tiles are full."""
     s = tl.dot(q, kT, input_precision=PREC) * qk_scale
     if MASK:
         s = tl.where((n0 + offs_n[None, :] <= m0 + offs_m[:, None]) & kmask[None, :], s, float("-inf"))
@@ -86,20 +97,23 @@ def _fwd_step(q, kT, Vh, kb, svt, v_off, m_i, l_i, acc, qk_scale, n0, m0, offs_n
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(pr, 1)
     acc = acc * alpha[:, None]
-    if MASK:
-        vv = tl.load(Vh + kb * svt + v_off, mask=kmask[:, None], other=0.0)
+    if TMA:
+        vv = VD.load([kb, vcol])
+    elif MASK:
+        vv = tl.load(Vh + kb.to(tl.int64) * svt + v_off, mask=kmask[:, None], other=0.0)
     else:
-        vv = tl.load(Vh + kb * svt + v_off)
+        vv = tl.load(Vh + kb.to(tl.int64) * svt + v_off)
     acc = tl.dot(pr.to(vv.dtype), vv, acc, input_precision=PREC)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
+def _fwd_kernel(Q, K, V, O, LSE, KD, VD, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                 qk_scale, T, NB, WK,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
                 G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
+                D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, TMA: tl.constexpr,
+                WS: tl.constexpr):
     hq, r, qs, qe, m0 = _program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
     hk = hq // G
     NSN: tl.constexpr = BLOCK // BN
@@ -122,21 +136,23 @@ def _fwd_kernel(Q, K, V, O, LSE, blk_start, blk_end, q2k_start, q2k_cnt, q_order
         v_off = offs_n[:, None] * svt + offs_d[None, :]
         # one flat loop over the BN-wide sub-tiles of the unmasked blocks: a pipeline stage holds one K and
         # one V tile whatever the selection block size is
-        for it in range(0, (tl.load(q2k_cnt + row) - 1) * NSN):
-            kb = (tl.load(lst + it // NSN) + (it % NSN) * BN).to(tl.int64)
-            kT = tl.load(Kh + kb * skt + k_off)
-            m_i, l_i, acc = _fwd_step(q, kT, Vh, kb, svt, v_off, m_i, l_i, acc, qk_scale, 0, 0, offs_n, offs_m,
-                                      None, MASK=False, PREC=PREC)
+        for it in tl.range(0, (tl.load(q2k_cnt + row) - 1) * NSN, warp_specialize=WS):
+            kb = tl.load(lst + it // NSN) + (it % NSN) * BN
+            if TMA:
+                kT = tl.trans(KD.load([kb, hk * D]))
+            else:
+                kT = tl.load(Kh + kb.to(tl.int64) * skt + k_off)
+            m_i, l_i, acc = _fwd_step(q, kT, Vh, VD, kb, hk * D, svt, v_off, m_i, l_i, acc, qk_scale, 0, 0, offs_n,
+                                      offs_m, None, MASK=False, TMA=TMA, PREC=PREC)
         # diagonal block, masked (causal + document end)
         hi = tl.minimum(m0 + BM, qe)
         for j in tl.static_range(NSN):
             n0 = qs + j * BN
             if n0 < hi:
                 kmask = offs_n < qe - n0
-                kb = n0.to(tl.int64)
-                kT = tl.load(Kh + kb * skt + k_off, mask=kmask[None, :], other=0.0)
-                m_i, l_i, acc = _fwd_step(q, kT, Vh, kb, svt, v_off, m_i, l_i, acc, qk_scale, n0, m0, offs_n,
-                                          offs_m, kmask, MASK=True, PREC=PREC)
+                kT = tl.load(Kh + n0.to(tl.int64) * skt + k_off, mask=kmask[None, :], other=0.0)
+                m_i, l_i, acc = _fwd_step(q, kT, Vh, VD, n0, hk * D, svt, v_off, m_i, l_i, acc, qk_scale, n0, m0,
+                                          offs_n, offs_m, kmask, MASK=True, TMA=False, PREC=PREC)
         acc = acc / l_i[:, None]
         tl.store(O + m0.to(tl.int64) * sot + hq * soh + offs_m[:, None] * sot + offs_d[None, :],
                  acc.to(O.dtype.element_ty), mask=mmask[:, None])
@@ -158,11 +174,12 @@ def _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, n0, m0, offs_n, offs_m, km
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
+def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                    qk_scale, sm_scale, T, NB, WK,
                    sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sdqt, sdqh,
                    G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, STORE_DELTA: tl.constexpr):
+                   D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, STORE_DELTA: tl.constexpr,
+                   TMA: tl.constexpr):
     hq, r, qs, qe, m0 = _program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
     hk = hq // G
     NSN: tl.constexpr = BLOCK // BN
@@ -193,9 +210,13 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, blk_start, blk_end, q2k_start
         k_off = offs_n[:, None] * skt + offs_d[None, :]
         v_off = offs_n[None, :] * svt + offs_d[:, None]
         for it in range(0, (tl.load(q2k_cnt + row) - 1) * NSN):
-            kb = (tl.load(lst + it // NSN) + (it % NSN) * BN).to(tl.int64)
-            kk = tl.load(Kh + kb * skt + k_off)
-            vT = tl.load(Vh + kb * svt + v_off)
+            kb = tl.load(lst + it // NSN) + (it % NSN) * BN
+            if TMA:
+                kk = KD.load([kb, hk * D])
+                vT = tl.trans(VD.load([kb, hk * D]))
+            else:
+                kk = tl.load(Kh + kb.to(tl.int64) * skt + k_off)
+                vT = tl.load(Vh + kb.to(tl.int64) * svt + v_off)
             dq = _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, 0, 0, offs_n, offs_m, None, MASK=False,
                           PREC=PREC)
         hi = tl.minimum(m0 + BM, qe)
@@ -537,6 +558,24 @@ def _prec(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _descriptors(cfg: dict, *xs):
+    """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[cfg["BN"], D]`` boxes when
+    the config asks for TMA and it can run: Hopper or later with 16-bit inputs (or the interpreter), unit D
+    stride, heads D apart, 16-byte aligned base and token stride. Otherwise Nones (pointer tiles)."""
+    x0 = xs[0]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        able = True
+    else:
+        able = x0.is_cuda and x0.element_size() == 2 and torch.cuda.get_device_capability(x0.device)[0] >= 9
+    ok = cfg.get("TMA") and able and all(
+        x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
+        and x.stride(0) * x.element_size() % 16 == 0 for x in xs)
+    if not ok:
+        return (None,) * len(xs)
+    return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1],
+                                  [cfg["BN"], x.shape[2]]) for x in xs)
+
+
 def sparse_attn_fwd(q, k, v, sel, sm_scale):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -545,13 +584,15 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     cfg = get_config("fwd", B, D, row_blocks=sel.row_blocks)
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
+    kd, vd = _descriptors(cfg, k, v)
     grid = _grid(cfg, Hq, NB * (B // cfg["BM"]))
     LAST_COMPILED["fwd"] = _fwd_kernel[grid](
-        q, k, v, o, lse, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
+        q, k, v, o, lse, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype), HEAD_OUTER=cfg["HEAD_OUTER"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        TMA=kd is not None, WS=kd is not None and cfg.get("WS", False), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return o, lse
 
 
@@ -578,13 +619,15 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None):
     delta = _empty((Hq, T), q, torch.float32) if store else delta
     dq = _empty(q.shape, q) if dq is None else dq
     cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
+    kd, vd = _descriptors(cfg, k, v)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
-        q, k, v, o, do, dq, lse, delta, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
+        q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype),
-        HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, TMA=kd is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return dq, delta
 
 
