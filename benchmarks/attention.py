@@ -42,6 +42,15 @@ def bench(fn, rep=40, warmup=10):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep)
 
 
+def graph_times(fwd, fwdbwd):
+    """fwd and fwd+bwd ms replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``): GPU time without
+    the host's launch overhead, which ``bench`` includes wherever the host cannot keep ahead of the GPU."""
+    import triton.testing
+
+    return (triton.testing.do_bench_cudagraph(fwd, return_mode="median"),
+            triton.testing.do_bench_cudagraph(fwdbwd, return_mode="median"))
+
+
 def make_qkv(T, Hq, Hkv, D, dtype, seed=0, grad=True):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(T, Hq, D, device="cuda", dtype=dtype, generator=g)
@@ -296,6 +305,8 @@ def run_bench(args):
     dtype = torch.bfloat16
     fields = ["case", "T", "ndocs", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms", "fwd_tflops",
               "fwdbwd_tflops", "speedup_vs_flex_fwdbwd", "error"]
+    if args.graph_max_tokens:
+        fields[-1:-1] = ["fwd_graph_ms", "fwdbwd_graph_ms", "speedup_vs_flex_fwdbwd_graph"]
     out = open(args.csv, "w", newline="")
     w = csv.DictWriter(out, fieldnames=fields)
     w.writeheader()
@@ -307,6 +318,17 @@ def run_bench(args):
         w.writerow({k: row.get(k, "") for k in fields})
         out.flush()
         log(json.dumps(row))
+
+    def add_graph_times(row, T, fwd, fwdbwd):
+        """The CUDA-graph times of one implementation into its row (where T <= --graph-max-tokens); a graph
+        that cannot be captured is noted in the row's error field."""
+        if T > args.graph_max_tokens:
+            return
+        try:
+            g_f, g_fb = graph_times(fwd, fwdbwd)
+            row.update(fwd_graph_ms=round(g_f, 4), fwdbwd_graph_ms=round(g_fb, 4))
+        except Exception as e:  # noqa: BLE001
+            row["error"] = (row.get("error", "") + f" graph: {e!r:.200}").strip()
 
     selection_cost(emit, H, D, B, dtype)
     cases = [("packed64k", long_tail_lengths(65536))] + [("single", [L]) for L in args.lengths]
@@ -329,12 +351,15 @@ def run_bench(args):
                 def cudnn_fwd():
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+                cudnn_fb = lambda: torch.autograd.grad(cudnn_fwd(), (qb, kb, vb), dob)  # noqa: E731
                 f_ms = bench(cudnn_fwd)
-                fb_ms = bench(lambda: torch.autograd.grad(cudnn_fwd(), (qb, kb, vb), dob))
+                fb_ms = bench(cudnn_fb)
                 fl = 4 * D * H * dense_pairs
-                emit(dict(case=case, T=T, ndocs=len(lens), sparsity=0.0, kept_fraction=1.0, impl="cudnn_dense",
-                          fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4), fwd_tflops=round(fl / f_ms / 1e9, 1),
-                          fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1)))
+                row = dict(case=case, T=T, ndocs=len(lens), sparsity=0.0, kept_fraction=1.0, impl="cudnn_dense",
+                           fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4), fwd_tflops=round(fl / f_ms / 1e9, 1),
+                           fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1))
+                add_graph_times(row, T, cudnn_fwd, cudnn_fb)
+                emit(row)
             except Exception as e:  # noqa: BLE001
                 emit(dict(case=case, T=T, ndocs=len(lens), impl="cudnn_dense", error=repr(e)[:300]))
         for sp in args.sparsities:
@@ -356,15 +381,17 @@ def run_bench(args):
             ours = None
             try:
                 fwd = lambda: sparse_attention(q, k, v, cu, selection=sel, backend="triton")  # noqa: E731
+                fwdbwd = lambda: torch.autograd.grad(fwd(), (q, k, v), do)  # noqa: E731
                 f_ms = bench(fwd)
-                fb_ms = bench(lambda: torch.autograd.grad(fwd(), (q, k, v), do))
+                fb_ms = bench(fwdbwd)
                 ours = fb_ms
                 row_ours = dict(base, impl="triton_sparse", fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4),
                                 fwd_tflops=round(fl / f_ms / 1e9, 1), fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1))
+                add_graph_times(row_ours, T, fwd, fwdbwd)
             except Exception as e:  # noqa: BLE001
                 row_ours = dict(base, impl="triton_sparse", error=repr(e)[:300])
                 traceback.print_exc()
-            flex_fb = None
+            flex_fb, row_flex = None, {}
             if case == "single" and sp == 0.0 and T > args.flex_dense_max:
                 emit(dict(base, impl="flex", error=f"skipped: dense flex at T={T} > --flex-dense-max"))
             else:
@@ -374,18 +401,24 @@ def run_bench(args):
                           else flex_block_mask_packed(sel, cu, H, T, B))
                     t_mask = time.time() - t0
                     ffwd = lambda: flex(qb, kb, vb, block_mask=bm)  # noqa: E731
+                    ffwdbwd = lambda: torch.autograd.grad(ffwd(), (qb, kb, vb), dob)  # noqa: E731
                     f_ms = bench(ffwd)
-                    fb_ms = bench(lambda: torch.autograd.grad(ffwd(), (qb, kb, vb), dob))
+                    fb_ms = bench(ffwdbwd)
                     flex_fb = fb_ms
                     diff = (ffwd()[0].transpose(0, 1).float() - fwd().float()).abs().max().item()
-                    emit(dict(base, impl="flex", fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4),
-                              fwd_tflops=round(fl / f_ms / 1e9, 1), fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1),
-                              error=f"block_mask_build_s={t_mask:.2f} maxdiff_vs_triton={diff:.2e}"))
+                    row_flex = dict(base, impl="flex", fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4),
+                                    fwd_tflops=round(fl / f_ms / 1e9, 1), fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1),
+                                    error=f"block_mask_build_s={t_mask:.2f} maxdiff_vs_triton={diff:.2e}")
+                    add_graph_times(row_flex, T, ffwd, ffwdbwd)
+                    emit(row_flex)
                 except Exception as e:  # noqa: BLE001
                     emit(dict(base, impl="flex", error=repr(e)[:300]))
                     traceback.print_exc()
             if ours is not None and flex_fb is not None:
                 row_ours["speedup_vs_flex_fwdbwd"] = round(flex_fb / ours, 3)
+                if "fwdbwd_graph_ms" in row_ours and "fwdbwd_graph_ms" in row_flex:
+                    row_ours["speedup_vs_flex_fwdbwd_graph"] = round(row_flex["fwdbwd_graph_ms"]
+                                                                     / row_ours["fwdbwd_graph_ms"], 3)
             emit(row_ours)
             del sel
         del q, k, v, qb, kb, vb
@@ -530,6 +563,17 @@ def comma_list(cast, valid, what: str):
     return parse
 
 
+def token_count(text: str) -> int:
+    """An argparse type: one token count >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a token count (an integer >= 0)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a token count (an integer >= 0)")
+    return value
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -550,6 +594,9 @@ def main():
                     default="0,0.5,0.75,0.9,0.95")
     ap.add_argument("--flex-dense-max", type=int, default=1 << 30)
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the remaining grid after this")
+    ap.add_argument("--graph-max-tokens", type=token_count, default=0,
+                    help="also time fwd and fwd+bwd replayed from CUDA graphs (GPU time without the host's launch "
+                         "overhead) at grid points of at most this many tokens (0: none)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("no CUDA GPU here: this benchmark times the kernels, FlexAttention and cuDNN on one (the CPU "
