@@ -407,7 +407,8 @@ def run_bench(args):
                     flex_fb = fb_ms
                     diff = (ffwd()[0].transpose(0, 1).float() - fwd().float()).abs().max().item()
                     row_flex = dict(base, impl="flex", fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4),
-                                    fwd_tflops=round(fl / f_ms / 1e9, 1), fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1),
+                                    fwd_tflops=round(fl / f_ms / 1e9, 1),
+                                    fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1),
                                     error=f"block_mask_build_s={t_mask:.2f} maxdiff_vs_triton={diff:.2e}")
                     add_graph_times(row_flex, T, ffwd, ffwdbwd)
                     emit(row_flex)

@@ -14,6 +14,7 @@ the tile loads).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -35,7 +36,7 @@ LOG2E = 1.4426950408889634
 # TMA K/V loads (lab 12, each kernel alone against the pointer-tile kernels in the same run): the long-row
 # forward warp-specialised with 2 stages 1.01-1.07x on single sequences, dQ with 2 stages 1.02-1.06x; the
 # short-row forward 1.02x and dQ 1.05x on short rows. TMA without warp specialisation left the long-row
-# forward unchanged (0.98-1.02x); dQ gained nothing from it. In dK/dV TMA lost (trials README).
+# forward unchanged (0.98-1.02x); warp specialisation gave dQ nothing. In dK/dV TMA lost (trials README).
 DEFAULT_CONFIG = {
     "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, WS=True),
     "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True, TMA=True, WS=False),
@@ -558,6 +559,12 @@ def _prec(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or later (cached: the launchers ask on every call)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _descriptors(cfg: dict, *xs):
     """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[cfg["BN"], D]`` boxes when
     the config asks for TMA and it can run: Hopper or later with 16-bit inputs (or the interpreter), unit D
@@ -566,7 +573,7 @@ def _descriptors(cfg: dict, *xs):
     if os.environ.get("TRITON_INTERPRET") == "1":
         able = True
     else:
-        able = x0.is_cuda and x0.element_size() == 2 and torch.cuda.get_device_capability(x0.device)[0] >= 9
+        able = x0.is_cuda and x0.element_size() == 2 and _has_tma(x0.device)
     ok = cfg.get("TMA") and able and all(
         x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
         and x.stride(0) * x.element_size() % 16 == 0 for x in xs)
@@ -621,7 +628,8 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None):
     cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
     kd, vd = _descriptors(cfg, k, v)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
-        q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
+        q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt,
+        sel.q_order,
         sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
