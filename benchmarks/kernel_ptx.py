@@ -85,7 +85,7 @@ def jobs():
                 extra = {k: v for k, v in flags.items() if k in params}
                 extra.update({} if tma else {k: None for k in ("KD", "VD") if k in params})
                 yield (kind + suffix + ("_ptr" if ptr else ""), fn, {**consts, **extra}, cfg["num_warps"],
-                       cfg["num_stages"], [cfg["BN"], 128] if tma else None)
+                       tk._stages(cfg, tma), [cfg["BN"], 128] if tma else None)
 
 
 def instructions(ptx: str) -> str:

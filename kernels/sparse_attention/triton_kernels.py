@@ -37,11 +37,14 @@ LOG2E = 1.4426950408889634
 # forward warp-specialised with 2 stages 1.01-1.07x on single sequences, dQ with 2 stages 1.02-1.06x; the
 # short-row forward 1.02x and dQ 1.05x on short rows. TMA without warp specialisation left the long-row
 # forward unchanged (0.98-1.02x); warp specialisation gave dQ nothing. In dK/dV TMA lost (trials README).
+# FALLBACK_STAGES: the stages where TMA is asked for but cannot run (pointer tiles): those tuned for pointer
+# tiles before TMA (2-stage pointer-tile dQ spills).
 DEFAULT_CONFIG = {
-    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, WS=True),
-    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True, TMA=True, WS=False),
-    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True),
-    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True),
+    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, WS=True, FALLBACK_STAGES=3),
+    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True, TMA=True, WS=False,
+                      FALLBACK_STAGES=3),
+    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, FALLBACK_STAGES=3),
+    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True, FALLBACK_STAGES=3),
     "dkdv": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True),
     "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True),
 }
@@ -565,6 +568,11 @@ def _has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _stages(cfg: dict, tma: bool) -> int:
+    """Pipeline stages of a launch: the config's, or its FALLBACK_STAGES where it asks for TMA that cannot run."""
+    return cfg["num_stages"] if tma or not cfg.get("TMA") else cfg.get("FALLBACK_STAGES", cfg["num_stages"])
+
+
 def _descriptors(cfg: dict, *xs):
     """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[cfg["BN"], D]`` boxes when
     the config asks for TMA and it can run: Hopper or later with 16-bit inputs (or the interpreter), unit D
@@ -599,7 +607,7 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype), HEAD_OUTER=cfg["HEAD_OUTER"],
         TMA=kd is not None, WS=kd is not None and cfg.get("WS", False), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=_stages(cfg, kd is not None))
     return o, lse
 
 
@@ -635,7 +643,7 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None):
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype),
         HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, TMA=kd is not None, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=_stages(cfg, kd is not None))
     return dq, delta
 
 

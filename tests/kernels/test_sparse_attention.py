@@ -120,6 +120,16 @@ def test_tma_and_pointer_tiles_agree():
             torch.testing.assert_close(a, b, atol=ATOL[torch.float16], rtol=0)
 
 
+@pytest.mark.parametrize("cfg,tma,stages", [
+    (dict(num_stages=2, TMA=True, FALLBACK_STAGES=3), True, 2),
+    (dict(num_stages=2, TMA=True, FALLBACK_STAGES=3), False, 3),
+    (dict(num_stages=2, TMA=False, FALLBACK_STAGES=3), False, 2),
+    (dict(num_stages=2), False, 2),
+], ids=["tma-runs", "tma-cannot-run", "tma-off-by-config", "no-tma-key"])
+def test_pointer_fallback_takes_its_own_stages(cfg, tma, stages):
+    assert tk._stages(cfg, tma) == stages
+
+
 def test_p1_equals_dense_sdpa():
     lens = [1, 47, 16, 90]
     q, k, v = qkv(lens, 4, 2, 32)
