@@ -8,8 +8,8 @@ Only the diagonal block needs a mask (causal, and the document end): every other
 block strictly in the past of the same document. The diagonal is the last entry of a forward list and the
 first of a reverse list. LSE is stored in the log2 domain (``m + log2(l)`` of ``qk * scale * log2(e)``).
 With ``TMA`` the forward and dQ main loops load their K/V tiles through host-built tensor descriptors over the
-``[T, Hkv*D]`` view instead of pointer tiles (Hopper and later with 16-bit inputs, or the interpreter;
-:func:`_descriptors`), and with ``WS`` the forward's main loop is warp-specialised (a producer warp issues
+``[T, Hkv*D]`` view instead of pointer tiles (Hopper and later with 16-bit inputs and D 64 / 128, or the
+interpreter; :func:`_descriptors`), and with ``WS`` the forward's main loop is warp-specialised (a producer warp issues
 the tile loads).
 """
 from __future__ import annotations
@@ -575,13 +575,14 @@ def _stages(cfg: dict, tma: bool) -> int:
 
 def _descriptors(cfg: dict, *xs):
     """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[cfg["BN"], D]`` boxes when
-    the config asks for TMA and it can run: Hopper or later with 16-bit inputs (or the interpreter), unit D
-    stride, heads D apart, 16-byte aligned base and token stride. Otherwise Nones (pointer tiles)."""
+    the config asks for TMA and it can run: Hopper or later with 16-bit inputs and D 64 or 128 (the sizes
+    ``benchmarks/attention.py --check`` validates on the GPU), or the interpreter; unit D stride, heads D
+    apart, 16-byte aligned base and token stride. Otherwise Nones (pointer tiles)."""
     x0 = xs[0]
     if os.environ.get("TRITON_INTERPRET") == "1":
         able = True
     else:
-        able = x0.is_cuda and x0.element_size() == 2 and _has_tma(x0.device)
+        able = x0.is_cuda and x0.element_size() == 2 and x0.shape[2] in (64, 128) and _has_tma(x0.device)
     ok = cfg.get("TMA") and able and all(
         x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
         and x.stride(0) * x.element_size() % 16 == 0 for x in xs)
