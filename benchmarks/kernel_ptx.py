@@ -83,7 +83,8 @@ def jobs():
                 tma = bool(cfg.get("TMA")) and not ptr
                 flags = {"TMA": tma, "WS": tma and cfg.get("WS", False)}
                 extra = {k: v for k, v in flags.items() if k in params}
-                extra.update({} if tma else {k: None for k in ("KD", "VD") if k in params})
+                if not tma and "KD" in params:
+                    extra.update(KD=None, VD=None)
                 yield (kind + suffix + ("_ptr" if ptr else ""), fn, {**consts, **extra}, cfg["num_warps"],
                        tk._stages(cfg, tma), [cfg["BN"], 128] if tma else None)
 

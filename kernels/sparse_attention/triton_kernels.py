@@ -579,14 +579,10 @@ def _descriptors(cfg: dict, *xs):
     ``benchmarks/attention.py --check`` validates on the GPU), or the interpreter; unit D stride, heads D
     apart, 16-byte aligned base and token stride. Otherwise Nones (pointer tiles)."""
     x0 = xs[0]
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        able = True
-    else:
-        able = x0.is_cuda and x0.element_size() == 2 and x0.shape[2] in (64, 128) and _has_tma(x0.device)
-    ok = cfg.get("TMA") and able and all(
-        x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
-        and x.stride(0) * x.element_size() % 16 == 0 for x in xs)
-    if not ok:
+    able = cfg.get("TMA") and (os.environ.get("TRITON_INTERPRET") == "1" or (
+        x0.is_cuda and x0.element_size() == 2 and x0.shape[2] in (64, 128) and _has_tma(x0.device)))
+    if not able or not all(x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
+                           and x.stride(0) * x.element_size() % 16 == 0 for x in xs):
         return (None,) * len(xs)
     return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1],
                                   [cfg["BN"], x.shape[2]]) for x in xs)
