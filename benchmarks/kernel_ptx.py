@@ -30,18 +30,19 @@ from kernels.sparse_attention import triton_kernels as tk  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16",
             "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}
+DESCRIPTORS = ("KD", "VD", "QD", "DOD")  # forward / dQ: K and V tiles; dK/dV: Q and dO tiles
 INDEX_ARRAYS = ("blk_start", "blk_end", "q2k_start", "q2k_cnt", "q_order", "k2q_ptr", "k2q_start", "k2q_end",
                 "k_order")
 
 
 def signature(fn, consts: dict, box: list | None = None) -> dict:
     """Triton signature of a kernel: tensors, int32 index arrays, fp32 scales, int32 sizes and strides, and
-    the K/V tensor descriptors (``box``: their block shape) unless they are constants (None: no TMA)."""
+    the tensor descriptors (``box``: their block shape) unless they are constants (None: no TMA)."""
     sig = {}
     for name in inspect.signature(fn.fn).parameters:
         if name in consts:
             sig[name] = "constexpr"
-        elif name in ("KD", "VD"):
+        elif name in DESCRIPTORS:
             sig[name] = f"tensordesc<bf16{box}>"
         elif name in POINTERS:
             sig[name] = POINTERS[name]
@@ -70,8 +71,8 @@ def resources(cubin: bytes) -> str:
 
 
 def jobs():
-    """(name, kernel, constexprs, warps, stages, descriptor box or None) of each compiled config; the forward
-    and dQ also once with pointer tiles (``_ptr``: what runs where TMA cannot)."""
+    """(name, kernel, constexprs, warps, stages, descriptor box or None) of each compiled config, each also
+    once with pointer tiles (``_ptr``: what runs where TMA cannot)."""
     kernels = {"fwd": tk._fwd_kernel, "dq": tk._bwd_dq_kernel, "dkdv": tk._bwd_dkdv_kernel}
     for kind, fn in kernels.items():
         params = inspect.signature(fn.fn).parameters
@@ -83,10 +84,11 @@ def jobs():
                 tma = bool(cfg.get("TMA")) and not ptr
                 flags = {"TMA": tma, "WS": tma and cfg.get("WS", False)}
                 extra = {k: v for k, v in flags.items() if k in params}
-                if not tma and "KD" in params:
-                    extra.update(KD=None, VD=None)
+                if not tma:
+                    extra.update({d: None for d in DESCRIPTORS if d in params})
+                rows = cfg["BM"] if kind == "dkdv" else cfg["BN"]
                 yield (kind + suffix + ("_ptr" if ptr else ""), fn, {**consts, **extra}, cfg["num_warps"],
-                       tk._stages(cfg, tma), [cfg["BN"], 128] if tma else None)
+                       tk._stages(cfg, tma), [rows, 128] if tma else None)
 
 
 def instructions(ptx: str) -> str:

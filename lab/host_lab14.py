@@ -77,7 +77,7 @@ def main():
         # the forward's launch arguments, as sparse_attn_fwd passes them, for the direct-runner row
         lay = sel.layout
         cfg = tk.get_config("fwd", B, D, row_blocks=sel.row_blocks)
-        kdesc, vdesc = tk._descriptors(cfg, kd, vd)
+        kdesc, vdesc = tk._descriptors(cfg, cfg["BN"], kd, vd)
         grid = tk._grid(cfg, H, lay.num_blocks * (B // cfg["BM"]))
         args = (qd, kd, vd, o, lse, kdesc, vdesc, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt,
                 sel.q_order, scale * tk.LOG2E, L, lay.num_blocks, sel.q2k_idx.shape[-1],
@@ -99,7 +99,7 @@ def main():
         except Exception as e:  # the runner's argument convention differs between Triton versions
             r["fwd_runner_launch_only"] = f"failed: {e!r:.200}"
         r["empty_alloc"] = host_us(lambda: torch.empty(L, H, D, device="cuda", dtype=torch.bfloat16))
-        r["tensor_descriptor"] = host_us(lambda: tk._descriptors(cfg, kd, vd))
+        r["tensor_descriptor"] = host_us(lambda: tk._descriptors(cfg, cfg["BN"], kd, vd))
         with torch.no_grad():
             r["public_fwd_nograd"] = host_us(fwd)
         r["public_fwd_grad"] = host_us(fwd)

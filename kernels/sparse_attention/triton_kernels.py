@@ -7,15 +7,16 @@ Grids (axis 0 = head so that all heads of the longest rows start first):
 Only the diagonal block needs a mask (causal, and the document end): every other selected block is a full
 block strictly in the past of the same document. The diagonal is the last entry of a forward list and the
 first of a reverse list. LSE is stored in the log2 domain (``m + log2(l)`` of ``qk * scale * log2(e)``).
-With ``TMA`` the forward and dQ main loops load their K/V tiles through host-built tensor descriptors over the
-``[T, Hkv*D]`` view instead of pointer tiles (Hopper and later with 16-bit inputs and D 64 / 128, or the
-interpreter; :func:`_descriptors`), and with ``WS`` the forward's main loop is warp-specialised (a producer warp issues
-the tile loads).
+With ``TMA`` the forward and dQ main loops load their K/V tiles, and the dK/dV main loop its Q/dO tiles, through
+host-built tensor descriptors over the ``[T, H*D]`` views instead of pointer tiles (Hopper and later with 16-bit
+inputs and D 64 / 128, or the interpreter; :func:`_descriptors`), and with ``WS`` the forward's main loop is
+warp-specialised (a producer warp issues the tile loads).
 """
 from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -36,7 +37,9 @@ LOG2E = 1.4426950408889634
 # TMA K/V loads (lab 12, each kernel alone against the pointer-tile kernels in the same run): the long-row
 # forward warp-specialised with 2 stages 1.01-1.07x on single sequences, dQ with 2 stages 1.02-1.06x; the
 # short-row forward 1.02x and dQ 1.05x on short rows. TMA without warp specialisation left the long-row
-# forward unchanged (0.98-1.02x); warp specialisation gave dQ nothing. In dK/dV TMA lost (trials README).
+# forward unchanged (0.98-1.02x); warp specialisation gave dQ nothing. TMA Q/dO tiles in the query-major
+# dK/dV, 2 stages (lab 13): 1.08-1.16x (3 stages or warp specialisation less; TMA had lost in the key-major
+# kernel of lab 5).
 # FALLBACK_STAGES: the stages where TMA is asked for but cannot run (pointer tiles): those tuned for pointer
 # tiles before TMA (2-stage pointer-tile dQ spills).
 DEFAULT_CONFIG = {
@@ -45,8 +48,8 @@ DEFAULT_CONFIG = {
                       FALLBACK_STAGES=3),
     "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, FALLBACK_STAGES=3),
     "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True, FALLBACK_STAGES=3),
-    "dkdv": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True),
-    "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True),
+    "dkdv": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True),
+    "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True),
 }
 SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this is "short"
 CONFIG_OVERRIDES: dict = {}  # {(block_size, head_dim): {"fwd": {...}, "dq_short": {...}, ...}} (tuning, tests)
@@ -253,19 +256,24 @@ def _delta_kernel(O, DO, DELTA, T, sot, soh, sdot, sdoh, BT: tl.constexpr, D: tl
 
 
 @triton.jit
-def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, qlen, kv0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale,
-               MASK_DIAG: tl.constexpr, PREC: tl.constexpr):
-    """dK/dV contribution of the query rows [q0, q0 + BM) (valid below ``qlen`` of them) to KV rows kv0 + offs_n.
-    S and dP are computed query-major (Q K^T, dO V^T), as FlashAttention-3's backward does: K and V are the
-    shared-memory operand of both matmuls, and P^T, dS^T reach the dV, dK matmuls through shared memory.
-    Key-major (K Q^T, V dO^T) at the same 64 x 64 tiles spilled 30 registers on the H200 (Triton 3.6) and
-    slowed down when pipelined; query-major compiles without spills and gains from 2 stages."""
+def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, col, LSEh, DELh, q0, qlen, kv0, offs_n, offs_m, offs_d, sqt, sdot,
+               qk_scale, MASK_DIAG: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr):
+    """dK/dV contribution of the query rows [q0, q0 + BM) (valid below ``qlen`` of them) to KV rows kv0 + offs_n;
+    with TMA, Q and dO come from the descriptors QD / DOD at [q0, col] (full tiles only: a box cannot stop at
+    a document's end). S and dP are computed query-major (Q K^T, dO V^T), as FlashAttention-3's backward does:
+    K and V are the shared-memory operand of both matmuls, and P^T, dS^T reach the dV, dK matmuls through
+    shared memory. Key-major (K Q^T, V dO^T) at the same 64 x 64 tiles spilled 30 registers on the H200
+    (Triton 3.6) and slowed down when pipelined; query-major compiles without spills and gains from 2 stages."""
     qmask = offs_m < qlen
-    # rows past the bound re-read the last valid row rather than load under a mask (faster, and never another
-    # document's data); their lse of +inf zeroes their probabilities, hence their contributions
-    rows = tl.minimum(q0 + offs_m, q0 + qlen - 1).to(tl.int64)
-    q = tl.load(Qh + rows[:, None] * sqt + offs_d[None, :])
-    do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
+    if TMA:
+        q = QD.load([q0, col])
+        do = DOD.load([q0, col])
+    else:
+        # rows past the bound re-read the last valid row rather than load under a mask (faster, and never
+        # another document's data); their lse of +inf zeroes their probabilities, hence their contributions
+        rows = tl.minimum(q0 + offs_m, q0 + qlen - 1).to(tl.int64)
+        q = tl.load(Qh + rows[:, None] * sqt + offs_d[None, :])
+        do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
     lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
     delta = tl.load(DELh + q0 + offs_m, mask=qmask, other=0.0)
     s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
@@ -280,11 +288,11 @@ def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, qlen, kv0, offs_n, offs_
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end, k_order,
-                     qk_scale, sm_scale, T, NB,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, QD, DOD, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end,
+                     k_order, qk_scale, sm_scale, T, NB,
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh,
                      G: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                     D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr):
+                     D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, TMA: tl.constexpr):
     hk, c, ks, ke, n0 = _program_tile(k_order, blk_start, blk_end, BLOCK, BN, HEAD_OUTER)
     NSM: tl.constexpr = BLOCK // BM
     if n0 < ke:
@@ -302,7 +310,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
         row = hk * NB + c
         e0 = tl.load(k2q_ptr + row) + 1
         e_end = tl.load(k2q_ptr + row + 1)
-        n_it = (e_end - e0) * NSM
+        # TMA tiles cannot stop at a document's end, so with TMA the last entry (the only one that can be a
+        # document's partial last block: the list ascends within one document) runs after the loop, by pointers
+        LAST_APART: tl.constexpr = TMA
+        n_it = (e_end - e0 - LAST_APART) * NSM
         for g in range(0, G):
             hq = hk * G + g
             Qh = Q + hq * sqh
@@ -313,15 +324,26 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, blk_start, blk_end, k2q_pt
             for j in tl.static_range(NSM):
                 mq = ks + j * BM
                 if (mq + BM > n0) & (mq < ke):
-                    dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, mq, ke - mq, n0, offs_n, offs_m,
-                                        offs_d, sqt, sdot, qk_scale, MASK_DIAG=True, PREC=PREC)
-            # one flat loop over the BM-row sub-tiles of the later query blocks (only a document's last
-            # block can be partial, hence the row bound), software-pipelined by num_stages
+                    dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, mq, ke - mq, n0,
+                                        offs_n, offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=True, TMA=False,
+                                        PREC=PREC)
+            # one flat loop over the BM-row sub-tiles of the later query blocks, software-pipelined by
+            # num_stages; only a document's last block can be partial, hence the row bound
             for it in range(0, n_it):
                 e = e0 + it // NSM
                 q0 = tl.load(k2q_start + e) + (it % NSM) * BM
-                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, LSEh, DELh, q0, tl.load(k2q_end + e) - q0, n0, offs_n,
-                                    offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=False, PREC=PREC)
+                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, q0,
+                                    tl.load(k2q_end + e) - q0, n0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale,
+                                    MASK_DIAG=False, TMA=TMA, PREC=PREC)
+            if LAST_APART:
+                if e_end > e0:
+                    for j in tl.static_range(NSM):
+                        q0 = tl.load(k2q_start + e_end - 1) + j * BM
+                        qlen = tl.load(k2q_end + e_end - 1) - q0
+                        if qlen > 0:
+                            dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, q0, qlen,
+                                                n0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=False,
+                                                TMA=False, PREC=PREC)
         dk = dk * sm_scale
         tl.store(DK + nb * sdkt + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=nmask[:, None])
@@ -573,19 +595,36 @@ def _stages(cfg: dict, tma: bool) -> int:
     return cfg["num_stages"] if tma or not cfg.get("TMA") else cfg.get("FALLBACK_STAGES", cfg["num_stages"])
 
 
-def _descriptors(cfg: dict, *xs):
-    """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[cfg["BN"], D]`` boxes when
-    the config asks for TMA and it can run: Hopper or later with 16-bit inputs and D 64 or 128 (the sizes
+def _descriptors(cfg: dict, rows: int, *xs):
+    """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[rows, D]`` boxes when the
+    config asks for TMA and it can run: Hopper or later with 16-bit inputs and D 64 or 128 (the sizes
     ``benchmarks/attention.py --check`` validates on the GPU), or the interpreter; unit D stride, heads D
     apart, 16-byte aligned base and token stride. Otherwise Nones (pointer tiles)."""
     x0 = xs[0]
-    able = cfg.get("TMA") and (os.environ.get("TRITON_INTERPRET") == "1" or (
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    able = cfg.get("TMA") and (interpret or (
         x0.is_cuda and x0.element_size() == 2 and x0.shape[2] in (64, 128) and _has_tma(x0.device)))
     if not able or not all(x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
                            and x.stride(0) * x.element_size() % 16 == 0 for x in xs):
         return (None,) * len(xs)
-    return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1],
-                                  [cfg["BN"], x.shape[2]]) for x in xs)
+    if not interpret:
+        _bind_context(x0.device)
+    return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [rows, x.shape[2]])
+                 for x in xs)
+
+
+_THREAD = threading.local()
+
+
+def _bind_context(device: torch.device):
+    """Make the device's primary CUDA context current on this thread. Triton encodes a launch's TMA
+    descriptors before its launcher binds a context, which fails ("invalid device context") on a thread whose
+    first CUDA work that launch is, e.g. autograd's device thread when this kernel's backward runs first in it
+    (measured on the H200, Triton 3.6). Any CUDA runtime call binds it; a stream query is cheap and never
+    waits."""
+    if getattr(_THREAD, "bound", None) != device:
+        torch.cuda.current_stream(device).query()
+        _THREAD.bound = device
 
 
 def sparse_attn_fwd(q, k, v, sel, sm_scale):
@@ -596,7 +635,7 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     cfg = get_config("fwd", B, D, row_blocks=sel.row_blocks)
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
-    kd, vd = _descriptors(cfg, k, v)
+    kd, vd = _descriptors(cfg, cfg["BN"], k, v)
     grid = _grid(cfg, Hq, NB * (B // cfg["BM"]))
     LAST_COMPILED["fwd"] = _fwd_kernel[grid](
         q, k, v, o, lse, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
@@ -631,7 +670,7 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None):
     delta = _empty((Hq, T), q, torch.float32) if store else delta
     dq = _empty(q.shape, q) if dq is None else dq
     cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
-    kd, vd = _descriptors(cfg, k, v)
+    kd, vd = _descriptors(cfg, cfg["BN"], k, v)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
         q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt,
         sel.q_order,
@@ -654,14 +693,15 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
     dv = _empty(v.shape, v)
     # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
     cfg = get_config("dkdv", B, D, row_blocks=sel.row_blocks)
+    qd, dod = _descriptors(cfg, cfg["BM"], q, do)
     LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[_grid(cfg, Hkv, NB * (B // cfg["BN"]))](
-        q, k, v, do, dk, dv, lse, delta, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start, sel.k2q_end,
-        sel.k_order,
+        q, k, v, do, dk, dv, lse, delta, qd, dod, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start,
+        sel.k2q_end, sel.k_order,
         sm_scale * LOG2E, sm_scale, T, NB,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=_prec(q.dtype), HEAD_OUTER=cfg["HEAD_OUTER"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=_stages(cfg, qd is not None))
     return dk, dv
 
 

@@ -76,9 +76,9 @@ CASES = [
     ("head-outer-short-rows", [77, 32, 9], 4, 2, 16, 32, dict(kept_fraction=0.5), torch.float32,
      {k: dict(BM=16, BN=16, HEAD_OUTER=True) for k in ("fwd_short", "dq_short", "dkdv_short")}),
     ("fp16-gqa2to1-p0.9", [45, 70], 4, 2, 16, 16, dict(p=0.9), torch.float16, None),
-    # forward and dQ with pointer tiles instead of TMA descriptors (pre-Hopper GPUs, fp32)
+    # pointer tiles instead of TMA descriptors (pre-Hopper GPUs, fp32)
     ("pointer-tiles-gqa-subtiles", [77, 32, 9], 4, 2, 16, 32, dict(kept_fraction=0.5), torch.float32,
-     {k: dict(BM=16, BN=16, TMA=False) for k in ("fwd", "dq")}),
+     {k: dict(BM=16, BN=16, TMA=False) for k in ("fwd", "dq", "dkdv")}),
 ]
 
 
@@ -96,28 +96,88 @@ def test_matches_naive(lens, Hq, Hkv, D, B, budget, dtype, cfg):
 
 
 def test_tma_and_pointer_tiles_agree():
-    """The forward and dQ load K/V tiles through TMA descriptors by default (the interpreter runs them); with
-    TMA off, and where K/V have no ``[T, H*D]`` view (heads not D apart), through pointer tiles: same
-    results."""
+    """The forward and dQ load K/V tiles, dK/dV its Q/dO tiles, through TMA descriptors by default (the
+    interpreter runs them); with TMA off, and where K/V or Q have no ``[T, H*D]`` view (heads not D apart),
+    through pointer tiles: same results."""
     lens = [40, 23, 1]
     # 16-bit: what TMA takes on a GPU
     q, k, v = qkv(lens, 4, 2, 16, torch.float16)
     cu = cu_of(lens)
     sel = select_blocks(q, k, cu, kept_fraction=0.5, block_size=16)
-    kh, vh = [x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for x in (k, v)]
+    kh, vh, qh = [x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for x in (k, v, q)]
     for kind in ("fwd", "dq"):
         cfg = tk.get_config(kind, 16, 16, row_blocks=sel.row_blocks)
-        assert tk._descriptors(cfg, k, v)[0] is not None and tk._descriptors(cfg, kh, vh) == (None, None)
+        assert tk._descriptors(cfg, cfg["BN"], k, v)[0] is not None
+        assert tk._descriptors(cfg, cfg["BN"], kh, vh) == (None, None)
+    cfg = tk.get_config("dkdv", 16, 16, row_blocks=sel.row_blocks)
+    assert tk._descriptors(cfg, cfg["BM"], q, q)[0] is not None
+    assert tk._descriptors(cfg, cfg["BM"], qh, q) == (None, None)
     do = torch.randn_like(q)
-    runs = [(k, v, {}), (kh, vh, {}), (k, v, {kind: dict(TMA=False) for kind in ("fwd", "dq")})]
+    runs = [(q, k, v, {}), (q, kh, vh, {}), (qh, k, v, {}),
+            (q, k, v, {kind: dict(TMA=False) for kind in ("fwd", "dq", "dkdv")})]
     out = []
-    for kk, vv, over in runs:
+    for qq, kk, vv, over in runs:
         tk.CONFIG_OVERRIDES[(16, 16)] = over
-        o = sparse_attention(q, kk, vv, cu, selection=sel, backend="triton")
-        out.append((o, *torch.autograd.grad(o, (q, kk, vv), do)))
+        o = sparse_attention(qq, kk, vv, cu, selection=sel, backend="triton")
+        out.append((o, *torch.autograd.grad(o, (qq, kk, vv), do)))
     for other in out[1:]:
         for a, b in zip(out[0], other):
             torch.testing.assert_close(a, b, atol=ATOL[torch.float16], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32-pointer-tiles", "fp16-tma"])
+def test_documents_never_read_each_other(dtype):
+    """NaN in one document's Q, K, V and dO leaves every other document's output and gradients as they were:
+    no tile (TMA boxes included, which cannot stop at a document's end) reads across documents. The first
+    document's last block is partial, so a TMA box over it would reach into the second."""
+    lens = [40, 23, 30]
+    q, k, v = qkv(lens, 4, 2, 16, dtype)
+    cu = cu_of(lens)
+    sel = select_blocks(q, k, cu, block_size=16)
+    do = torch.randn_like(q)
+    clean = sparse_attention(q, k, v, cu, selection=sel, backend="triton")
+    g_clean = torch.autograd.grad(clean, (q, k, v), do)
+    bad = slice(40, 63)
+    qn, kn, vn = [x.detach().clone() for x in (q, k, v)]
+    don = do.clone()
+    for x in (qn, kn, vn, don):
+        x[bad] = float("nan")
+    qn, kn, vn = [x.requires_grad_() for x in (qn, kn, vn)]
+    o = sparse_attention(qn, kn, vn, cu, selection=sel, backend="triton")
+    g = torch.autograd.grad(o, (qn, kn, vn), don)
+    keep = torch.ones(sum(lens), dtype=torch.bool, device=DEV)
+    keep[bad] = False
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, *g), (clean, *g_clean)):
+        torch.testing.assert_close(a[keep], b[keep], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA contexts and TMA descriptors exist on a GPU only")
+def test_fwd_bwd_as_the_first_cuda_work_of_a_thread():
+    """Forward and backward run on a thread whose first CUDA work they are (as autograd's device thread is when
+    this kernel's backward comes first): the TMA descriptors need the thread's CUDA context bound first."""
+    import threading
+
+    lens = [300, 129, 1]
+    q, k, v = qkv(lens, 4, 2, 64, torch.float16)
+    cu = cu_of(lens)
+    sel = select_blocks(q, k, cu, kept_fraction=0.5, block_size=64)
+    do = torch.randn_like(q)
+    ref = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel), (q, k, v), do)
+    result = {}
+
+    def work():
+        try:
+            result["grads"] = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel), (q, k, v), do)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (re-raised on the test's thread)
+            result["error"] = e
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in result, result.get("error")
+    for a, b in zip(result["grads"], ref):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("cfg,tma,stages", [
