@@ -266,19 +266,16 @@ def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, col, LSEh, DELh, q0, qlen, kv0,
     (Triton 3.6) and slowed down when pipelined; query-major compiles without spills and gains from 2 stages."""
     qmask = offs_m < qlen
     if TMA:
-        # TMA tiles are full (qlen is unused): the row bound needs no masks
         q = QD.load([q0, col])
         do = DOD.load([q0, col])
-        lse = tl.load(LSEh + q0 + offs_m)
-        delta = tl.load(DELh + q0 + offs_m)
     else:
         # rows past the bound re-read the last valid row rather than load under a mask (faster, and never
         # another document's data); their lse of +inf zeroes their probabilities, hence their contributions
         rows = tl.minimum(q0 + offs_m, q0 + qlen - 1).to(tl.int64)
         q = tl.load(Qh + rows[:, None] * sqt + offs_d[None, :])
         do = tl.load(DOh + rows[:, None] * sdot + offs_d[None, :])
-        lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
-        delta = tl.load(DELh + q0 + offs_m, mask=qmask, other=0.0)
+    lse = tl.load(LSEh + q0 + offs_m, mask=qmask, other=float("inf"))
+    delta = tl.load(DELh + q0 + offs_m, mask=qmask, other=0.0)
     s = tl.dot(q, tl.trans(kk), input_precision=PREC) * qk_scale
     p = tl.math.exp2(s - lse[:, None])
     if MASK_DIAG:
@@ -335,10 +332,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, QD, DOD, blk_start, blk_en
             for it in range(0, n_it):
                 e = e0 + it // NSM
                 q0 = tl.load(k2q_start + e) + (it % NSM) * BM
-                # with TMA every tile here is full: no row bound to load
-                qlen = BM if TMA else tl.load(k2q_end + e) - q0
-                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, q0, qlen, n0, offs_n,
-                                    offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=False, TMA=TMA, PREC=PREC)
+                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, q0,
+                                    tl.load(k2q_end + e) - q0, n0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale,
+                                    MASK_DIAG=False, TMA=TMA, PREC=PREC)
             if LAST_APART:
                 if e_end > e0:
                     for j in tl.static_range(NSM):
