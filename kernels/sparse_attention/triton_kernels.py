@@ -595,14 +595,30 @@ def _stages(cfg: dict, tma: bool) -> int:
     return cfg["num_stages"] if tma or not cfg.get("TMA") else cfg.get("FALLBACK_STAGES", cfg["num_stages"])
 
 
-def _descriptors(cfg: dict, rows: int, *xs):
+# TMA costs host time on every launch: two TensorDescriptor objects here, and in Triton's launcher a CUtensorMap
+# encoded per descriptor and the argument list re-packed in Python; a third of the host path at 8K / kept 0.05
+# (lab 16). It saves 2-16% of a kernel's GPU time (labs 12, 13), which on a small launch is less than that
+# host time: a launch that keeps fewer kept (query, key) token pairs than this takes pointer tiles (lab 17).
+TMA_MIN_PAIRS = 1 << 27
+
+
+def kept_pairs(q, k, sel) -> int:
+    """Kept (query, key) token pairs over all query heads, counted in whole blocks; where only the device
+    knows the kept entries, k2q_idx's length bounds them (the sort-built lists are padded to the widest row)."""
+    B = sel.layout.block_size
+    kept = sel.kept_entries if sel.kept_entries is not None else sel.k2q_idx.numel()
+    return kept * B * B * (q.shape[1] // k.shape[1])
+
+
+def _descriptors(cfg: dict, rows: int, pairs: int, *xs):
     """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[rows, D]`` boxes when the
-    config asks for TMA and it can run: Hopper or later with 16-bit inputs and D 64 or 128 (the sizes
-    ``benchmarks/attention.py --check`` validates on the GPU), or the interpreter; unit D stride, heads D
-    apart, 16-byte aligned base and token stride. Otherwise Nones (pointer tiles)."""
+    config asks for TMA, the launch keeps at least TMA_MIN_PAIRS token ``pairs``, and TMA can run: Hopper or
+    later with 16-bit inputs and D 64 or 128 (the sizes ``benchmarks/attention.py --check`` validates on the
+    GPU), or the interpreter; unit D stride, heads D apart, 16-byte aligned base and token stride. Otherwise
+    Nones (pointer tiles)."""
     x0 = xs[0]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    able = cfg.get("TMA") and (interpret or (
+    able = cfg.get("TMA") and pairs >= TMA_MIN_PAIRS and (interpret or (
         x0.is_cuda and x0.element_size() == 2 and x0.shape[2] in (64, 128) and _has_tma(x0.device)))
     if not able or not all(x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
                            and x.stride(0) * x.element_size() % 16 == 0 for x in xs):
@@ -635,7 +651,7 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     cfg = get_config("fwd", B, D, row_blocks=sel.row_blocks)
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
-    kd, vd = _descriptors(cfg, cfg["BN"], k, v)
+    kd, vd = _descriptors(cfg, cfg["BN"], kept_pairs(q, k, sel), k, v)
     grid = _grid(cfg, Hq, NB * (B // cfg["BM"]))
     LAST_COMPILED["fwd"] = _fwd_kernel[grid](
         q, k, v, o, lse, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
@@ -670,7 +686,7 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None):
     delta = _empty((Hq, T), q, torch.float32) if store else delta
     dq = _empty(q.shape, q) if dq is None else dq
     cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
-    kd, vd = _descriptors(cfg, cfg["BN"], k, v)
+    kd, vd = _descriptors(cfg, cfg["BN"], kept_pairs(q, k, sel), k, v)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
         q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt,
         sel.q_order,
@@ -693,7 +709,7 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
     dv = _empty(v.shape, v)
     # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
     cfg = get_config("dkdv", B, D, row_blocks=sel.row_blocks)
-    qd, dod = _descriptors(cfg, cfg["BM"], q, do)
+    qd, dod = _descriptors(cfg, cfg["BM"], kept_pairs(q, k, sel), q, do)
     LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[_grid(cfg, Hkv, NB * (B // cfg["BN"]))](
         q, k, v, do, dk, dv, lse, delta, qd, dod, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start,
         sel.k2q_end, sel.k_order,
@@ -728,11 +744,8 @@ def _overlap_backward(q, k, sel) -> bool:
         return False
     B = sel.layout.block_size
     programs = k.shape[1] * sel.layout.num_blocks * (B // get_config("dkdv", B, q.shape[-1], sel.row_blocks)["BN"])
-    # where only the device knows the kept entries, k2q_idx's length bounds them (the sort-built lists are
-    # padded to the widest row), which errs towards the overlap
-    kept = sel.kept_entries if sel.kept_entries is not None else sel.k2q_idx.numel()
-    pairs = kept * B * B * (q.shape[1] // k.shape[1])
-    return overlap_pays(programs, _side(q.device)[3], pairs)
+    # kept_pairs' bound (where only the device knows the kept entries) errs towards the overlap
+    return overlap_pays(programs, _side(q.device)[3], kept_pairs(q, k, sel))
 
 
 def _side(device):

@@ -26,9 +26,11 @@ ATOL = {torch.float32: 2e-5, torch.float16: 5e-3}
 
 
 @pytest.fixture(autouse=True)
-def _poison_outputs():
-    """Kernel outputs start as NaN: a row or head the kernel forgets to write fails the comparison."""
+def _poison_outputs(monkeypatch):
+    """Kernel outputs start as NaN: a row or head the kernel forgets to write fails the comparison. The
+    shapes here are far below TMA_MIN_PAIRS: without lowering it no test would launch TMA tiles."""
     tk.POISON_OUTPUTS = True
+    monkeypatch.setattr(tk, "TMA_MIN_PAIRS", 0)
     yield
     tk.POISON_OUTPUTS = False
     tk.CONFIG_OVERRIDES.clear()
@@ -106,13 +108,14 @@ def test_tma_and_pointer_tiles_agree():
     cu = cu_of(lens)
     sel = select_blocks(q, k, cu, kept_fraction=0.5, block_size=B)
     kh, vh, qh = [x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for x in (k, v, q)]
+    pairs = tk.kept_pairs(q, k, sel)
     for kind in ("fwd", "dq"):
         cfg = tk.get_config(kind, B, D, row_blocks=sel.row_blocks)
-        assert tk._descriptors(cfg, cfg["BN"], k, v)[0] is not None
-        assert tk._descriptors(cfg, cfg["BN"], kh, vh) == (None, None)
+        assert tk._descriptors(cfg, cfg["BN"], pairs, k, v)[0] is not None
+        assert tk._descriptors(cfg, cfg["BN"], pairs, kh, vh) == (None, None)
     cfg = tk.get_config("dkdv", B, D, row_blocks=sel.row_blocks)
-    assert tk._descriptors(cfg, cfg["BM"], q, q)[0] is not None
-    assert tk._descriptors(cfg, cfg["BM"], qh, q) == (None, None)
+    assert tk._descriptors(cfg, cfg["BM"], pairs, q, q)[0] is not None
+    assert tk._descriptors(cfg, cfg["BM"], pairs, qh, q) == (None, None)
     do = torch.randn_like(q)
     runs = [(q, k, v, {}), (q, kh, vh, {}), (qh, k, v, {}),
             (q, k, v, {kind: dict(TMA=False) for kind in ("fwd", "dq", "dkdv")})]
@@ -182,6 +185,20 @@ def test_fwd_bwd_as_the_first_cuda_work_of_a_thread():
     assert "error" not in result, result.get("error")
     for a, b in zip(result["grads"], ref):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_small_launches_take_pointer_tiles(monkeypatch):
+    """TMA only from TMA_MIN_PAIRS kept token pairs on (its descriptors cost more host time than they save
+    on a small launch); the pairs count whole kept blocks over all query heads."""
+    lens, D, B = ([300, 129, 1], 64, 64) if DEV == "cuda" else ([40, 23, 1], 16, 16)
+    q, k, v = qkv(lens, 4, 2, D, torch.float16)
+    sel = select_blocks(q, k, cu_of(lens), block_size=B)
+    blocks = sum(n * (n + 1) // 2 for n in ((x + B - 1) // B for x in lens))
+    assert tk.kept_pairs(q, k, sel) == 2 * blocks * B * B * 2
+    cfg = tk.get_config("fwd", B, D, row_blocks=sel.row_blocks)
+    monkeypatch.setattr(tk, "TMA_MIN_PAIRS", tk.kept_pairs(q, k, sel))
+    assert tk._descriptors(cfg, cfg["BN"], tk.kept_pairs(q, k, sel), k, v)[0] is not None
+    assert tk._descriptors(cfg, cfg["BN"], tk.kept_pairs(q, k, sel) - 1, k, v) == (None, None)
 
 
 @pytest.mark.parametrize("cfg,tma,stages", [
