@@ -596,9 +596,12 @@ def _stages(cfg: dict, tma: bool) -> int:
 
 
 # TMA costs host time on every launch: two TensorDescriptor objects here, and in Triton's launcher a CUtensorMap
-# encoded per descriptor and the argument list re-packed in Python; a third of the host path at 8K / kept 0.05
-# (lab 16). It saves 2-16% of a kernel's GPU time (labs 12, 13), which on a small launch is less than that
-# host time: a launch that keeps fewer kept (query, key) token pairs than this takes pointer tiles (lab 17).
+# encoded per descriptor and the argument list re-packed in Python: a third of the host path at 8K / kept 0.05
+# (lab 16). Lab 17 (8K, H=16, D=128, fwd+bwd): pointer tiles cut the host-bound do_bench time 0.90 -> 0.68 ms
+# at 3.0e7 kept token pairs and 1.09 -> 0.85 ms at 5.6e7, for 1.0% and 3.5% more GPU time (3 and 14 us); at
+# 1.4e8 and 2.8e8 they cost 6% and 8% of GPU time (45 and 100 us), which a GPU-bound training step would pay.
+# So launches below this many kept (query, key) token pairs, where the GPU saving is a few microseconds, take
+# pointer tiles.
 TMA_MIN_PAIRS = 1 << 27
 
 
