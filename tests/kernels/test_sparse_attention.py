@@ -194,11 +194,13 @@ def test_small_launches_take_pointer_tiles(monkeypatch):
     q, k, v = qkv(lens, 4, 2, D, torch.float16)
     sel = select_blocks(q, k, cu_of(lens), block_size=B)
     blocks = sum(n * (n + 1) // 2 for n in ((x + B - 1) // B for x in lens))
-    assert tk.kept_pairs(q, k, sel) == 2 * blocks * B * B * 2
+    pairs = tk.kept_pairs(q, k, sel)
+    # dense: every causal block of each document, for each of the 2 KV heads and the 2 query heads of each
+    assert pairs == 2 * blocks * B * B * 2
     cfg = tk.get_config("fwd", B, D, row_blocks=sel.row_blocks)
-    monkeypatch.setattr(tk, "TMA_MIN_PAIRS", tk.kept_pairs(q, k, sel))
-    assert tk._descriptors(cfg, cfg["BN"], tk.kept_pairs(q, k, sel), k, v)[0] is not None
-    assert tk._descriptors(cfg, cfg["BN"], tk.kept_pairs(q, k, sel) - 1, k, v) == (None, None)
+    monkeypatch.setattr(tk, "TMA_MIN_PAIRS", pairs)
+    assert tk._descriptors(cfg, cfg["BN"], pairs, k, v)[0] is not None
+    assert tk._descriptors(cfg, cfg["BN"], pairs - 1, k, v) == (None, None)
 
 
 @pytest.mark.parametrize("cfg,tma,stages", [
