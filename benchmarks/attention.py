@@ -586,26 +586,17 @@ def comma_list(cast, valid, what: str):
     return parse
 
 
-def round_count(text: str) -> int:
-    """An argparse type: one round count >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a round count (an integer >= 1)")
-    return value
-
-
-def token_count(text: str) -> int:
-    """An argparse type: one token count >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a token count (an integer >= 0)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a token count (an integer >= 0)")
-    return value
+def int_at_least(minimum: int, what: str):
+    """An argparse type: one integer >= ``minimum`` (``what`` names it in the error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {what} (an integer >= {minimum})")
+        return value
+    return parse
 
 
 def main():
@@ -628,9 +619,9 @@ def main():
                     default="0,0.5,0.75,0.9,0.95")
     ap.add_argument("--flex-dense-max", type=int, default=1 << 30)
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the remaining grid after this")
-    ap.add_argument("--rounds", type=round_count, default=1,
+    ap.add_argument("--rounds", type=int_at_least(1, "a round count"), default=1,
                     help="time each grid point this many times, the implementations taking turns; report medians")
-    ap.add_argument("--graph-max-tokens", type=token_count, default=0,
+    ap.add_argument("--graph-max-tokens", type=int_at_least(0, "a token count"), default=0,
                     help="also time fwd and fwd+bwd replayed from CUDA graphs (GPU time without the host's launch "
                          "overhead) at grid points of at most this many tokens (0: none)")
     args = ap.parse_args()

@@ -23,7 +23,8 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     (["--sparsities", "0,1"], "argument --sparsities: '0,1': [1.0] not allowed, expected sparsities in [0, 1)"),
     (["--rounds", "0"], "argument --rounds: '0': expected a round count (an integer >= 1)"),
     (["--rounds", "two"], "argument --rounds: 'two': expected a round count (an integer >= 1)"),
-], ids=["lengths-not-int", "lengths-zero", "sparsity-one", "rounds-zero", "rounds-not-int"])
+    (["--graph-max-tokens", "-1"], "argument --graph-max-tokens: '-1': expected a token count (an integer >= 0)"),
+], ids=["lengths-not-int", "lengths-zero", "sparsity-one", "rounds-zero", "rounds-not-int", "graph-tokens-negative"])
 def test_bad_lists_are_one_line_errors(args, message):
     out = run_script(*args)
     assert out.returncode == 2 and "Traceback" not in out.stderr
