@@ -5,6 +5,7 @@
     python benchmarks/attention.py --tune --apply-tuned --check --bench --csv grid.csv --check-csv check.csv
     python benchmarks/attention.py --csv out.csv      # the benchmark grid (default)
     python benchmarks/attention.py --rounds 3 --csv out.csv   # each point 3 times, implementations in turn: medians
+    python benchmarks/attention.py --no-packed --lengths 131072 --csv part.csv   # part of the grid (split over calls)
     python benchmarks/attention.py --selection        # selection time vs fwd+bwd, 3 repeats
 
 Grid: single sequences L in {8K, 32K, 128K} x sparsity {0, .5, .75, .9, .95} and a packed 64K-token batch of
@@ -318,6 +319,12 @@ def short_vs_long(args):
         log("SHORT_VS_LONG", json.dumps(row))
 
 
+def grid_cases(lengths, packed: bool) -> list:
+    """(case, document lengths) of the grid: the packed 64K micro-batch (unless ``packed`` is false), then one
+    single sequence per length."""
+    return [("packed64k", long_tail_lengths(65536))] * packed + [("single", [L]) for L in lengths]
+
+
 def run_bench(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
@@ -355,7 +362,7 @@ def run_bench(args):
             row["error"] = (row.get("error", "") + f" graph: {e!r:.200}").strip()
 
     selection_cost(emit, H, D, B, dtype)
-    cases = [("packed64k", long_tail_lengths(65536))] + [("single", [L]) for L in args.lengths]
+    cases = grid_cases(args.lengths, args.packed)
     t_start = time.time()
     for case, lens in cases:
         if time.time() - t_start > args.deadline_s:
@@ -615,6 +622,9 @@ def main():
                          "list leaves the rest at the defaults)")
     ap.add_argument("--lengths", type=comma_list(int, lambda x: x > 0, "positive token counts"),
                     default="8192,32768,131072")
+    ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                    help="include the packed 64K micro-batch (--no-packed: single sequences only, e.g. to split the "
+                         "grid over calls)")
     ap.add_argument("--sparsities", type=comma_list(float, lambda x: 0 <= x < 1, "sparsities in [0, 1)"),
                     default="0,0.5,0.75,0.9,0.95")
     ap.add_argument("--flex-dense-max", type=int, default=1 << 30)

@@ -66,3 +66,11 @@ def test_rounds_take_turns_and_report_medians(monkeypatch):
     assert calls == ["a.f", "a.fb", "b.f", "b.fb", "c.f", "c.fb"] * 2 + ["a.f", "a.fb", "b.f", "b.fb"]
     assert out["a"] == (2.0, 20.0) and out["b"] == (6.0, 60.0)
     assert isinstance(out["c"], RuntimeError)
+
+
+def test_grid_cases_packed_first_or_left_out():
+    bm = load_benchmark()
+    cases = bm.grid_cases([8192, 131072], packed=True)
+    assert [c for c, _ in cases] == ["packed64k", "single", "single"]
+    assert sum(cases[0][1]) == 65536 and cases[1][1] == [8192] and cases[2][1] == [131072]
+    assert bm.grid_cases([131072], packed=False) == [("single", [131072])]
