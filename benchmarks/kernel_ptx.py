@@ -82,14 +82,13 @@ def jobs():
                           HEAD_OUTER=cfg["HEAD_OUTER"])
             for ptr in (False, True) if "TMA" in params else (False,):
                 tma = bool(cfg.get("TMA")) and not ptr
-                dev = tma and tk.DEVICE_DESCRIPTORS
-                flags = {"TMA": tma, "WS": tma and cfg.get("WS", False), "DEV_DESC": dev}
+                flags = {"TMA": tma, "WS": tma and cfg.get("WS", False)}
                 extra = {k: v for k, v in flags.items() if k in params}
-                if not tma or dev:
+                if not tma:
                     extra.update({d: None for d in DESCRIPTORS if d in params})
                 rows = cfg["BM"] if kind == "dkdv" else cfg["BN"]
                 yield (kind + suffix + ("_ptr" if ptr else ""), fn, {**consts, **extra}, cfg["num_warps"],
-                       tk._stages(cfg, tma), [rows, 128] if tma and not dev else None)
+                       tk._stages(cfg, tma), [rows, 128] if tma else None)
 
 
 def instructions(ptx: str) -> str:

@@ -21,7 +21,6 @@ import threading
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
@@ -117,15 +116,12 @@ def _fwd_step(q, kT, Vh, VD, kb, vcol, svt, v_off, m_i, l_i, acc, qk_scale, n0, 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, KD, VD, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
-                qk_scale, T, NB, WK, KCOLS,
+                qk_scale, T, NB, WK,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
                 G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, TMA: tl.constexpr,
-                WS: tl.constexpr, DEV_DESC: tl.constexpr):
+                WS: tl.constexpr):
     hq, r, qs, qe, m0 = _program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
-    if DEV_DESC:
-        KD = tl.make_tensor_descriptor(K, shape=[T, KCOLS], strides=[skt, 1], block_shape=[BN, D])
-        VD = tl.make_tensor_descriptor(V, shape=[T, KCOLS], strides=[svt, 1], block_shape=[BN, D])
     hk = hq // G
     NSN: tl.constexpr = BLOCK // BN
     if m0 < qe:
@@ -186,15 +182,12 @@ def _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, n0, m0, offs_n, offs_m, km
 
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
-                   qk_scale, sm_scale, T, NB, WK, KCOLS,
+                   qk_scale, sm_scale, T, NB, WK,
                    sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sdqt, sdqh,
                    G: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, STORE_DELTA: tl.constexpr,
-                   TMA: tl.constexpr, DEV_DESC: tl.constexpr):
+                   TMA: tl.constexpr):
     hq, r, qs, qe, m0 = _program_tile(q_order, blk_start, blk_end, BLOCK, BM, HEAD_OUTER)
-    if DEV_DESC:
-        KD = tl.make_tensor_descriptor(K, shape=[T, KCOLS], strides=[skt, 1], block_shape=[BN, D])
-        VD = tl.make_tensor_descriptor(V, shape=[T, KCOLS], strides=[svt, 1], block_shape=[BN, D])
     hk = hq // G
     NSN: tl.constexpr = BLOCK // BN
     if m0 < qe:
@@ -296,15 +289,11 @@ def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, col, LSEh, DELh, q0, qlen, kv0,
 
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, QD, DOD, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end,
-                     k_order, qk_scale, sm_scale, T, NB, QCOLS,
+                     k_order, qk_scale, sm_scale, T, NB,
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh,
                      G: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                     D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, TMA: tl.constexpr,
-                     DEV_DESC: tl.constexpr):
+                     D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, TMA: tl.constexpr):
     hk, c, ks, ke, n0 = _program_tile(k_order, blk_start, blk_end, BLOCK, BN, HEAD_OUTER)
-    if DEV_DESC:
-        QD = tl.make_tensor_descriptor(Q, shape=[T, QCOLS], strides=[sqt, 1], block_shape=[BM, D])
-        DOD = tl.make_tensor_descriptor(DO, shape=[T, QCOLS], strides=[sdot, 1], block_shape=[BM, D])
     NSM: tl.constexpr = BLOCK // BM
     if n0 < ke:
         offs_n = tl.arange(0, BN)
@@ -636,28 +625,11 @@ def _descriptors(cfg: dict, rows: int, pairs: int, *xs):
         x0.is_cuda and x0.element_size() == 2 and x0.shape[2] in (64, 128) and _has_tma(x0.device)))
     if not able or not all(x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
                            and x.stride(0) * x.element_size() % 16 == 0 for x in xs):
-        return False, (None,) * len(xs)
-    if DEVICE_DESCRIPTORS:
-        _ensure_allocator()
-        return True, (None,) * len(xs)
+        return (None,) * len(xs)
     if not interpret:
         _bind_context(x0.device)
-    return True, tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1],
-                                        [rows, x.shape[2]]) for x in xs)
-
-
-DEVICE_DESCRIPTORS = True
-
-
-def _scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator():
-    # Triton keeps its allocator in a ContextVar, so every thread (autograd's device thread too) starts
-    # without one; a user's own allocator is left in place
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
+    return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [rows, x.shape[2]])
+                 for x in xs)
 
 
 _THREAD = threading.local()
@@ -682,15 +654,15 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale):
     cfg = get_config("fwd", B, D, row_blocks=sel.row_blocks)
     o = _empty((T, Hq, D), q)
     lse = _empty((Hq, T), q, torch.float32)
-    tma, (kd, vd) = _descriptors(cfg, cfg["BN"], kept_pairs(q, k, sel), k, v)
+    kd, vd = _descriptors(cfg, cfg["BN"], kept_pairs(q, k, sel), k, v)
     grid = _grid(cfg, Hq, NB * (B // cfg["BM"]))
     LAST_COMPILED["fwd"] = _fwd_kernel[grid](
         q, k, v, o, lse, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
-        sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1], Hkv * D,
+        sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype), HEAD_OUTER=cfg["HEAD_OUTER"],
-        TMA=tma, WS=tma and cfg.get("WS", False), DEV_DESC=tma and kd is None, num_warps=cfg["num_warps"],
-        num_stages=_stages(cfg, tma))
+        TMA=kd is not None, WS=kd is not None and cfg.get("WS", False), num_warps=cfg["num_warps"],
+        num_stages=_stages(cfg, kd is not None))
     return o, lse
 
 
@@ -717,16 +689,16 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None):
     delta = _empty((Hq, T), q, torch.float32) if store else delta
     dq = _empty(q.shape, q) if dq is None else dq
     cfg = get_config("dq", B, D, row_blocks=sel.row_blocks)
-    tma, (kd, vd) = _descriptors(cfg, cfg["BN"], kept_pairs(q, k, sel), k, v)
+    kd, vd = _descriptors(cfg, cfg["BN"], kept_pairs(q, k, sel), k, v)
     LAST_COMPILED["dq"] = _bwd_dq_kernel[_grid(cfg, Hq, NB * (B // cfg["BM"]))](
         q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt,
         sel.q_order,
-        sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1], k.shape[1] * D,
+        sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=_prec(q.dtype),
-        HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, TMA=tma, DEV_DESC=tma and kd is None,
-        num_warps=cfg["num_warps"], num_stages=_stages(cfg, tma))
+        HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, TMA=kd is not None, num_warps=cfg["num_warps"],
+        num_stages=_stages(cfg, kd is not None))
     return dq, delta
 
 
@@ -740,15 +712,15 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale):
     dv = _empty(v.shape, v)
     # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
     cfg = get_config("dkdv", B, D, row_blocks=sel.row_blocks)
-    tma, (qd, dod) = _descriptors(cfg, cfg["BM"], kept_pairs(q, k, sel), q, do)
+    qd, dod = _descriptors(cfg, cfg["BM"], kept_pairs(q, k, sel), q, do)
     LAST_COMPILED["dkdv"] = _bwd_dkdv_kernel[_grid(cfg, Hkv, NB * (B // cfg["BN"]))](
         q, k, v, do, dk, dv, lse, delta, qd, dod, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start,
         sel.k2q_end, sel.k_order,
-        sm_scale * LOG2E, sm_scale, T, NB, Hq * D,
+        sm_scale * LOG2E, sm_scale, T, NB,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=_prec(q.dtype), HEAD_OUTER=cfg["HEAD_OUTER"],
-        TMA=tma, DEV_DESC=tma and qd is None, num_warps=cfg["num_warps"], num_stages=_stages(cfg, tma))
+        TMA=qd is not None, num_warps=cfg["num_warps"], num_stages=_stages(cfg, qd is not None))
     return dk, dv
 
 

@@ -111,11 +111,11 @@ def test_tma_and_pointer_tiles_agree():
     pairs = tk.kept_pairs(q, k, sel)
     for kind in ("fwd", "dq"):
         cfg = tk.get_config(kind, B, D, row_blocks=sel.row_blocks)
-        assert tk._descriptors(cfg, cfg["BN"], pairs, k, v)[0] is True
-        assert tk._descriptors(cfg, cfg["BN"], pairs, kh, vh)[0] is False
+        assert tk._descriptors(cfg, cfg["BN"], pairs, k, v)[0] is not None
+        assert tk._descriptors(cfg, cfg["BN"], pairs, kh, vh) == (None, None)
     cfg = tk.get_config("dkdv", B, D, row_blocks=sel.row_blocks)
-    assert tk._descriptors(cfg, cfg["BM"], pairs, q, q)[0]
-    assert tk._descriptors(cfg, cfg["BM"], pairs, qh, q)[0] is False
+    assert tk._descriptors(cfg, cfg["BM"], pairs, q, q)[0] is not None
+    assert tk._descriptors(cfg, cfg["BM"], pairs, qh, q) == (None, None)
     do = torch.randn_like(q)
     runs = [(q, k, v, {}), (q, kh, vh, {}), (qh, k, v, {}),
             (q, k, v, {kind: dict(TMA=False) for kind in ("fwd", "dq", "dkdv")})]
@@ -199,8 +199,8 @@ def test_small_launches_take_pointer_tiles(monkeypatch):
     assert pairs == 2 * blocks * B * B * 2
     cfg = tk.get_config("fwd", B, D, row_blocks=sel.row_blocks)
     monkeypatch.setattr(tk, "TMA_MIN_PAIRS", pairs)
-    assert tk._descriptors(cfg, cfg["BN"], pairs, k, v)[0] is True
-    assert tk._descriptors(cfg, cfg["BN"], pairs - 1, k, v)[0] is False
+    assert tk._descriptors(cfg, cfg["BN"], pairs, k, v)[0] is not None
+    assert tk._descriptors(cfg, cfg["BN"], pairs - 1, k, v) == (None, None)
 
 
 @pytest.mark.parametrize("cfg,tma,stages", [
