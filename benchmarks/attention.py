@@ -322,7 +322,7 @@ def short_vs_long(args):
 def grid_cases(lengths, packed: bool) -> list:
     """(case, document lengths) of the grid: the packed 64K micro-batch (unless ``packed`` is false), then one
     single sequence per length."""
-    return [("packed64k", long_tail_lengths(65536))] * packed + [("single", [L]) for L in lengths]
+    return ([("packed64k", long_tail_lengths(65536))] if packed else []) + [("single", [L]) for L in lengths]
 
 
 def run_bench(args):
