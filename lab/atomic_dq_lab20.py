@@ -1,7 +1,7 @@
 """Lab 20 (scratch): what the issue's no-atomics rule costs. The package backward (dQ kernel + dK/dV kernel,
 P recomputed in both: 7 matmuls) against dK/dV that also adds each key tile's dQ to an fp32 buffer with
-atomics (`lab/tk_atomic.py`: 5 matmuls, not deterministic), at 4 warps / 2 stages (the package's dK/dV
-config), 8 warps / 2 stages and 8 warps / 1 stage (fewer spills); backward alone, `do_bench`, three
+atomics (`lab/tk_atomic.py`: 5 matmuls, not deterministic): per element (8 warps / 2 stages; round a also
+timed 4 warps / 2 stages and 8 warps / 1 stage, slower) or as one TMA bulk reduction per tile (4 and 8 warps); backward alone, `do_bench`, three
 interleaved rounds, median, and CUDA-graph GPU time; plus the forward and cuDNN's dense fwd+bwd for the
 dense rate (H200, H=16, D=128, bf16, block 128). Checks dK/dV bitwise against the package, dQ's difference,
 and whether two atomic runs give the same dQ.
@@ -15,16 +15,17 @@ import sys
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tk_atomic as ta
 from attention import cu_from_lens, long_tail_lengths, make_qkv
 from kernels.sparse_attention import select_blocks
 from kernels.sparse_attention import triton_kernels as tk
 
-VARIANTS = {"atomic_w4s2": (4, 2), "atomic_w8s2": (8, 2), "atomic_w8s1": (8, 1)}
+VARIANTS = {"atomic_w8s2": (8, 2, False), "tma_reduce_w4s2": (4, 2, True), "tma_reduce_w8s2": (8, 2, True)}
 
 
-def bwd_atomic(do, q, k, v, o, lse, sel, sm_scale, warps, stages):
+def bwd_atomic(do, q, k, v, o, lse, sel, sm_scale, warps, stages, dqtma):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     lay = sel.layout
@@ -34,13 +35,14 @@ def bwd_atomic(do, q, k, v, o, lse, sel, sm_scale, warps, stages):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     cfg = tk.get_config("dkdv", B, D, row_blocks=sel.row_blocks)
     qd, dod = tk._descriptors(cfg, cfg["BM"], tk.kept_pairs(q, k, sel), q, do)
+    dqd = TensorDescriptor(dqa, [T, Hq * D], [Hq * D, 1], [cfg["BM"], D]) if dqtma else None
     ta._bwd_dkdv_kernel[tk._grid(cfg, Hkv, NB * (B // cfg["BN"]))](
-        q, k, v, do, dk, dv, dqa, lse, delta, qd, dod, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start,
+        q, k, v, do, dk, dv, dqa, lse, delta, qd, dod, dqd, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start,
         sel.k2q_end, sel.k_order, sm_scale * tk.LOG2E, sm_scale, T, NB,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dqa.stride(0), dqa.stride(1),
         G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=tk._prec(q.dtype), HEAD_OUTER=cfg["HEAD_OUTER"],
-        TMA=qd is not None, num_warps=warps, num_stages=stages)
+        TMA=qd is not None, DQTMA=dqtma, num_warps=warps, num_stages=stages)
     return dqa.to(q.dtype), dk, dv
 
 
@@ -59,8 +61,8 @@ def main():
         sel = select_blocks(q, k, cu_from_lens(lens).cpu(), kept_fraction=kf, block_size=B)
         o, lse = tk.sparse_attn_fwd(q, k, v, sel, scale)
         fns = {"package": lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, scale)}
-        for vn, (wp, st) in VARIANTS.items():
-            fns[vn] = (lambda wp=wp, st=st: bwd_atomic(do, q, k, v, o, lse, sel, scale, wp, st))
+        for vn, (wp, st, dt) in VARIANTS.items():
+            fns[vn] = (lambda wp=wp, st=st, dt=dt: bwd_atomic(do, q, k, v, o, lse, sel, scale, wp, st, dt))
         ref = fns["package"]()
         checks = {}
         for vn in VARIANTS:

@@ -8,8 +8,8 @@ from kernels.sparse_attention.triton_kernels import _program_tile
 
 
 @triton.jit
-def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, col, LSEh, DELh, DQh, sdqt, sm_scale, q0, qlen, kv0, offs_n, offs_m, offs_d, sqt, sdot,
-               qk_scale, MASK_DIAG: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr):
+def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, col, LSEh, DELh, DQh, DQD, sdqt, sm_scale, q0, qlen, kv0, offs_n, offs_m, offs_d, sqt, sdot,
+               qk_scale, MASK_DIAG: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr, DQTMA: tl.constexpr):
     """dK/dV contribution of the query rows [q0, q0 + BM) (valid below ``qlen`` of them) to KV rows kv0 + offs_n;
     with TMA, Q and dO come from the descriptors QD / DOD at [q0, col] (full tiles only: a box cannot stop at
     a document's end). S and dP are computed query-major (Q K^T, dO V^T), as FlashAttention-3's backward does:
@@ -38,17 +38,22 @@ def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, col, LSEh, DELh, DQh, sdqt, sm_
     dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
     # lab 20: dQ of these query rows from this key tile, added atomically (order not fixed: not deterministic)
     dq = tl.dot(ds.to(kk.dtype), kk, input_precision=PREC) * sm_scale
-    tl.atomic_add(DQh + (q0 + offs_m).to(tl.int64)[:, None] * sdqt + offs_d[None, :], dq, mask=qmask[:, None],
-                  sem="relaxed")
+    if DQTMA:
+        # one bulk TMA reduction per tile (rows past the document's end add zeros: their ds is 0)
+        DQD.atomic_add([q0, col], dq)
+    else:
+        tl.atomic_add(DQh + (q0 + offs_m).to(tl.int64)[:, None] * sdqt + offs_d[None, :], dq, mask=qmask[:, None],
+                      sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQA, LSE, DELTA, QD, DOD, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQA, LSE, DELTA, QD, DOD, DQD, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end,
                      k_order, qk_scale, sm_scale, T, NB,
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh, sdqt, sdqh,
                      G: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                     D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, TMA: tl.constexpr):
+                     D: tl.constexpr, PREC: tl.constexpr, HEAD_OUTER: tl.constexpr, TMA: tl.constexpr,
+                     DQTMA: tl.constexpr):
     hk, c, ks, ke, n0 = _program_tile(k_order, blk_start, blk_end, BLOCK, BN, HEAD_OUTER)
     NSM: tl.constexpr = BLOCK // BM
     if n0 < ke:
@@ -81,26 +86,26 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQA, LSE, DELTA, QD, DOD, blk_start, b
             for j in tl.static_range(NSM):
                 mq = ks + j * BM
                 if (mq + BM > n0) & (mq < ke):
-                    dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, DQh, sdqt, sm_scale, mq, ke - mq, n0,
+                    dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, DQh, DQD, sdqt, sm_scale, mq, ke - mq, n0,
                                         offs_n, offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=True, TMA=False,
-                                        PREC=PREC)
+                                        PREC=PREC, DQTMA=DQTMA)
             # one flat loop over the BM-row sub-tiles of the later query blocks, software-pipelined by
             # num_stages; only a document's last block can be partial, hence the row bound
             for it in range(0, n_it):
                 e = e0 + it // NSM
                 q0 = tl.load(k2q_start + e) + (it % NSM) * BM
-                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, DQh, sdqt, sm_scale, q0,
+                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, DQh, DQD, sdqt, sm_scale, q0,
                                     tl.load(k2q_end + e) - q0, n0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale,
-                                    MASK_DIAG=False, TMA=TMA, PREC=PREC)
+                                    MASK_DIAG=False, TMA=TMA, PREC=PREC, DQTMA=DQTMA)
             if LAST_APART:
                 if e_end > e0:
                     for j in tl.static_range(NSM):
                         q0 = tl.load(k2q_start + e_end - 1) + j * BM
                         qlen = tl.load(k2q_end + e_end - 1) - q0
                         if qlen > 0:
-                            dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, DQh, sdqt, sm_scale, q0, qlen,
+                            dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, DQh, DQD, sdqt, sm_scale, q0, qlen,
                                                 n0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=False,
-                                                TMA=False, PREC=PREC)
+                                                TMA=False, PREC=PREC, DQTMA=DQTMA)
         dk = dk * sm_scale
         tl.store(DK + nb * sdkt + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=nmask[:, None])
