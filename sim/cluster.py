@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.config import ClusterConfig, ConfigError, LayoutConfig
+from sim.config import ClusterConfig, ConfigError, LayoutConfig, validate
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,7 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: LayoutConfig, gpus: int) -> Layout:
         """The layout for ``gpus`` GPUs; ``dp: null`` takes what cp x pp leave."""
-        for name in ("cp", "pp"):
-            value = getattr(cfg, name)
-            if value < 1:
-                raise ConfigError(f"layout.{name}={value} must be a positive integer")
+        validate(cfg, "layout.")
         dp = cfg.dp
         if dp is None:
             if gpus % (cfg.cp * cfg.pp):
@@ -72,18 +69,8 @@ class Cluster:
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig) -> Cluster:
-        for name in ("nodes", "gpus_per_node", "peak_tflops", "hbm_tbps", "grad_bytes"):
-            if getattr(cfg, name) <= 0:
-                raise ConfigError(f"cluster.{name}={getattr(cfg, name)} must be > 0")
-        tiers = {}
-        for name in ("intra", "inter"):
-            tier = getattr(cfg, name)
-            if tier.bandwidth_gbps <= 0 or tier.latency_us < 0:
-                raise ConfigError(
-                    f"cluster.{name}: bandwidth_gbps={tier.bandwidth_gbps} must be > 0 and "
-                    f"latency_us={tier.latency_us} >= 0"
-                )
-            tiers[name] = Tier(tier.bandwidth_gbps, tier.latency_us)
+        validate(cfg, "cluster.")
+        tiers = {name: Tier(getattr(cfg, name).bandwidth_gbps, getattr(cfg, name).latency_us) for name in ("intra", "inter")}
         return cls(cfg.gpus_per_node, tiers["intra"], tiers["inter"], cfg.peak_tflops, cfg.hbm_tbps, cfg.grad_bytes)
 
     @staticmethod

@@ -2,20 +2,86 @@
 
 Each dataclass mirrors one config group under ``conf/``; ``register()`` stores the top-level schema in
 Hydra's ConfigStore so that ``conf/config.yaml`` can extend it and a mistyped override fails at
-composition time instead of deep inside a run.
+composition time instead of deep inside a run. Types are OmegaConf's job; ranges are declared beside each
+field (``bounded``) and, with the checks that span fields or groups, enforced by ``validate`` on the
+composed config, so that every bad value is reported as one line naming its key before anything runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 class ConfigError(ValueError):
     """Bad user input; the entry point prints its message as one line and exits non-zero."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """An interval of allowed values; ``None`` leaves that side open to infinity."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def allows(self, value: float) -> bool:
+        above = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
+        below = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+POSITIVE = Bound(0, lo_open=True)
+NON_NEGATIVE = Bound(0)
+AT_LEAST_ONE = Bound(1)
+FRACTION = Bound(0, 1)
+OPEN_FRACTION = Bound(0, 1, lo_open=True)  # (0, 1]: a share that cannot be zero
+
+
+def bounded(default: Any, bound: Bound) -> Any:
+    """A dataclass field whose value ``validate`` checks against ``bound``."""
+    return field(default=default, metadata={"bound": bound})
+
+
+def check_value(key: str, value: Any, bound: Optional[Bound] = None) -> None:
+    """One field: numbers must be finite and, with a bound, inside it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}={value} is not allowed; it must be a finite number{f' {bound}' if bound else ''}")
+    if bound is not None and not bound.allows(value):
+        raise ConfigError(f"{key}={value} is out of range; allowed: {bound}")
+
+
+def validate(node: Any, prefix: str = "") -> None:
+    """Check every numeric field of a config dataclass (recursively) against its bound, then the node's own
+    cross-field ``check(prefix)``. Lists of numbers are checked element by element."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_object(node)
+    for f in fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            validate(value, f"{key}.")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                check_value(f"{key}[{i}]", item, f.metadata.get("bound"))
+        elif value is not None:
+            check_value(key, value, f.metadata.get("bound"))
+    own_check = getattr(node, "check", None)
+    if own_check is not None:
+        own_check(prefix)
 
 
 @dataclass
@@ -23,44 +89,56 @@ class ModelConfig:
     """Transformer shape; enough to count parameters, FLOPs and KV bytes."""
 
     name: str = MISSING
-    hidden: int = MISSING
-    layers: int = MISSING
-    heads: int = MISSING
-    kv_heads: int = MISSING
-    head_dim: int = MISSING
-    ffn: int = MISSING
-    vocab: int = MISSING
-    max_context: int = MISSING
+    hidden: int = bounded(MISSING, AT_LEAST_ONE)
+    layers: int = bounded(MISSING, AT_LEAST_ONE)
+    heads: int = bounded(MISSING, AT_LEAST_ONE)
+    kv_heads: int = bounded(MISSING, AT_LEAST_ONE)
+    head_dim: int = bounded(MISSING, AT_LEAST_ONE)
+    ffn: int = bounded(MISSING, AT_LEAST_ONE)
+    vocab: int = bounded(MISSING, AT_LEAST_ONE)
+    max_context: int = bounded(MISSING, AT_LEAST_ONE)
+    tie_embeddings: bool = False  # the LM head shares the input embedding's matrix (one copy of weights)
+
+    def check(self, prefix: str) -> None:
+        if self.heads % self.kv_heads:
+            raise ConfigError(
+                f"{prefix}kv_heads={self.kv_heads} does not divide {prefix}heads={self.heads}; "
+                "allowed: a divisor of heads (grouped-query attention)"
+            )
+        if self.hidden % self.heads:
+            raise ConfigError(
+                f"{prefix}heads={self.heads} does not divide {prefix}hidden={self.hidden}; allowed: a divisor of hidden"
+            )
 
 
 @dataclass
 class TierConfig:
     """One interconnect tier of the alpha-beta model: per-GPU bus bandwidth and per-hop latency."""
 
-    bandwidth_gbps: float = MISSING  # GB/s (bytes, not bits)
-    latency_us: float = MISSING
+    bandwidth_gbps: float = bounded(MISSING, POSITIVE)  # GB/s (bytes, not bits)
+    latency_us: float = bounded(MISSING, NON_NEGATIVE)
 
 
 @dataclass
 class ClusterConfig:
     name: str = MISSING
-    nodes: int = 1
-    gpus_per_node: int = 8
-    peak_tflops: float = MISSING  # dense bf16 tensor-core peak per GPU
-    hbm_tbps: float = MISSING  # HBM bandwidth per GPU, TB/s
+    nodes: int = bounded(1, AT_LEAST_ONE)
+    gpus_per_node: int = bounded(8, AT_LEAST_ONE)
+    peak_tflops: float = bounded(MISSING, POSITIVE)  # dense bf16 tensor-core peak per GPU
+    hbm_tbps: float = bounded(MISSING, POSITIVE)  # HBM bandwidth per GPU, TB/s
     intra: TierConfig = field(default_factory=TierConfig)  # inside a node
     inter: TierConfig = field(default_factory=TierConfig)  # between nodes
-    grad_bytes: int = 2  # bytes per gradient element in the DP all-reduce
+    grad_bytes: int = bounded(2, Bound(1, 8))  # bytes per gradient element in the DP all-reduce
 
 
 @dataclass
 class LayoutConfig:
     """Parallel degrees; ``dp: null`` fills the GPUs left over by cp x pp."""
 
-    dp: Optional[int] = None
-    cp: int = 1
-    pp: int = 1
-    micro_batches: int = 8
+    dp: Optional[int] = bounded(None, AT_LEAST_ONE)
+    cp: int = bounded(1, AT_LEAST_ONE)
+    pp: int = bounded(1, AT_LEAST_ONE)
+    micro_batches: int = bounded(8, AT_LEAST_ONE)
 
 
 class LengthDistribution(str, Enum):
@@ -73,28 +151,37 @@ class LengthDistribution(str, Enum):
 class WorkloadConfig:
     name: str = MISSING
     distribution: LengthDistribution = LengthDistribution.longtail
-    global_batch: int = 64  # sequences per optimiser step
-    min_len: int = 256
-    max_len: int = 32768
-    median: float = 4096.0  # longtail: lognormal median
-    sigma: float = 1.0  # longtail: lognormal shape
-    short_median: float = 2048.0  # bimodal: short mode
-    long_median: float = 24576.0  # bimodal: long mode
-    long_fraction: float = 0.2  # bimodal: share of long sequences
+    global_batch: int = bounded(64, AT_LEAST_ONE)  # sequences per optimiser step
+    min_len: int = bounded(256, AT_LEAST_ONE)
+    max_len: int = bounded(32768, AT_LEAST_ONE)
+    median: float = bounded(4096.0, POSITIVE)  # longtail: lognormal median
+    sigma: float = bounded(1.0, NON_NEGATIVE)  # longtail: lognormal shape
+    short_median: float = bounded(2048.0, POSITIVE)  # bimodal: short mode
+    long_median: float = bounded(24576.0, POSITIVE)  # bimodal: long mode
+    long_fraction: float = bounded(0.2, FRACTION)  # bimodal: share of long sequences
     trace_path: Optional[str] = None  # trace: CSV or JSONL with a `length` column
     # Sensitivity s in (0, 1] ~ Beta(a, b): the exponent of the coverage power law.
-    sensitivity_a: float = 2.0
-    sensitivity_b: float = 5.0
+    sensitivity_a: float = bounded(2.0, POSITIVE)
+    sensitivity_b: float = bounded(5.0, POSITIVE)
+
+    def check(self, prefix: str) -> None:
+        if self.min_len > self.max_len:
+            raise ConfigError(
+                f"{prefix}min_len={self.min_len} exceeds {prefix}max_len={self.max_len}; allowed: min_len <= max_len"
+            )
+        if self.distribution is LengthDistribution.trace and not self.trace_path:
+            raise ConfigError(f"{prefix}distribution=trace needs {prefix}trace_path (a CSV or JSONL file)")
 
 
 @dataclass
 class CostConfig:
     name: str = MISSING  # a key of sim.cost.COST_MODELS
-    block_size: int = 128  # attention block size (roofline; the calibrated profile carries its own)
-    attn_efficiency: float = 0.6  # roofline: share of peak the attention kernel reaches
-    matmul_efficiency: float = 0.7  # roofline: share of peak the dense layers reach
-    attn_bwd_ratio: float = 2.5  # backward/forward attention FLOPs (5 matmuls vs 2)
-    launch_ms: float = 0.0  # roofline: fixed overhead per kernel call
+    # Attention block size (roofline; the calibrated profile carries its own).
+    block_size: int = bounded(128, Bound(16, 1024))
+    attn_efficiency: float = bounded(0.6, OPEN_FRACTION)  # roofline: share of peak the attention kernel reaches
+    matmul_efficiency: float = bounded(0.7, OPEN_FRACTION)  # roofline: share of peak the dense layers reach
+    attn_bwd_ratio: float = bounded(2.5, POSITIVE)  # backward/forward attention FLOPs (5 matmuls vs 2)
+    launch_ms: float = bounded(0.0, NON_NEGATIVE)  # roofline: fixed overhead per kernel call
     profile: str = "calibrate/profiles/h200.json"  # calibrated: profile file
 
 
@@ -113,6 +200,14 @@ class PolicyConfig:
     sparsity: PolicyPart = field(default_factory=PolicyPart)
 
 
+# A run on more GPUs than this, or larger than this many simulated GPU-steps (GPUs x steps) or sequences
+# (global batch x steps), takes many minutes to hours and gigabytes; it needs ``force=true``. The simulator runs ~50,000 GPU-steps/s.
+MAX_GPUS = 131_072
+MAX_GPU_STEPS = 5_000_000
+MAX_SEQUENCES = 2_000_000
+GPU_STEPS_PER_S = 50_000
+
+
 @dataclass
 class RunConfig:
     policy: PolicyConfig = MISSING
@@ -121,11 +216,65 @@ class RunConfig:
     workload: WorkloadConfig = MISSING
     cost: CostConfig = MISSING
     layout: LayoutConfig = field(default_factory=LayoutConfig)
-    seed: int = 0
-    steps: int = 20
+    seed: int = bounded(0, NON_NEGATIVE)
+    steps: int = bounded(20, AT_LEAST_ONE)
     baseline: Optional[str] = "baseline"  # policy (conf/policy/<name>) to compare against; null: none
     write_plans: bool = True
     plot: bool = False  # also draw the run's figures (sim.plot) into <run dir>/figures
+    force: bool = False  # run even when the size guard (MAX_GPUS, MAX_GPU_STEPS, MAX_SEQUENCES) says it is too big
+
+    def check(self, prefix: str) -> None:
+        self._check_size(prefix)
+        self._check_layout(prefix)
+
+    def _check_layout(self, prefix: str) -> None:
+        gpus = self.cluster.nodes * self.cluster.gpus_per_node
+        layout, model = self.layout, self.model
+        if gpus % (layout.cp * layout.pp):
+            raise ConfigError(
+                f"layout cp={layout.cp} x pp={layout.pp} does not divide the cluster's {gpus} GPUs; "
+                f"allowed cp x pp: divisors of {gpus}"
+            )
+        dp = layout.dp if layout.dp is not None else gpus // (layout.cp * layout.pp)
+        if dp * layout.cp * layout.pp != gpus:
+            raise ConfigError(
+                f"layout dp={dp} x cp={layout.cp} x pp={layout.pp} = {dp * layout.cp * layout.pp} GPUs, "
+                f"but the cluster has {gpus}; the product must equal the GPU count"
+            )
+        if model.layers % layout.pp:
+            allowed = [d for d in range(1, model.layers + 1) if model.layers % d == 0]
+            raise ConfigError(
+                f"{prefix}layout.pp={layout.pp} does not split the model's {model.layers} layers evenly; "
+                f"allowed pp: {', '.join(map(str, allowed))}"
+            )
+        if self.workload.global_batch < dp:
+            raise ConfigError(
+                f"{prefix}workload.global_batch={self.workload.global_batch} is smaller than the DP degree {dp}, "
+                f"so some ranks would get no sequence; allowed: global_batch >= {dp}"
+            )
+
+    def _check_size(self, prefix: str) -> None:
+        if self.force:
+            return
+        gpus = self.cluster.nodes * self.cluster.gpus_per_node
+        gpu_steps, sequences = gpus * self.steps, self.workload.global_batch * self.steps
+        if gpus > MAX_GPUS:
+            raise ConfigError(
+                f"cluster.nodes={self.cluster.nodes} x gpus_per_node={self.cluster.gpus_per_node} = {gpus:,} GPUs, "
+                f"above the limit {MAX_GPUS:,}; allowed: fewer nodes, or {prefix}force=true"
+            )
+        if gpu_steps > MAX_GPU_STEPS:
+            raise ConfigError(
+                f"{gpus:,} GPUs x {self.steps} steps = {gpu_steps:.3g} simulated GPU-steps, about "
+                f"{gpu_steps / GPU_STEPS_PER_S / 60:,.0f} min at ~{GPU_STEPS_PER_S:,}/s, above the limit "
+                f"{MAX_GPU_STEPS:.0e}; allowed: fewer cluster.nodes or steps, or {prefix}force=true"
+            )
+        if sequences > MAX_SEQUENCES:
+            raise ConfigError(
+                f"{prefix}workload.global_batch={self.workload.global_batch:,} x {self.steps} steps = "
+                f"{sequences:.3g} sequences, above the limit {MAX_SEQUENCES:.0e}; allowed: a smaller "
+                f"global_batch or fewer steps, or {prefix}force=true"
+            )
 
 
 def register() -> None:

@@ -52,9 +52,14 @@ def params_per_layer(model: ModelConfig) -> float:
     return float(attn + 3 * model.hidden * model.ffn)
 
 
+def embedding_params(model: ModelConfig) -> float:
+    """The input embedding and the LM head: one matrix when they are tied (Qwen2.5-3B), two otherwise."""
+    return (1.0 if model.tie_embeddings else 2.0) * model.vocab * model.hidden
+
+
 def total_params(model: ModelConfig) -> float:
-    """Layers plus untied input embedding and LM head."""
-    return model.layers * params_per_layer(model) + 2.0 * model.vocab * model.hidden
+    """Layers plus the embedding and LM head (norms and biases, under 0.1%, are left out)."""
+    return model.layers * params_per_layer(model) + embedding_params(model)
 
 
 # ----------------------------------------------------------------------------- features
@@ -107,8 +112,9 @@ def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: 
 
 
 def layer_features(tokens: float, model: ModelConfig) -> dict[str, float]:
-    """Features of one layer's non-attention work (forward); the embedding/LM head is spread over layers."""
-    per_token = 2.0 * (params_per_layer(model) + 2.0 * model.vocab * model.hidden / model.layers)
+    """Features of one layer's non-attention work (forward). The LM head's matmul is spread over the layers;
+    the input embedding is a lookup and costs no FLOPs."""
+    per_token = 2.0 * (params_per_layer(model) + model.vocab * model.hidden / model.layers)
     return {"const": float(tokens > 0), "tokens": float(tokens), "flops": per_token * tokens}
 
 

@@ -5,14 +5,17 @@ Bad input is reported as one line on stderr with a non-zero exit and leaves no r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 import pandas as pd
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -21,8 +24,8 @@ from tqdm import tqdm
 import policies  # noqa: F401  (registers every policy)
 from policies.base import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError, PolicyConfig, RunConfig, register
-from sim.cost import make_cost
+from sim.config import ConfigError, PolicyConfig, RunConfig, register, validate
+from sim.cost import CostModel, make_cost
 from sim.engine import Engine
 from sim.results import Results
 from sim.workload import Workload
@@ -55,26 +58,43 @@ def load_policy(name: str) -> PolicyConfig:
     return OmegaConf.merge(OmegaConf.structured(PolicyConfig), OmegaConf.load(path))
 
 
+@dataclass
+class Setup:
+    """What a run is built from, once its config has passed every check."""
+
+    cluster: Cluster
+    layout: Layout
+    cost: CostModel
+    workload: Workload
+
+
+def prepare(cfg: RunConfig) -> Setup:
+    """Validate a run config (ranges, layout, sizes, trace, profile) and build its parts."""
+    validate(cfg)
+    cluster = Cluster.from_config(cfg.cluster)
+    layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
+    cost = make_cost(cfg.cost, cfg.model, cluster)
+    return Setup(cluster, layout, cost, Workload(cfg.workload, cfg.model.max_context, cfg.seed))
+
+
+def make_policy(policy: PolicyConfig):
+    return (make_batching(policy.batching.name, policy.batching.params),
+            make_sparsity(policy.sparsity.name, policy.sparsity.params))
+
+
 def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | None = None, progress: bool = False) -> RunOutput:
     """Run ``cfg.steps`` steps of one policy (default ``cfg.policy``) in memory."""
     # Plain dataclasses from here on: attribute access on DictConfig is ~50x slower in the step loop.
     cfg = OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg
     policy = cfg.policy if policy is None else policy
     policy = OmegaConf.to_object(policy) if isinstance(policy, DictConfig) else policy
-    if cfg.steps < 1:
-        raise ConfigError(f"steps={cfg.steps} must be >= 1")
-    cluster = Cluster.from_config(cfg.cluster)
-    layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
-    if layout.pp > cfg.model.layers:
-        raise ConfigError(f"layout.pp={layout.pp} exceeds the model's {cfg.model.layers} layers")
-    cost = make_cost(cfg.cost, cfg.model, cluster)
-    workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
-    batching = make_batching(policy.batching.name, policy.batching.params)
-    sparsity = make_sparsity(policy.sparsity.name, policy.sparsity.params)
-    engine = Engine(layout, cost, cluster)
+    setup = prepare(cfg)
+    layout = setup.layout
+    batching, sparsity = make_policy(policy)
+    engine = Engine(layout, setup.cost, setup.cluster)
     results = Results()
-    for step in tqdm(range(cfg.steps), desc=policy.name, disable=None if progress else True, leave=False):
-        plan = plan_step(batching, sparsity, workload.batch(step), layout, cost, step)
+    for step in steps_with_progress(cfg.steps, policy.name, progress):
+        plan = plan_step(batching, sparsity, setup.workload.batch(step), layout, setup.cost, step)
         outcome = engine.step(plan)
         results.add(outcome.record, outcome.rows, plan.to_json() if cfg.write_plans else None)
     summary = results.summary(
@@ -82,6 +102,23 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
         gpus=layout.gpus, seed=cfg.seed, model=cfg.model.name, workload=cfg.workload.name, cost=cfg.cost.name,
     )
     return RunOutput(results, summary)
+
+
+def steps_with_progress(steps: int, desc: str, progress: bool, interval_s: float = 5.0):
+    """The step indices, with a tqdm bar on a terminal and a log line every ``interval_s`` elsewhere (CI logs,
+    batch jobs), so that a long run is never silent."""
+    if not progress:
+        yield from range(steps)
+    elif sys.stderr.isatty():
+        yield from tqdm(range(steps), desc=desc, leave=False)
+    else:
+        start = last = time.monotonic()
+        for step in range(steps):
+            yield step
+            now = time.monotonic()
+            if now - last >= interval_s and step + 1 < steps:
+                print(f"{desc}: step {step + 1}/{steps} after {now - start:.0f} s", file=sys.stderr, flush=True)
+                last = now
 
 
 def run(cfg: DictConfig, run_dir: Path) -> pd.DataFrame:
@@ -140,20 +177,47 @@ def check_group_overrides(argv: list[str]) -> None:
 
 
 def check_composition(argv: list[str]) -> None:
-    """Compose a single run's config up front so that Hydra's multi-line reports become one line.
-
-    Sweeps (``-m``) are composed per job by Hydra; their values are checked by check_group_overrides.
-    """
-    if any(arg in ("-m", "--multirun") for arg in argv):
-        return
+    """Compose and validate every job up front (one for a run, each combination of a ``-m`` sweep), so that a
+    bad value is one line and no job runs or writes anything when any job of a sweep is bad."""
     overrides = [a for a in argv if "=" in a and not a.startswith(("-", "hydra."))]
+    sweep = any(arg in ("-m", "--multirun") for arg in argv)
+    for job in sweep_jobs(overrides) if sweep else [overrides]:
+        try:
+            cfg = OmegaConf.to_object(compose_config(job))
+        except (HydraException, OmegaConfBaseException) as exc:
+            reason = str(exc).splitlines()[0]
+            if exc.__cause__ is not None:
+                reason += f" ({str(exc.__cause__).splitlines()[0]})"
+            raise ConfigError(reason + _job_label(job, sweep)) from None
+        try:
+            check_job(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}{_job_label(job, sweep)}") from None
+
+
+def _job_label(job: list[str], sweep: bool) -> str:
+    return f" (in the sweep job: {' '.join(job)})" if sweep else ""
+
+
+def check_job(cfg: RunConfig) -> None:
+    prepare(cfg)
+    make_policy(cfg.policy)
+    if cfg.baseline and cfg.baseline != cfg.policy.name:
+        make_policy(load_policy(cfg.baseline))
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The override list of every job of a basic sweep (the cartesian product of its swept values)."""
     try:
-        compose_config(overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
-        reason = str(exc).splitlines()[0]
-        if exc.__cause__ is not None:
-            reason += f" ({str(exc.__cause__).splitlines()[0]})"
-        raise ConfigError(reason) from None
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+    axes = [
+        [f"{o.get_key_element()}={value}" for value in o.sweep_string_iterator()] if o.is_sweep_override()
+        else [o.input_line]
+        for o in parsed
+    ]
+    return [list(job) for job in itertools.product(*axes)]
 
 
 def _discard(run_dir: Path) -> None:

@@ -5,13 +5,14 @@ depend on which steps ran before it (sweeps and partial reruns see the same data
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from sim.config import ConfigError, LengthDistribution, WorkloadConfig
+from sim.config import ConfigError, LengthDistribution, WorkloadConfig, validate
 
 # Sensitivities are clipped away from 0: s -> 0 makes kept_fraction = p ** (1/s) underflow.
 MIN_SENSITIVITY = 1e-3
@@ -38,14 +39,32 @@ def read_trace(path: str) -> np.ndarray:
     if not file.is_file():
         raise ConfigError(f"workload.trace_path={path!r}: no such file (expected a CSV or JSONL trace)")
     try:
-        frame = pd.read_json(file, lines=True) if file.suffix == ".jsonl" else pd.read_csv(file)
+        frame = _read_jsonl(file) if file.suffix == ".jsonl" else pd.read_csv(file, dtype=str)
     except ValueError as exc:
-        raise ConfigError(f"workload.trace_path={path!r}: unreadable trace ({exc})") from None
+        raise ConfigError(f"workload.trace_path={path!r}: unreadable trace ({str(exc).splitlines()[0]})") from None
     if "length" not in frame.columns or frame.empty:
         raise ConfigError(
             f"workload.trace_path={path!r}: needs a non-empty 'length' column, found {list(frame.columns)}"
         )
-    return frame["length"].to_numpy(dtype=np.int64)
+    return trace_lengths(frame["length"], path)
+
+
+def _read_jsonl(file: Path) -> pd.DataFrame:
+    """Rows as parsed, as objects: no value is rounded, truncated or overflowed before it is checked
+    (pandas' own reader turns a column with one fraction into floats)."""
+    with file.open() as lines:
+        return pd.DataFrame([json.loads(line) for line in lines if line.strip()], dtype=object)
+
+
+def trace_lengths(column: pd.Series, path: str) -> np.ndarray:
+    """The column as positive whole token counts; the first value that is not one is named with its row."""
+    for row, raw in enumerate(column.tolist(), start=1):
+        text = str(raw).strip()
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(
+                f"workload.trace_path={path!r}: row {row} has length {raw!r}; allowed: a whole number of tokens >= 1"
+            )
+    return np.array([int(str(v).strip()) for v in column.tolist()], dtype=object)
 
 
 class Workload:
@@ -55,41 +74,31 @@ class Workload:
         self.cfg = cfg
         self.seed = seed
         self._validate(max_context)
-        self._trace = read_trace(cfg.trace_path) if self._is_trace else None
-        if self._trace is not None:
-            self._check_lengths(self._trace, max_context, f"trace {cfg.trace_path!r}")
+        self._trace = (
+            self._check_lengths(read_trace(cfg.trace_path), max_context, f"trace {cfg.trace_path!r}")
+            if self._is_trace else None
+        )
 
     @property
     def _is_trace(self) -> bool:
         return LengthDistribution(self.cfg.distribution) is LengthDistribution.trace
 
     def _validate(self, max_context: int) -> None:
-        cfg = self.cfg
-        if cfg.global_batch < 1:
-            raise ConfigError(f"workload.global_batch={cfg.global_batch} must be >= 1")
-        if not 1 <= cfg.min_len <= cfg.max_len:
+        validate(self.cfg, "workload.")
+        if self.cfg.max_len > max_context:
             raise ConfigError(
-                f"workload.min_len={cfg.min_len}, max_len={cfg.max_len}: need 1 <= min_len <= max_len"
-            )
-        if cfg.max_len > max_context:
-            raise ConfigError(
-                f"workload.max_len={cfg.max_len} exceeds the model's max context {max_context}"
-            )
-        if self._is_trace and not cfg.trace_path:
-            raise ConfigError("workload.distribution=trace needs workload.trace_path (CSV or JSONL)")
-        if cfg.sensitivity_a <= 0 or cfg.sensitivity_b <= 0:
-            raise ConfigError(
-                f"workload.sensitivity_a={cfg.sensitivity_a}, sensitivity_b={cfg.sensitivity_b}: "
-                "Beta parameters must be > 0"
+                f"workload.max_len={self.cfg.max_len} exceeds the model's max context {max_context}"
             )
 
     @staticmethod
-    def _check_lengths(lengths: np.ndarray, max_context: int, where: str) -> None:
-        bad = lengths[(lengths < 1) | (lengths > max_context)]
-        if bad.size:
+    def _check_lengths(lengths: np.ndarray, max_context: int, where: str) -> np.ndarray:
+        """Exact (arbitrary-size) integers in, int64 out, once every length fits the model's context."""
+        bad = [int(n) for n in lengths if n > max_context]
+        if bad:
             raise ConfigError(
-                f"{where}: length {int(bad[0])} is outside the allowed range [1, {max_context}] (model max context)"
+                f"{where}: length {bad[0]} is outside the allowed range [1, {max_context}] (model max context)"
             )
+        return lengths.astype(np.int64)
 
     def _lengths(self, rng: np.random.Generator, step: int) -> np.ndarray:
         cfg, n = self.cfg, self.cfg.global_batch

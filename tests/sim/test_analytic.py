@@ -27,7 +27,8 @@ def hand_seq_ms(length, cfg):
     nb = math.ceil(length / c.block_size)
     attn_flops = 4 * c.block_size**2 * m.head_dim * m.heads * nb * (nb + 1) / 2
     layer_params = 2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn
-    layer_flops = 2 * (layer_params + 2 * m.vocab * m.hidden / m.layers) * length
+    # The LM head is a matmul spread over the layers; the input embedding is a lookup (no FLOPs).
+    layer_flops = 2 * (layer_params + m.vocab * m.hidden / m.layers) * length
     attn_rate = cl.peak_tflops * 1e12 * c.attn_efficiency / 1e3  # FLOP per ms
     mm_rate = cl.peak_tflops * 1e12 * c.matmul_efficiency / 1e3
     weights_ms = layer_params * 2 / (cl.hbm_tbps * 1e12 / 1e3)
@@ -38,7 +39,8 @@ def hand_seq_ms(length, cfg):
 
 def hand_allreduce_ms(cfg, n):
     m, tier = cfg.model, cfg.cluster.intra
-    params = m.layers * (2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn) + 2 * m.vocab * m.hidden
+    embeddings = (1 if m.tie_embeddings else 2) * m.vocab * m.hidden  # Qwen2.5-3B ties them: one matrix
+    params = m.layers * (2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn) + embeddings
     nbytes = params * cfg.cluster.grad_bytes
     return 2 * (n - 1) * tier.latency_us / 1e3 + 2 * (n - 1) / n * nbytes / (tier.bandwidth_gbps * 1e9 / 1e3)
 

@@ -5,7 +5,7 @@ import pytest
 
 from sim.run import GROUPS, compose_config, group_options, simulate
 
-SMALL = ["steps=2", "workload.global_batch=16", "layout.micro_batches=2"]
+SMALL = ["steps=2", "workload.global_batch=32", "layout.micro_batches=1"]  # h200_4nodes: DP 32
 CASES = [(group, option) for group in GROUPS for option in group_options(group)]
 
 
