@@ -45,7 +45,7 @@ from typing import Optional
 import numpy as np
 
 from policies.base import register_sparsity, uniform_budget_plan
-from policies.plan import Assignment, Budget, Plan
+from sim.plan import Assignment, Budget, Plan
 from sim.cluster import Layout
 from sim.cost import CostModel
 
@@ -232,7 +232,7 @@ def fill_bubbles(table: LevelTable, levels: np.ndarray, tau: float) -> np.ndarra
 @lru_cache(maxsize=64)
 def schedule(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
     """(stage, is_forward, micro_batch) of every op in an order that respects the 1F1B dependencies."""
-    from sim.engine import one_f_one_b  # here, not at the top: sim.engine imports policies.plan, which loads this module
+    from sim.engine import one_f_one_b  # here, not at the top: sim.engine imports sim.plan, which loads this module
 
     queues = [one_f_one_b(stage, pp, m) for stage in range(pp)]
     done: set[tuple[int, bool, int]] = set()

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from policies.base import uniform_budget_plan, register_sparsity
-from policies.plan import Budget, Plan
+from sim.plan import Budget, Plan
 from sim.cluster import Layout
 from sim.cost import CostModel
 

@@ -27,7 +27,7 @@ import numpy as np
 from policies.base import PartitionPolicy, register_batching
 from policies.dst import pipeline_ms
 from policies.karmarkar_karp import kk_partition
-from policies.plan import Plan
+from sim.plan import Plan
 from sim.cluster import Layout
 from sim.cost import CostModel
 from sim.workload import Sequence

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from policies.plan import Budget, Plan
+from sim.plan import Budget, Plan
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError
 from sim.cost import make_cost, write_json_atomic

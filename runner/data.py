@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from policies.plan import Assignment
+from sim.plan import Assignment
 
 PAD, BOS, KEY, VAL, QUERY, ANS = range(6)
 N_SPECIAL = 8

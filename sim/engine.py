@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import simpy
 
-from policies.plan import Plan
+from sim.plan import Plan
 from sim.cluster import Cluster, Layout
 from sim.cost import CostModel, total_params, training_flops
 from sim.results import StepRecord

@@ -325,7 +325,7 @@ def replay_step(run: Run, step: int = 0, label: str | None = None) -> StepTrace:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from policies.plan import Plan
+    from sim.plan import Plan
     from sim.cluster import Cluster, Layout
     from sim.config import ConfigError, RunConfig
     from sim.cost import make_cost

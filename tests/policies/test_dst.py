@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from policies.base import make_batching, make_sparsity, uniform_budget_plan
 from policies.dst import LevelTable, budget_grid, pipeline_ms
-from policies.plan import Budget
+from sim.plan import Budget
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError
 from sim.cost import make_cost

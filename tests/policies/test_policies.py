@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from policies.base import BATCHING, SPARSITY, make_batching, make_sparsity
 from policies.karmarkar_karp import kk_partition, ldm_partition
 from policies.lpt import lpt_partition
-from policies.plan import Assignment, Budget
+from sim.plan import Assignment, Budget
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError
 from sim.cost import make_cost
@@ -92,7 +92,7 @@ def test_policy_params_are_type_checked(kind, name, params, needle):
 
 
 def test_assignment_init_matches_its_fields():
-    """Assignment.__init__ is written out for speed (policies/plan.py): it must take every field, in order,
+    """Assignment.__init__ is written out for speed (sim/plan.py): it must take every field, in order,
     with the fields' defaults, and leave the instance frozen."""
     params = list(inspect.signature(Assignment.__init__).parameters.values())[1:]
     assert [p.name for p in params] == [f.name for f in fields(Assignment)]

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from policies.base import make_batching, make_sparsity, plan_step
-from policies.plan import Budget
+from sim.plan import Budget
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError
 from sim.cost import make_cost

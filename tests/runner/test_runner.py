@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from policies.plan import Plan
+from sim.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6

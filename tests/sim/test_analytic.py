@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from policies.plan import Assignment, Plan
+from sim.plan import Assignment, Plan
 from sim.cluster import Cluster, Layout
 from sim.cost import make_cost
 from sim.engine import Engine, run_pipeline
