@@ -12,8 +12,7 @@ import os
 import statistics
 import time
 
-import policies  # noqa: F401  (registers every policy)
-from policies.base import make_batching, make_sparsity, plan_step
+from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.cost import make_cost
 from sim.run import compose_config, load_policy

@@ -44,7 +44,9 @@ from typing import Optional
 
 import numpy as np
 
-from policies.base import register_sparsity, uniform_budget_plan
+from policies.base import uniform_budget_plan
+
+from sim.policy import register_sparsity
 from sim.plan import Assignment, Budget, Plan
 from sim.cluster import Layout
 from sim.cost import CostModel

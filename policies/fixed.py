@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from policies.base import uniform_budget_plan, register_sparsity
+from policies.base import uniform_budget_plan
+
+from sim.policy import register_sparsity
 from sim.plan import Budget, Plan
 from sim.cluster import Layout
 from sim.cost import CostModel

@@ -5,7 +5,9 @@ import heapq
 
 import numpy as np
 
-from policies.base import PartitionPolicy, register_batching
+from policies.base import PartitionPolicy
+
+from sim.policy import register_batching
 
 
 def lpt_partition(costs: np.ndarray, k: int) -> list[list[int]]:

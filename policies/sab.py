@@ -24,7 +24,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from policies.base import PartitionPolicy, register_batching
+from policies.base import PartitionPolicy
+
+from sim.policy import register_batching
 from policies.dst import pipeline_ms
 from policies.karmarkar_karp import kk_partition
 from sim.plan import Plan

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.base import PartitionPolicy, register_batching
+from policies.base import PartitionPolicy
+
+from sim.policy import register_batching
 from policies.sequential import contiguous
 
 

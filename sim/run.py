@@ -21,8 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
-import policies  # noqa: F401  (registers every policy)
-from policies.base import make_batching, make_sparsity, plan_step
+from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError, PolicyConfig, RunConfig, register, validate
 from sim.cost import CostModel, make_cost

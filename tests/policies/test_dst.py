@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from policies.base import make_batching, make_sparsity, uniform_budget_plan
+from policies.base import uniform_budget_plan
+
+from sim.policy import make_batching, make_sparsity
 from policies.dst import LevelTable, budget_grid, pipeline_ms
 from sim.plan import Budget
 from sim.cluster import Cluster, Layout

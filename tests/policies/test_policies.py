@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from policies.base import BATCHING, SPARSITY, make_batching, make_sparsity
+from sim.policy import BATCHING, SPARSITY, make_batching, make_sparsity
 from policies.karmarkar_karp import kk_partition, ldm_partition
 from policies.lpt import lpt_partition
 from sim.plan import Assignment, Budget

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from policies.base import make_batching, make_sparsity, plan_step
+from sim.policy import make_batching, make_sparsity, plan_step
 from sim.plan import Budget
 from sim.cluster import Cluster, Layout
 from sim.config import ConfigError

@@ -102,7 +102,7 @@ def test_1f1b_bubble_is_textbook(pp, m):
 
 def test_pipeline_layout_runs_end_to_end():
     cfg, engine = engine_for(["cost=roofline", "layout.pp=4", "layout.micro_batches=8"])
-    from policies.base import make_batching
+    from sim.policy import make_batching
     from sim.workload import Workload
 
     workload = Workload(cfg.workload, cfg.model.max_context, 0)

@@ -1,0 +1,124 @@
+"""Policy interfaces and registries: what the simulator and the runner plan through.
+
+A policy is one file that defines a class and registers it under a name (``register_batching`` /
+``register_sparsity``), plus one YAML in ``conf/policy/`` naming a batching and a sparsity policy with their
+parameters. Each policy class declares its parameters as a ``Params`` dataclass; ``make_batching`` /
+``make_sparsity`` validate the YAML's parameters against it, so a misspelt, mistyped or out-of-range parameter
+fails before any step runs.
+
+The simulator sits below the policies and never imports them: packages of policies announce themselves as
+entry points of the group ``sparsebalance.policies`` (the built-in ``policies`` package in this project's
+``pyproject.toml``; a third-party package the same way), and the first lookup imports them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sim.cluster import Layout
+from sim.config import ConfigError, validate
+from sim.cost import CostModel
+from sim.plan import Plan
+from sim.workload import Sequence
+
+ENTRY_POINT_GROUP = "sparsebalance.policies"
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """For policies without parameters."""
+
+
+@runtime_checkable
+class BatchingPolicy(Protocol):
+    """May also define ``observe(plan)``: it is then shown every tuned Plan (see ``plan_step``)."""
+
+    def plan(self, batch: list[Sequence], layout: Layout, cost: CostModel, step: int) -> Plan: ...
+
+
+@runtime_checkable
+class SparsityPolicy(Protocol):
+    def tune(self, plan: Plan, layout: Layout, cost: CostModel) -> Plan: ...
+
+
+BATCHING: dict[str, type] = {}
+SPARSITY: dict[str, type] = {}
+
+
+def register_batching(name: str):
+    return _register(BATCHING, name)
+
+
+def register_sparsity(name: str):
+    return _register(SPARSITY, name)
+
+
+def _register(registry: dict, name: str):
+    def add(cls):
+        if name in registry:
+            raise ValueError(f"policy name {name!r} is registered twice ({registry[name]} and {cls})")
+        cls.name = name
+        registry[name] = cls
+        return cls
+
+    return add
+
+
+def plan_step(batching: BatchingPolicy, sparsity: SparsityPolicy, batch: list[Sequence], layout: Layout,
+              cost: CostModel, step: int) -> Plan:
+    """One global batch to its Plan: batching, sparsity tuning, then the tuned Plan shown to a batching
+    policy that learns from it (sab's expected budgets). sim.run and the runner both plan through this,
+    so they produce the same Plans."""
+    plan = sparsity.tune(batching.plan(batch, layout, cost, step), layout, cost)
+    observe = getattr(batching, "observe", None)
+    if observe is not None:
+        observe(plan)
+    return plan
+
+
+def make_batching(name: str, params: Mapping[str, Any]) -> BatchingPolicy:
+    return _make(BATCHING, "batching", name, params)
+
+
+def make_sparsity(name: str, params: Mapping[str, Any]) -> SparsityPolicy:
+    return _make(SPARSITY, "sparsity", name, params)
+
+
+@cache
+def load_policy_packages() -> tuple[str, ...]:
+    """Import every package that registers policies (once per process); their names."""
+    found = entry_points(group=ENTRY_POINT_GROUP)
+    if not found:
+        raise ConfigError(
+            f"no policy package is installed (entry point group {ENTRY_POINT_GROUP!r}); "
+            "install the project first: pip install -e ."
+        )
+    for entry in found:
+        entry.load()
+    return tuple(sorted(entry.name for entry in found))
+
+
+def _make(registry: dict, kind: str, name: str, params: Mapping[str, Any]):
+    load_policy_packages()
+    if name not in registry:
+        raise ConfigError(f"policy.{kind}.name={name!r} is unknown; allowed: {', '.join(sorted(registry))}")
+    cls = registry[name]
+    schema = OmegaConf.structured(cls.Params)
+    try:
+        merged = OmegaConf.merge(schema, dict(params))
+    except OmegaConfBaseException as exc:
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"policy.{kind}.params.{exc.full_key} for {name!r}: {first}") from None
+    try:
+        typed = OmegaConf.to_object(merged)
+        validate(typed, f"policy.{kind}.params.")  # finite numbers, and each Params field's declared bound
+        return cls(typed)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (policy {name!r})") from None
+    except ValueError as exc:  # e.g. a Budget outside (0, 1]
+        raise ConfigError(f"policy.{kind}.params for {name!r}: {exc}") from None
