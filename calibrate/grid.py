@@ -10,7 +10,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from calibrate.shapes import ModelShape
+from sim.shapes import ModelShape
 
 K = 1024
 SINGLE_LENGTHS = (1 * K, 2 * K, 4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K)

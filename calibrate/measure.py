@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from calibrate.grid import GridPoint, estimate_term_ms
-from calibrate.shapes import ModelShape
+from sim.shapes import ModelShape
 from calibrate.timing import Timing
 from runner.model import Block, packed_positions, rope_angles
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from calibrate import grid, store, timing
 from calibrate.grid import GridPoint, build_grid
-from calibrate.shapes import ModelShape, load_shapes, model_names
+from sim.shapes import ModelShape, load_shapes, model_names
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / "h200_raw.csv"
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from calibrate.shapes import ModelShape
+from sim.shapes import ModelShape
 
 # attention(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], cu_seqlens [n+1], budgets) -> (o [T,Hq,D], kept [n], coverage [n])
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -83,6 +83,8 @@ class TinyLlama(nn.Module):
         self.norm = nn.RMSNorm(shape.hidden)
         self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
         self.apply(self._init)
+        if shape.tie_embeddings:  # one matrix, as the model's published parameter count has it
+            self.lm_head.weight = self.embed.weight
 
     @staticmethod
     def _init(module: nn.Module) -> None:

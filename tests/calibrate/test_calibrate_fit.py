@@ -10,7 +10,7 @@ import pytest
 from calibrate import fit, run, store
 from calibrate.fit import FeatureSource, Measurement
 from calibrate.grid import build_grid
-from calibrate.shapes import load_shapes
+from sim.shapes import load_shapes
 from sim.config import ConfigError
 from sim.cost import TERMS, load_profile
 

@@ -12,7 +12,7 @@ import kernels.sparse_attention as kernel
 from calibrate import run, store, timing
 from calibrate.grid import GridPoint
 from calibrate.measure import Measurer, _pass_through
-from calibrate.shapes import ModelShape
+from sim.shapes import ModelShape
 from runner.attention import make_attention
 
 BLOCK = 32

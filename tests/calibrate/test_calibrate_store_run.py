@@ -7,7 +7,7 @@ import pytest
 
 from calibrate import grid, run, store
 from calibrate.grid import GridPoint, build_grid
-from calibrate.shapes import load_shapes
+from sim.shapes import load_shapes
 
 
 class FakeMeasurer:

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pinned import PINNED_PROFILE, PROFILE_OVERRIDE
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,7 +21,7 @@ def sweep(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sweep") / "multirun"
     run = subprocess.run(
         [sys.executable, "-m", "sim.run", "-m", "policy=baseline,kk", "steps=2", "layout.micro_batches=4",
-         f"hydra.sweep.dir={out}"],
+         f"hydra.sweep.dir={out}", PROFILE_OVERRIDE],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr
@@ -38,13 +40,13 @@ def fitted_profile(tmp_path_factory) -> Path:
     from calibrate import fit, run, store
     from calibrate.fit import FeatureSource, Measurement
     from calibrate.grid import build_grid
-    from calibrate.shapes import load_shapes
+    from sim.shapes import load_shapes
 
     out = tmp_path_factory.mktemp("calibration")
     shapes = [s for s in load_shapes() if s.name == "qwen2.5-3b"]
     block = 128
     features = FeatureSource({s.name: vars(s) for s in shapes}, block)
-    truth = json.loads((ROOT / "calibrate" / "profiles" / "h200.json").read_text())["terms"]
+    truth = json.loads(PINNED_PROFILE.read_text())["terms"]
     truth = {t: {f: c for f, c in truth[t].items()} | {"const": 0.02} for t in truth}  # a launch cost
     rng = np.random.default_rng(0)
     csv = out / "h200_raw.csv"

@@ -1,7 +1,7 @@
 """Model shapes read from conf/model/*.yaml with plain YAML.
 
-The GPU box has no Hydra/OmegaConf (and no simpy, so no ``sim`` import either): the measuring side reads the
-model files itself. Field names are those of ``sim.config.ModelConfig``; the runner's model takes the same
+The measuring side runs on GPU machines without Hydra, OmegaConf or simpy, so this module imports none of them
+and reads the model files itself. Field names are those of ``sim.config.ModelConfig``; the runner's model takes the same
 record (``ModelShape.from_config`` of the Hydra config), and so do ``sim.cost``'s feature helpers.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ class ModelShape:
     vocab: int
     max_context: int
     rope_theta: float = 500000.0  # not in conf/model/: RoPE base of the runner's model and calibrate.layer
+    tie_embeddings: bool = False  # the LM head shares the input embedding's matrix
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -37,7 +38,8 @@ class ModelShape:
     @classmethod
     def from_config(cls, model) -> ModelShape:
         """From a ``ModelConfig`` (or anything with its attributes)."""
-        return cls(**{f.name: getattr(model, f.name) for f in _REQUIRED})
+        return cls(**{f.name: getattr(model, f.name) for f in _REQUIRED},
+                   tie_embeddings=bool(getattr(model, "tie_embeddings", False)))
 
     @property
     def params_per_layer(self) -> int:
@@ -59,7 +61,7 @@ def load_shape(path: Path) -> ModelShape:
         if f.name not in raw:
             raise ValueError(f"{path}: model config lacks key {f.name!r}")
         values[f.name] = int(raw[f.name])
-    return ModelShape(**values)
+    return ModelShape(**values, tie_embeddings=bool(raw.get("tie_embeddings", False)))
 
 
 def model_names(conf_dir: Path = CONF_MODEL_DIR) -> list[str]:
