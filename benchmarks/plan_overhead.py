@@ -15,7 +15,8 @@ import time
 from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.cost import make_cost
-from sim.run import compose_config, load_policy
+from sim.run import load_policy
+from sim.core import compose_config
 from sim.workload import Workload
 
 TARGET_MS = 20.0

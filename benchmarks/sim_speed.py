@@ -14,7 +14,9 @@ import time
 
 import pandas as pd
 
-from sim.run import compose_config, group_options, load_policy, simulate
+from sim.run import load_policy, simulate
+
+from sim.core import compose_config, group_options
 
 MICRO_BATCHES = 8
 

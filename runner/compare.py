@@ -26,8 +26,8 @@ from omegaconf import OmegaConf
 
 from sim.plan import Budget, Plan
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError
-from sim.cost import make_cost, write_json_atomic
+from sim.core import ConfigError, write_json_atomic
+from sim.cost import make_cost
 from sim.engine import Engine
 
 DEFAULT_PROFILE = "calibrate/profiles/h200.json"

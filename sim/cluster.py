@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.config import ClusterConfig, ConfigError, LayoutConfig, validate
+from sim.config import ClusterConfig, LayoutConfig, validate
+
+from sim.core import ConfigError
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,10 @@ import pandas as pd
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.config import ConfigError, register
-from sim.run import compose_config, fail, load_policy, simulate, summary_table
+from sim.config import register
+
+from sim.core import compose_config, ConfigError, fail
+from sim.run import load_policy, simulate, summary_table
 
 POLICIES = ("baseline", "lbb", "sab", "dst", "sparsebalance")
 

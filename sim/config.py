@@ -16,9 +16,7 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """Bad user input; the entry point prints its message as one line and exits non-zero."""
+from sim.core import ConfigError
 
 
 @dataclass(frozen=True)

@@ -327,7 +327,8 @@ def replay_step(run: Run, step: int = 0, label: str | None = None) -> StepTrace:
 
     from sim.plan import Plan
     from sim.cluster import Cluster, Layout
-    from sim.config import ConfigError, RunConfig
+    from sim.config import RunConfig
+    from sim.core import ConfigError
     from sim.cost import make_cost
     from sim.engine import Engine
 
@@ -426,7 +427,7 @@ def pick_timeline_runs(runs: list[Run]) -> list[Run]:
 
 # ----------------------------------------------------------------------------- calibration
 def read_profile(path: str | Path) -> dict:
-    from sim.config import ConfigError
+    from sim.core import ConfigError
     from sim.cost import load_profile
 
     try:
@@ -489,7 +490,7 @@ def benchmark_vs_profile(bench: pd.DataFrame, profile_path: str | Path, model: s
     measurements from another harness, also for a provisional profile.
     """
     from calibrate.fit import FeatureSource, Measurement, predict
-    from calibrate.shapes import load_shapes
+    from sim.shapes import load_shapes
 
     profile = read_profile(profile_path)
     (shape,) = load_shapes([model])
@@ -674,7 +675,7 @@ def fidelity_frame(runs: list[Run], skip: int | None = None) -> pd.DataFrame:
 
 def _compare_table(run: Run, skip: int | None) -> pd.DataFrame:
     """runner.compare's compare.csv, computed now if the run has none."""
-    from sim.config import ConfigError
+    from sim.core import ConfigError
 
     if (run.path / "compare.csv").is_file():
         table = pd.read_csv(run.path / "compare.csv")

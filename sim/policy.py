@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sim.cluster import Layout
-from sim.config import ConfigError, validate
+from sim.config import validate
+from sim.core import ConfigError
 from sim.cost import CostModel
 from sim.plan import Plan
 from sim.workload import Sequence

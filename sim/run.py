@@ -23,30 +23,19 @@ from tqdm import tqdm
 
 from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError, PolicyConfig, RunConfig, register, validate
+from sim.config import PolicyConfig, RunConfig, register, validate
+from sim.core import CONF_DIR, ConfigError, check_group_overrides, compose_config, fail, group_options
 from sim.cost import CostModel, make_cost
 from sim.engine import Engine
 from sim.results import Results
 from sim.workload import Workload
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("policy", "cluster", "model", "workload", "cost")
-EXIT_BAD_INPUT = 2
 
 
 @dataclass
 class RunOutput:
     results: Results
     summary: dict
-
-
-def compose_config(overrides: list[str] = ()) -> DictConfig:
-    """The composed, validated run config outside ``python -m sim.run`` (tests, benchmarks, notebooks)."""
-    from hydra import compose, initialize_config_dir
-
-    check_group_overrides(list(overrides))
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 def load_policy(name: str) -> PolicyConfig:
@@ -158,23 +147,6 @@ def summary_table(rows: list[dict], baseline_ms: float | None) -> pd.DataFrame:
     return table
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def check_group_overrides(argv: list[str]) -> None:
-    """Reject unknown config-group options in one line before Hydra prints its multi-line report."""
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        group = key.lstrip("+~").split("@")[0]
-        if not sep or group not in GROUPS:
-            continue
-        inner = value[value.find("(") + 1 : value.rfind(")")] if value.startswith("choice(") else value
-        for option in filter(None, (v.strip() for v in inner.split(","))):
-            if option not in group_options(group):
-                raise ConfigError(f"unknown {group} {option!r}; allowed: {', '.join(group_options(group))}")
-
-
 def check_composition(argv: list[str]) -> None:
     """Compose and validate every job up front (one for a run, each combination of a ``-m`` sweep), so that a
     bad value is one line and no job runs or writes anything when any job of a sweep is bad."""
@@ -226,11 +198,6 @@ def _discard(run_dir: Path) -> None:
         # The date (or sweep) directory too, if this run was its only one (rmdir fails on a non-empty one).
         with contextlib.suppress(OSError):
             run_dir.parent.rmdir()
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
 
 
 register()

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sim.config import ConfigError, LengthDistribution, WorkloadConfig, validate
+from sim.config import LengthDistribution, WorkloadConfig, validate
+from sim.core import ConfigError, resolve_path
 
 # Sensitivities are clipped away from 0: s -> 0 makes kept_fraction = p ** (1/s) underflow.
 MIN_SENSITIVITY = 1e-3
@@ -23,14 +24,6 @@ class Sequence:
     id: int
     length: int  # tokens
     sensitivity: float  # coverage(kf) = kf ** sensitivity, in (0, 1]
-
-
-def resolve_path(path: str) -> Path:
-    """A path as given, or relative to the project root (configs name repo files from any cwd)."""
-    given = Path(path)
-    if given.is_absolute() or given.exists():
-        return given
-    return Path(__file__).resolve().parents[1] / given
 
 
 def read_trace(path: str) -> np.ndarray:

@@ -10,16 +10,16 @@ from sim.policy import make_batching, make_sparsity
 from policies.dst import LevelTable, budget_grid, pipeline_ms
 from sim.plan import Budget
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError
+from sim.core import ConfigError, compose_config
 from sim.cost import make_cost
 from sim.engine import Engine, run_pipeline
-from sim.run import compose_config
 from sim.workload import Sequence
+from pinned import pinned
 
 
 @pytest.fixture(scope="module")
 def world():
-    cfg = compose_config(["cluster.nodes=2"])  # the calibrated (default) cost model
+    cfg = compose_config(pinned(["cluster.nodes=2"]))  # the calibrated (default) cost model
     cluster = Cluster.from_config(cfg.cluster)
     return cluster, make_cost(cfg.cost, cfg.model, cluster)
 

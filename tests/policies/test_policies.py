@@ -10,9 +10,8 @@ from policies.karmarkar_karp import kk_partition, ldm_partition
 from policies.lpt import lpt_partition
 from sim.plan import Assignment, Budget
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError
+from sim.core import ConfigError, compose_config
 from sim.cost import make_cost
-from sim.run import compose_config
 from sim.workload import Workload
 
 costs_strategy = st.lists(st.floats(0.01, 1000.0, allow_nan=False), min_size=1, max_size=200)

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from pinned import PINNED_PROFILE
 from sim.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +72,8 @@ def test_training_writes_results_and_loss_decreases(full_run):
 
 
 def test_plans_are_the_simulators_and_ranks_train_their_share(full_run):
-    from sim.run import compose_config, simulate
+    from sim.run import simulate
+    from sim.core import compose_config
 
     cfg = compose_config([*SHARED, f"steps={STEPS}"])
     expected = "".join(p + "\n" for p in simulate(cfg).results.plans)
@@ -104,7 +106,7 @@ def test_resume_continues_the_same_loss_curve(full_run, tmp_path):
 def test_compare_replays_the_run_through_the_simulator(full_run):
     from runner.compare import main
 
-    assert main([str(full_run), "--profile", "calibrate/profiles/h200.json"]) == 0
+    assert main([str(full_run), "--profile", str(PINNED_PROFILE)]) == 0
     table = pd.read_csv(full_run / "compare.csv")
     assert list(table["step"]) == list(range(STEPS))
     assert (table["sim_ms"] > 0).all() and np.isfinite(table["error_pct"]).all()

@@ -8,7 +8,7 @@ from sim.plan import Assignment, Plan
 from sim.cluster import Cluster, Layout
 from sim.cost import make_cost
 from sim.engine import Engine, run_pipeline
-from sim.run import compose_config
+from sim.core import compose_config
 
 # 2 GPUs on one node: DP=2 with the roofline cost.
 OVERRIDES = ["cost=roofline", "cluster.nodes=1", "cluster.gpus_per_node=2", "layout.dp=2", "layout.micro_batches=1"]

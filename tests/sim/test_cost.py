@@ -3,10 +3,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError
-from sim.cost import (attention_features, load_profile, make_cost, params_per_layer, provisional_profile,
-                      write_json_atomic)
-from sim.run import compose_config
+from sim.core import ConfigError, compose_config, write_json_atomic
+from sim.cost import attention_features, load_profile, make_cost, params_per_layer, provisional_profile
 from sim.workload import Sequence
 
 

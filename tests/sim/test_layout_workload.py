@@ -2,8 +2,7 @@ import numpy as np
 import pytest
 
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError
-from sim.run import compose_config
+from sim.core import ConfigError, compose_config
 from sim.workload import Workload
 
 

@@ -3,7 +3,7 @@ all-reduce moves), and its FLOPs follow the literature: the LM head is a matmul,
 import pytest
 
 from sim.cost import layer_features, params_per_layer, total_params
-from sim.run import compose_config, group_options
+from sim.core import compose_config, group_options
 
 # Parameters as published on each model's card.
 PUBLISHED = {

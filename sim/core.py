@@ -1,0 +1,119 @@
+"""What every package of the project uses: the bad-input error and the one-line CLI wrapper around it,
+atomic file writes, paths relative to the project, and composing the Hydra config outside an app.
+
+It sits at the bottom of the stack (standard library, Hydra and OmegaConf only), so that ``sim``, the
+policies, calibration, the runner and the figures share one definition of each.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+GROUPS = ("policy", "cluster", "model", "workload", "cost")
+EXIT_BAD_INPUT = 2
+
+
+class ConfigError(ValueError):
+    """Bad user input; the entry point prints its message as one line and exits with EXIT_BAD_INPUT."""
+
+
+def fail(message: str) -> NoReturn:
+    """End the process on bad input: one ``error:`` line on stderr, exit code 2."""
+    print(f"error: {str(message).splitlines()[0] if str(message) else 'bad input'}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
+    """Wrap a command-line ``main`` so that a ConfigError ends it as one line and exit code 2, no traceback."""
+
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except ConfigError as exc:
+            fail(str(exc))
+
+    return wrapped
+
+
+# ----------------------------------------------------------------------------- files
+def resolve_path(path: str | Path) -> Path:
+    """A path as given, or relative to the project root (configs name repo files from any cwd)."""
+    given = Path(path)
+    if given.is_absolute() or given.exists():
+        return given
+    return ROOT / given
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; on success it is flushed to disk and renamed over
+    ``path`` (a reader sees the old file or the whole new one, also after a crash), on error removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with tmp.open("rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: str | Path, payload: dict) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------- config composition
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(argv: Sequence[str]) -> None:
+    """Reject unknown config-group options in one line before Hydra prints its multi-line report."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        group = key.lstrip("+~").split("@")[0]
+        if not sep or group not in GROUPS:
+            continue
+        inner = value[value.find("(") + 1 : value.rfind(")")] if value.startswith("choice(") else value
+        for option in filter(None, (v.strip() for v in inner.split(","))):
+            if option not in group_options(group):
+                raise ConfigError(f"unknown {group} {option!r}; allowed: {', '.join(group_options(group))}")
+
+
+def compose_config(overrides: Sequence[str] = (), config_name: str = "config"):
+    """The composed run config outside a Hydra app (tests, benchmarks, notebooks, sim.compare)."""
+    from hydra import compose, initialize_config_dir
+
+    from sim.config import register  # the schema the YAML extends; imported here, config imports this module
+
+    register()
+    check_group_overrides(overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
