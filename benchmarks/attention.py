@@ -1,12 +1,12 @@
 """Benchmark and GPU checks of kernels.sparse_attention (run on an H200).
 
-    python benchmarks/attention.py --check            # bf16/fp16 fwd + grads vs the fp32 naive reference
-    python benchmarks/attention.py --tune             # time a few (BM, BN, warps, stages, grid order) per kernel
-    python benchmarks/attention.py --tune --apply-tuned --check --bench --csv grid.csv --check-csv check.csv
-    python benchmarks/attention.py --csv out.csv      # the benchmark grid (default)
-    python benchmarks/attention.py --rounds 3 --csv out.csv   # each point 3 times, implementations in turn: medians
-    python benchmarks/attention.py --no-packed --lengths 131072 --csv part.csv   # part of the grid (split over calls)
-    python benchmarks/attention.py --selection        # selection time vs fwd+bwd, 3 repeats
+    python -m benchmarks.attention --check            # bf16/fp16 fwd + grads vs the fp32 naive reference
+    python -m benchmarks.attention --tune             # time a few (BM, BN, warps, stages, grid order) per kernel
+    python -m benchmarks.attention --tune --apply-tuned --check --bench --csv grid.csv --check-csv check.csv
+    python -m benchmarks.attention --csv out.csv      # the benchmark grid (default)
+    python -m benchmarks.attention --rounds 3 --csv out.csv   # each point 3 times, implementations in turn: medians
+    python -m benchmarks.attention --no-packed --lengths 131072 --csv part.csv   # part of the grid (split over calls)
+    python -m benchmarks.attention --selection        # selection time vs fwd+bwd, 3 repeats
 
 Grid: single sequences L in {8K, 32K, 128K} x sparsity {0, .5, .75, .9, .95} and a packed 64K-token batch of
 long-tail documents; H=16, D=128, bf16, block 128. Sparsity s means ``kept_fraction = 1 - s`` (selection by
@@ -19,20 +19,24 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from kernels.sparse_attention import (KernelOptions, select_blocks, sparse_attention, sparse_attention_naive)
+from kernels.sparse_attention import backward, forward, launch
 
-from kernels.sparse_attention import select_blocks, sparse_attention, sparse_attention_naive  # noqa: E402
-from kernels.sparse_attention import triton_kernels as tk  # noqa: E402
+H, D, B = 16, 128, 128  # the grid's heads, head dim and block size (tuning and --config apply to (B, D))
+TORCH_SELECTION = KernelOptions(selection="torch")
+GRID_FIELDS = ["case", "T", "ndocs", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms", "fwd_tflops",
+               "fwdbwd_tflops", "speedup_vs_flex_fwdbwd", "error"]
+GRAPH_FIELDS = ["fwd_graph_ms", "fwdbwd_graph_ms", "speedup_vs_flex_fwdbwd_graph"]
 
 
 def log(*a):
@@ -48,8 +52,8 @@ def bench(fn, rep=40, warmup=10):
 def interleaved_ms(fns: dict, rounds: int) -> dict:
     """Median fwd and fwd+bwd ms (``bench``) of each implementation in ``fns`` (name: (fwd, fwdbwd)) over
     ``rounds`` rounds in which the implementations take turns, so that a slow stretch of a noisy host hits
-    them all (single samples moved by up to 2x on the H200 machine's host-bound points: trials, labs 17 and
-    18). An implementation that raises gets its exception instead and sits out the remaining rounds."""
+    them all (single samples of host-bound points move by up to 2x on the H200 machine). An implementation
+    that raises gets its exception instead and sits out the remaining rounds."""
     times = {name: ([], []) for name in fns}
     failed = {}
     for _ in range(rounds):
@@ -105,94 +109,91 @@ def long_tail_lengths(total=65536, seed=0):
     return lens
 
 
+def rel_errors(outs, refs) -> list[float]:
+    """Max abs error over max abs reference, per tensor (inf where not finite)."""
+    errs = []
+    for a, b in zip(outs, refs):
+        e = (a.float() - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+        errs.append(e if math.isfinite(e) else float("inf"))
+    return errs
+
+
+def against_reference(q, k, v, cu, sel, options: KernelOptions, det: bool):
+    """Relative errors of (o, dq, dk, dv) against the fp32 reference with NaN-poisoned outputs, and (``det``)
+    whether a second backward is bitwise equal."""
+    poison = dataclasses.replace(options, poison_outputs=True)
+    o = sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=poison)
+    do = torch.randn_like(o)
+    g = torch.autograd.grad(o, (q, k, v), do)
+    same = True
+    if det:
+        g2 = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=poison),
+                                 (q, k, v), do)
+        same = all(torch.equal(a, b) for a, b in zip(g, g2))
+    qf, kf, vf = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = sparse_attention_naive(qf, kf, vf, cu, sel)
+    gr = torch.autograd.grad(ref, (qf, kf, vf), do.float())
+    return rel_errors((o, *g), (ref, *gr)), same
+
+
+def write_csv(path, rows: list[dict]):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 # ---------------------------------------------------------------------------------------------- check
+CHECK_LENS = [1, 17, 300, 1000, 64, 129, 1, 2047, 130]
+CHECK_TOL = {torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 5e-3)}  # (output, gradients)
+
+
 def check(args):
     torch.manual_seed(0)
-    lens = [1, 17, 300, 1000, 64, 129, 1, 2047, 130]
-    cu = cu_from_lens(lens)
-    T = sum(lens)
-    tol = {torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 5e-3)}
+    cu = cu_from_lens(CHECK_LENS)
+    T = sum(CHECK_LENS)
     rows = []
-    ok_all = True
     for dtype in (torch.bfloat16, torch.float16):
-        for D in (64, 128):
-            for B in (64, 128):
+        for hd in (64, 128):
+            for bs in (64, 128):
                 for (Hq, Hkv), budget in (((8, 2), dict(p=0.9)), ((4, 4), dict(kept_fraction=0.3)),
                                           ((8, 1), dict(p=1.0))):
-                    q, k, v = make_qkv(T, Hq, Hkv, D, dtype, seed=D + B)
-                    sel = select_blocks(q, k, cu, block_size=B, **budget)
-                    tk.POISON_OUTPUTS = True
-                    o = sparse_attention(q, k, v, cu, selection=sel, backend="triton")
-                    do = torch.randn_like(o)
-                    g = torch.autograd.grad(o, (q, k, v), do)
-                    g2 = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel, backend="triton"),
-                                             (q, k, v), do)
-                    tk.POISON_OUTPUTS = False
-                    det = all(torch.equal(a, b) for a, b in zip(g, g2))
-                    qf, kf, vf = [x.detach().float().requires_grad_() for x in (q, k, v)]
-                    ref = sparse_attention_naive(qf, kf, vf, cu, sel)
-                    gr = torch.autograd.grad(ref, (qf, kf, vf), do.float())
-                    errs = {}
-                    for name, a, b in (("o", o, ref), ("dq", g[0], gr[0]), ("dk", g[1], gr[1]),
-                                       ("dv", g[2], gr[2])):
-                        e = (a.float() - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
-                        errs[name] = e if math.isfinite(e) else float("inf")
-                    ft, gt = tol[dtype]
+                    q, k, v = make_qkv(T, Hq, Hkv, hd, dtype, seed=hd + bs)
+                    sel = select_blocks(q, k, cu, block_size=bs, **budget)
+                    errs, det = against_reference(q, k, v, cu, sel, args.options, det=True)
+                    errs = dict(zip(("o", "dq", "dk", "dv"), errs))
+                    ft, gt = CHECK_TOL[dtype]
                     ok = errs["o"] <= ft and max(errs["dq"], errs["dk"], errs["dv"]) <= gt and det
-                    ok_all &= ok
-                    row = dict(dtype=str(dtype).split(".")[-1], D=D, B=B, Hq=Hq, Hkv=Hkv, budget=str(budget),
+                    row = dict(dtype=str(dtype).split(".")[-1], D=hd, B=bs, Hq=Hq, Hkv=Hkv, budget=str(budget),
                                **{f"rel_err_{k_}": f"{v_:.2e}" for k_, v_ in errs.items()},
                                deterministic=det, ok=ok)
                     rows.append(row)
                     log(json.dumps(row))
+    ok_all = all(row["ok"] for row in rows)
     log("CHECK", "PASS" if ok_all else "FAIL")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows)
     return ok_all
 
 
 # ---------------------------------------------------------------------------------------------- tune
+def tune_shapes() -> dict:
+    """(name, document lengths, kept fraction) of the shapes of each row-length class."""
+    return {"long": (("single128k_kf0.25", [131072], 0.25), ("single32k_dense", [32768], 1.0),
+                     ("single32k_kf0.1", [32768], 0.1)),
+            "short": (("packed64k_kf0.1", long_tail_lengths(65536), 0.1), ("single8k_kf0.1", [8192], 0.1))}
+
+
 def tune(args):
     """Time candidate configs of each kernel config (``fwd``, ``dq``, ``dkdv`` for long rows and their
     ``_short`` twins) on shapes of its row-length class, each kernel launched alone (the dK/dV kernel on a
     delta from one dQ pass), and pick the lowest sum of times relative to each shape's best (so no shape
     dominates by its size). Returns the winners."""
-    H, D, B = 16, 128, 128
-    shapes = {"long": (("single128k_kf0.25", [131072], 0.25), ("single32k_dense", [32768], 1.0),
-                       ("single32k_kf0.1", [32768], 0.1)),
-              "short": (("packed64k_kf0.1", long_tail_lengths(65536), 0.1), ("single8k_kf0.1", [8192], 0.1))}
+    shapes = tune_shapes()
     res = {}
     for cls, cls_shapes in shapes.items():
         for name, lens, kf in cls_shapes:
-            q, k, v = make_qkv(sum(lens), H, H, D, torch.bfloat16, grad=False)
-            cu = cu_from_lens(lens)
-            sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
-            W = sel.row_blocks
-            assert (W * B < tk.SHORT_ROW_TOKENS) == (cls == "short"), f"{name}: longest row {W} blocks"
-            o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
-            do = torch.randn_like(o)
-            _, delta = tk.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, D ** -0.5)
-            launch = {"fwd": lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5),
-                      "dq": lambda: tk.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, D ** -0.5),
-                      "dkdv": lambda: tk.sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, D ** -0.5)}
-            for kind, cands in args.tune_cands.items():
-                if kind.endswith("_short") != (cls == "short"):
-                    continue
-                for cand in cands:
-                    tk.CONFIG_OVERRIDES[(B, D)] = {kind: dict(zip(CONFIG_KEYS, cand))}
-                    try:
-                        ms = bench(launch[kind.split("_")[0]])
-                        ck = tk.LAST_COMPILED[kind.split("_")[0]]
-                        info = f"regs={ck.n_regs} spills={ck.n_spills}"
-                    except Exception as e:  # noqa: BLE001
-                        ms, info = float("nan"), repr(e)[:200]
-                    res.setdefault((kind, cand), {})[name] = ms
-                    log(f"tune {name} {kind} {cand} {ms:.3f} ms {info}")
-            tk.CONFIG_OVERRIDES.clear()
-            del q, k, v, o, lse, do, delta, sel, launch
+            tune_shape(args, res, cls, name, lens, kf)
             torch.cuda.empty_cache()
     best = {}
     for kind, cands in args.tune_cands.items():
@@ -208,8 +209,43 @@ def tune(args):
     return best
 
 
+def kernel_launchers(q, k, v, sel):
+    """{kind: launcher(options)} timing each kernel alone on one shape: the forward, dQ, and dK/dV on the
+    delta of one dQ pass."""
+    scale = D ** -0.5
+    o, lse = forward.sparse_attn_fwd(q, k, v, sel, scale)
+    do = torch.randn_like(o)
+    _, delta = backward.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, scale)
+    return {"fwd": lambda opts: forward.sparse_attn_fwd(q, k, v, sel, scale, opts),
+            "dq": lambda opts: backward.sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, scale, options=opts),
+            "dkdv": lambda opts: backward.sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, scale, opts)}
+
+
+def tune_shape(args, res: dict, cls: str, name: str, lens, kf):
+    """Time every candidate of the ``cls`` row class on one shape into ``res[(kind, cand)][name]``."""
+    q, k, v = make_qkv(sum(lens), H, H, D, torch.bfloat16, grad=False)
+    sel = select_blocks(q, k, cu_from_lens(lens), kept_fraction=kf, block_size=B)
+    assert (sel.row_blocks * B < launch.SHORT_ROW_TOKENS) == (cls == "short"), \
+        f"{name}: longest row {sel.row_blocks} blocks"
+    launchers = kernel_launchers(q, k, v, sel)
+    for kind, cands in args.tune_cands.items():
+        if kind.endswith("_short") != (cls == "short"):
+            continue
+        base = kind.split("_")[0]
+        for cand in cands:
+            compiled = {}
+            opts = KernelOptions(tiles={(B, D): {kind: dict(zip(CONFIG_KEYS, cand))}}, compiled=compiled)
+            try:
+                ms = bench(lambda: launchers[base](opts))
+                info = f"regs={compiled[base].n_regs} spills={compiled[base].n_spills}"
+            except Exception as e:  # noqa: BLE001
+                ms, info = float("nan"), repr(e)[:200]
+            res.setdefault((kind, cand), {})[name] = ms
+            log(f"tune {name} {kind} {cand} {ms:.3f} ms {info}")
+
+
 # A config tuple names these keys in order (a shorter tuple leaves the rest at the defaults); dkdv: BN is the
-# program's KV tile, BM the query sub-tile; TMA and WS exist in the forward and dQ (WS: forward only).
+# program's KV tile, BM the query sub-tile; WS exists in the forward only (the dK/dV candidates leave TMA on).
 CONFIG_KEYS = ("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER", "TMA", "WS")
 TUNE_CANDS = {
     "fwd": [(128, 128, 8, 2, True, True, True), (128, 128, 8, 3, True, True, True),
@@ -222,6 +258,12 @@ TUNE_CANDS = {
     "dkdv": [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 2, True)],
     "dkdv_short": [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (64, 64, 4, 1, True)],
 }
+
+
+
+def tiles_option(configs: dict) -> KernelOptions:
+    """Options with ``{kind: {key: value}}`` launch configs for the grid's (block, head dim)."""
+    return KernelOptions(tiles={(B, D): configs})
 
 
 # ---------------------------------------------------------------------------------------------- bench
@@ -253,7 +295,7 @@ def flex_block_mask_single(sel, H, L, B):
                                     seq_lengths=(L, L))
 
 
-def flex_block_mask_packed(sel, cu, H, T, B):
+def flex_block_mask_packed(sel, H, T, B):
     from torch.nn.attention.flex_attention import create_block_mask
 
     lay = sel.layout
@@ -269,14 +311,16 @@ def flex_block_mask_packed(sel, cu, H, T, B):
     return create_block_mask(mask_mod, 1, H, T, T, device=dev, BLOCK_SIZE=B, _compile=dev.type == "cuda")
 
 
-def selection_cost(emit, H, D, B, dtype, lengths=(32768,), repeats=1):
+
+
+def selection_cost(emit, options: KernelOptions, lengths=(32768,), repeats=1):
     """Selection time against our fwd+bwd on the same selection, single sequences, sparsity 0.9 (top-k and
     top-p budgets), with ``cu_seqlens`` on the host (as a data loader hands it over; the layout needs its
     values there) and on the GPU (one more device->host copy and sync per call). Selection is host-bound (a
     few launches), so ``repeats`` shows its spread."""
     for L in lengths:
         try:
-            q, k, v = make_qkv(L, H, H, D, dtype)
+            q, k, v = make_qkv(L, H, H, D, torch.bfloat16)
             cu = cu_from_lens([L])
             do = torch.randn_like(q)
             for _ in range(repeats):
@@ -286,7 +330,8 @@ def selection_cost(emit, H, D, B, dtype, lengths=(32768,), repeats=1):
                     s_ms = bench(lambda: select_blocks(q, k, c, block_size=B, **kw))
                     sel = select_blocks(q, k, cu, block_size=B, **kw)
                     fb_ms = bench(lambda: torch.autograd.grad(
-                        sparse_attention(q, k, v, cu, selection=sel, backend="triton"), (q, k, v), do))
+                        sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=options), (q, k, v),
+                        do))
                     emit(dict(case=f"selection_{L // 1024}k", T=L, ndocs=1,
                               sparsity=round(1 - float(sel.kept_fraction[0]), 4),
                               kept_fraction=round(float(sel.kept_fraction[0]), 4), impl=f"select[{mode}]",
@@ -299,23 +344,21 @@ def selection_cost(emit, H, D, B, dtype, lengths=(32768,), repeats=1):
 def short_vs_long(args):
     """On short-row selections (MHA and GQA), time each kernel with its short-row config and with its
     long-row config (every launch of the row class); prints one JSON row per shape."""
-    D, B = 128, 128
     cases = [((16, 2), [1024], 0.2), ((16, 2), [2048], 0.2), ((16, 2), [4096], 0.1), ((16, 2), [8192], 0.1),
              ((16, 2), [16384], 0.05), ((32, 8), [2048], 0.2), ((32, 8), [8192], 0.1), ((16, 16), [8192], 0.1),
              ((16, 2), long_tail_lengths(65536), 0.1), ((16, 16), long_tail_lengths(65536), 0.1)]
+    scale = D ** -0.5
+    as_long = tiles_option({f"{k_}_short": dict(launch.DEFAULT_CONFIG[k_]) for k_ in ("fwd", "dq", "dkdv")})
     for (Hq, Hkv), lens, kf in cases:
         q, k, v = make_qkv(sum(lens), Hq, Hkv, D, torch.bfloat16, grad=False)
-        cu = cu_from_lens(lens)
-        sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
-        o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
+        sel = select_blocks(q, k, cu_from_lens(lens), kept_fraction=kf, block_size=B)
+        o, lse = forward.sparse_attn_fwd(q, k, v, sel, scale)
         do = torch.randn_like(o)
         row = dict(Hq=Hq, Hkv=Hkv, T=sum(lens), ndocs=len(lens), kf=kf, row_tokens=sel.row_blocks * B)
-        for name, over in (("short", {}), ("long", {f"{k_}_short": dict(tk.DEFAULT_CONFIG[k_])
-                                                    for k_ in ("fwd", "dq", "dkdv")})):
-            tk.CONFIG_OVERRIDES[(B, D)] = over
-            row[f"fwd_{name}"] = round(bench(lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)), 4)
-            row[f"bwd_{name}"] = round(bench(lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5)), 4)
-        tk.CONFIG_OVERRIDES.clear()
+        for name, opts in (("short", KernelOptions()), ("long", as_long)):
+            row[f"fwd_{name}"] = round(bench(lambda: forward.sparse_attn_fwd(q, k, v, sel, scale, opts)), 4)
+            row[f"bwd_{name}"] = round(bench(lambda: backward.sparse_attn_bwd(do, q, k, v, o, lse, sel, scale,
+                                                                              opts)), 4)
         log("SHORT_VS_LONG", json.dumps(row))
 
 
@@ -325,213 +368,238 @@ def grid_cases(lengths, packed: bool) -> list:
     return ([("packed64k", long_tail_lengths(65536))] if packed else []) + [("single", [L]) for L in lengths]
 
 
-def run_bench(args):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import flex_attention
-
-    import triton
-
-    flex = torch.compile(flex_attention, dynamic=False)
-    H, D, B = 16, 128, 128
-    dtype = torch.bfloat16
-    fields = ["case", "T", "ndocs", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms", "fwd_tflops",
-              "fwdbwd_tflops", "speedup_vs_flex_fwdbwd", "error"]
-    if args.graph_max_tokens:
-        fields[-1:-1] = ["fwd_graph_ms", "fwdbwd_graph_ms", "speedup_vs_flex_fwdbwd_graph"]
-    out = open(args.csv, "w", newline="")
+def csv_emitter(out, fields: list):
+    """``emit(row)``: one CSV row (missing fields empty), flushed, and its JSON on stdout."""
     w = csv.DictWriter(out, fieldnames=fields)
     w.writeheader()
-    meta = dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
-                configs=tk.CONFIG_OVERRIDES.get((B, D), "default"), rounds=args.rounds)
-    log("META", json.dumps(meta, default=str))
 
     def emit(row):
         w.writerow({k: row.get(k, "") for k in fields})
         out.flush()
         log(json.dumps(row))
+    return emit
 
-    def add_graph_times(row, T, fwd, fwdbwd):
-        """The CUDA-graph times of one implementation into its row (where T <= --graph-max-tokens); a graph
-        that cannot be captured is noted in the row's error field."""
-        if T > args.graph_max_tokens:
-            return
-        try:
-            g_f, g_fb = graph_times(fwd, fwdbwd)
-            row.update(fwd_graph_ms=round(g_f, 4), fwdbwd_graph_ms=round(g_fb, 4))
-        except Exception as e:  # noqa: BLE001
-            row["error"] = (row.get("error", "") + f" graph: {e!r:.200}").strip()
 
-    selection_cost(emit, H, D, B, dtype)
-    cases = grid_cases(args.lengths, args.packed)
-    t_start = time.time()
-    for case, lens in cases:
-        if time.time() - t_start > args.deadline_s:
-            emit(dict(case=case, T=sum(lens), ndocs=len(lens), impl="all", error="skipped: --deadline-s reached"))
-            continue
-        T = sum(lens)
-        cu = cu_from_lens(lens)
-        log(f"== {case} T={T} ndocs={len(lens)} max_doc={max(lens)}")
-        q, k, v = make_qkv(T, H, H, D, dtype)
-        do = torch.randn_like(q)
-        qb, kb, vb = [x.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for x in (q, k, v)]
-        dob = do.transpose(0, 1).unsqueeze(0).contiguous()
-        dense_pairs = sum(n * (n + 1) // 2 for n in lens)
-        if case == "single":
-            # cuDNN dense causal reference
-            try:
-                def cudnn_fwd():
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
-                cudnn_fb = lambda: torch.autograd.grad(cudnn_fwd(), (qb, kb, vb), dob)  # noqa: E731
-                timed = interleaved_ms({"cudnn": (cudnn_fwd, cudnn_fb)}, args.rounds)["cudnn"]
-                if isinstance(timed, Exception):
-                    raise timed
-                f_ms, fb_ms = timed
-                fl = 4 * D * H * dense_pairs
-                row = dict(case=case, T=T, ndocs=len(lens), sparsity=0.0, kept_fraction=1.0, impl="cudnn_dense",
-                           fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4), fwd_tflops=round(fl / f_ms / 1e9, 1),
-                           fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1))
-                add_graph_times(row, T, cudnn_fwd, cudnn_fb)
-                emit(row)
-            except Exception as e:  # noqa: BLE001
-                emit(dict(case=case, T=T, ndocs=len(lens), impl="cudnn_dense", error=repr(e)[:300]))
-        for sp in args.sparsities:
-            kf = 1.0 - sp
+def add_graph_times(row: dict, T: int, graph_max_tokens: int, fwd, fwdbwd):
+    """The CUDA-graph times of one implementation into its row (where T <= --graph-max-tokens); a graph that
+    cannot be captured is noted in the row's error field."""
+    if T > graph_max_tokens:
+        return
+    try:
+        g_f, g_fb = graph_times(fwd, fwdbwd)
+        row.update(fwd_graph_ms=round(g_f, 4), fwdbwd_graph_ms=round(g_fb, 4))
+    except Exception as e:  # noqa: BLE001
+        row["error"] = (row.get("error", "") + f" graph: {e!r:.200}").strip()
+
+
+def timed_row(base: dict, f_ms: float, fb_ms: float, flops: float) -> dict:
+    return dict(base, fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4), fwd_tflops=round(flops / f_ms / 1e9, 1),
+                fwdbwd_tflops=round(3.5 * flops / fb_ms / 1e9, 1))
+
+
+def run_bench(args):
+    import triton
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    fields = GRID_FIELDS[:-1] + GRAPH_FIELDS + GRID_FIELDS[-1:] if args.graph_max_tokens else GRID_FIELDS
+    tiles = {kind: dict(cfg) for kind, cfg in args.options.tile_overrides(B, D).items()}
+    meta = dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
+                configs=tiles or "default", rounds=args.rounds)
+    with open(args.csv, "w", newline="") as out:
+        emit = csv_emitter(out, fields)
+        log("META", json.dumps(meta, default=str))
+        selection_cost(emit, args.options)
+        t_start = time.time()
+        for case, lens in grid_cases(args.lengths, args.packed):
             if time.time() - t_start > args.deadline_s:
-                emit(dict(case=case, T=T, ndocs=len(lens), sparsity=sp, impl="all",
-                          error="skipped: --deadline-s reached"))
+                emit(dict(case=case, T=sum(lens), ndocs=len(lens), impl="all", error="skipped: --deadline-s reached"))
                 continue
-            try:
-                sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B)
-                pairs = sel.kept_block_pairs_tokens()  # over KV heads == H here
-                fl = 4 * D * pairs
-                kept = float((sel.kept_fraction * torch.tensor(lens, device="cuda").float() ** 2).sum()
-                             / (torch.tensor(lens, device="cuda").float() ** 2).sum())
-            except Exception as e:  # noqa: BLE001
-                emit(dict(case=case, T=T, ndocs=len(lens), sparsity=sp, impl="select", error=repr(e)[:300]))
-                continue
-            base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp, kept_fraction=round(kept, 4))
-            fwd = lambda: sparse_attention(q, k, v, cu, selection=sel, backend="triton")  # noqa: E731
-            fns = {"triton_sparse": (fwd, lambda: torch.autograd.grad(fwd(), (q, k, v), do))}
-            notes = {}
-            if case == "single" and sp == 0.0 and T > args.flex_dense_max:
-                emit(dict(base, impl="flex", error=f"skipped: dense flex at T={T} > --flex-dense-max"))
-            else:
-                try:
-                    t0 = time.time()
-                    bm = (flex_block_mask_single(sel, H, T, B) if case == "single"
-                          else flex_block_mask_packed(sel, cu, H, T, B))
-                    notes["flex"] = f"block_mask_build_s={time.time() - t0:.2f}"
-                    ffwd = lambda: flex(qb, kb, vb, block_mask=bm)  # noqa: E731
-                    fns["flex"] = (ffwd, lambda: torch.autograd.grad(ffwd(), (qb, kb, vb), dob))
-                except Exception as e:  # noqa: BLE001
-                    emit(dict(base, impl="flex", error=repr(e)[:300]))
-                    traceback.print_exc()
-            rows = {}
-            for impl, timed in interleaved_ms(fns, args.rounds).items():
-                if isinstance(timed, Exception):
-                    rows[impl] = dict(base, impl=impl, error=repr(timed)[:300])
-                    continue
-                f_ms, fb_ms = timed
-                rows[impl] = dict(base, impl=impl, fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4),
-                                  fwd_tflops=round(fl / f_ms / 1e9, 1),
-                                  fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1))
-                add_graph_times(rows[impl], T, *fns[impl])
-            row_ours, row_flex = rows["triton_sparse"], rows.get("flex")
-            if row_flex is not None:
-                if "fwd_ms" in row_flex:
-                    diff = (fns["flex"][0]()[0].transpose(0, 1).float() - fwd().float()).abs().max().item()
-                    notes["flex"] += f" maxdiff_vs_triton={diff:.2e}"
-                row_flex["error"] = (notes["flex"] + " " + row_flex.get("error", "")).strip()
-                emit(row_flex)
-            if "fwdbwd_ms" in row_ours and row_flex is not None and "fwdbwd_ms" in row_flex:
-                row_ours["speedup_vs_flex_fwdbwd"] = round(row_flex["fwdbwd_ms"] / row_ours["fwdbwd_ms"], 3)
-                if "fwdbwd_graph_ms" in row_ours and "fwdbwd_graph_ms" in row_flex:
-                    row_ours["speedup_vs_flex_fwdbwd_graph"] = round(row_flex["fwdbwd_graph_ms"]
-                                                                     / row_ours["fwdbwd_graph_ms"], 3)
-            emit(row_ours)
-            del sel
-        del q, k, v, qb, kb, vb
-        torch.cuda.empty_cache()
-    out.close()
+            bench_case(args, emit, flex, case, lens, t_start)
+            torch.cuda.empty_cache()
 
 
+def bench_case(args, emit, flex, case: str, lens: list, t_start: float):
+    """The rows of one grid case: cuDNN dense (single sequences), then every sparsity."""
+    T = sum(lens)
+    log(f"== {case} T={T} ndocs={len(lens)} max_doc={max(lens)}")
+    q, k, v = make_qkv(T, H, H, D, torch.bfloat16)
+    do = torch.randn_like(q)
+    # FlexAttention and cuDNN take [1, H, T, D]
+    heads_first = [x.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for x in (q, k, v)]
+    dob = do.transpose(0, 1).unsqueeze(0).contiguous()
+    if case == "single":
+        emit(cudnn_row(args, case, lens, heads_first, dob))
+    for sp in args.sparsities:
+        if time.time() - t_start > args.deadline_s:
+            emit(dict(case=case, T=T, ndocs=len(lens), sparsity=sp, impl="all", error="skipped: --deadline-s reached"))
+            continue
+        bench_point(args, emit, flex, case, lens, sp, (q, k, v, do), (*heads_first, dob))
+
+
+def cudnn_row(args, case: str, lens: list, heads_first: list, dob) -> dict:
+    """cuDNN dense causal attention on one sequence (the dense reference)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qb, kb, vb = heads_first
+    T = sum(lens)
+    try:
+        def cudnn_fwd():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+        cudnn_fb = lambda: torch.autograd.grad(cudnn_fwd(), (qb, kb, vb), dob)  # noqa: E731
+        timed = interleaved_ms({"cudnn": (cudnn_fwd, cudnn_fb)}, args.rounds)["cudnn"]
+        if isinstance(timed, Exception):
+            raise timed
+        flops = 4 * D * H * sum(n * (n + 1) // 2 for n in lens)
+        row = timed_row(dict(case=case, T=T, ndocs=len(lens), sparsity=0.0, kept_fraction=1.0, impl="cudnn_dense"),
+                        *timed, flops)
+        add_graph_times(row, T, args.graph_max_tokens, cudnn_fwd, cudnn_fb)
+        return row
+    except Exception as e:  # noqa: BLE001
+        return dict(case=case, T=T, ndocs=len(lens), impl="cudnn_dense", error=repr(e)[:300])
+
+
+def flex_fns(args, emit, flex, case: str, sel, base: dict, heads_first) -> tuple | None:
+    """FlexAttention's (fwd, fwd+bwd) over the selection's BlockMask, and a note of the mask's build time;
+    None where it is skipped (dense single sequences above --flex-dense-max) or the mask fails (its row
+    emitted)."""
+    qb, kb, vb, dob = heads_first
+    T = base["T"]
+    if case == "single" and base["sparsity"] == 0.0 and T > args.flex_dense_max:
+        emit(dict(base, impl="flex", error=f"skipped: dense flex at T={T} > --flex-dense-max"))
+        return None
+    try:
+        t0 = time.time()
+        bm = (flex_block_mask_single(sel, H, T, B) if case == "single"
+              else flex_block_mask_packed(sel, H, T, B))
+        note = f"block_mask_build_s={time.time() - t0:.2f}"
+        ffwd = lambda: flex(qb, kb, vb, block_mask=bm)  # noqa: E731
+        return (ffwd, lambda: torch.autograd.grad(ffwd(), (qb, kb, vb), dob)), note
+    except Exception as e:  # noqa: BLE001
+        emit(dict(base, impl="flex", error=repr(e)[:300]))
+        traceback.print_exc()
+        return None
+
+
+def bench_point(args, emit, flex, case: str, lens: list, sp: float, tensors, heads_first):
+    """Our kernel and FlexAttention at one sparsity of one case, timed in turns; their rows."""
+    q, k, v, do = tensors
+    T = sum(lens)
+    cu = cu_from_lens(lens)
+    try:
+        sel = select_blocks(q, k, cu, kept_fraction=1.0 - sp, block_size=B)
+        flops = 4 * D * sel.kept_block_pairs_tokens()  # pairs over KV heads == H here
+        weight = torch.tensor(lens, device="cuda").float() ** 2
+        kept = float((sel.kept_fraction * weight).sum() / weight.sum())
+    except Exception as e:  # noqa: BLE001
+        emit(dict(case=case, T=T, ndocs=len(lens), sparsity=sp, impl="select", error=repr(e)[:300]))
+        return
+    base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp, kept_fraction=round(kept, 4))
+    fwd = lambda: sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=args.options)  # noqa: E731
+    fns = {"triton_sparse": (fwd, lambda: torch.autograd.grad(fwd(), (q, k, v), do))}
+    flex_timed = flex_fns(args, emit, flex, case, sel, base, heads_first)
+    if flex_timed is not None:
+        fns["flex"], note = flex_timed
+    rows = {}
+    for impl, timed in interleaved_ms(fns, args.rounds).items():
+        if isinstance(timed, Exception):
+            rows[impl] = dict(base, impl=impl, error=repr(timed)[:300])
+            continue
+        rows[impl] = timed_row(dict(base, impl=impl), *timed, flops)
+        add_graph_times(rows[impl], T, args.graph_max_tokens, *fns[impl])
+    ours, theirs = rows["triton_sparse"], rows.get("flex")
+    if theirs is not None:
+        if "fwd_ms" in theirs:
+            diff = (fns["flex"][0]()[0].transpose(0, 1).float() - fwd().float()).abs().max().item()
+            note += f" maxdiff_vs_triton={diff:.2e}"
+        theirs["error"] = (note + " " + theirs.get("error", "")).strip()
+        emit(theirs)
+        add_speedups(ours, theirs)
+    emit(ours)
+
+
+def add_speedups(ours: dict, theirs: dict):
+    """Flex's time over ours (fwd+bwd; also from the CUDA graphs where both were replayed)."""
+    if "fwdbwd_ms" in ours and "fwdbwd_ms" in theirs:
+        ours["speedup_vs_flex_fwdbwd"] = round(theirs["fwdbwd_ms"] / ours["fwdbwd_ms"], 3)
+        if "fwdbwd_graph_ms" in ours and "fwdbwd_graph_ms" in theirs:
+            ours["speedup_vs_flex_fwdbwd_graph"] = round(theirs["fwdbwd_graph_ms"] / ours["fwdbwd_graph_ms"], 3)
+
+
+# ---------------------------------------------------------------------------------------------- quick
 def quick(args):
     """Short follow-up: bf16 correctness with the fused selection, selection cost, and our kernel's times at
     a few grid points (no Flex: compare with the full grid's Flex rows of the same GPU)."""
+    quick_check(args.options)
+    quick_points(args)
+    packed_selection_match()
+    selection_profile()
+    kernel_info()
+
+
+def quick_check(options: KernelOptions):
+    """bf16 fwd and grads over the fused selection against the fp32 reference; the fused selection against
+    the torch one."""
     torch.manual_seed(0)
-    lens = [1, 17, 300, 1000, 64, 129, 1, 2047, 130]
-    cu = cu_from_lens(lens)
+    cu = cu_from_lens(CHECK_LENS)
     ok_all = True
-    for D in (64, 128):
-        for B in (64, 128):
-            q, k, v = make_qkv(sum(lens), 8, 2, D, torch.bfloat16, seed=D + B)
-            os.environ["SPARSE_ATTN_SELECT"] = "torch"
-            sel_t = select_blocks(q, k, cu, block_size=B, p=0.9)
-            os.environ["SPARSE_ATTN_SELECT"] = "auto"
+    for hd in (64, 128):
+        for bs in (64, 128):
+            q, k, v = make_qkv(sum(CHECK_LENS), 8, 2, hd, torch.bfloat16, seed=hd + bs)
+            sel_t = select_blocks(q, k, cu, block_size=bs, p=0.9, options=TORCH_SELECTION)
             try:
-                sel = select_blocks(q, k, cu, block_size=B, p=0.9)
+                sel = select_blocks(q, k, cu, block_size=bs, p=0.9)
                 d1, d2 = sel.to_dense_mask(), sel_t.to_dense_mask()
                 same = f"{int((d1 != d2).sum())} of {int(d2.sum())} blocks differ"
             except Exception as e:  # noqa: BLE001
                 same = f"triton selection failed: {e!r:.300}"
                 sel = sel_t
-            tk.POISON_OUTPUTS = True
-            o = sparse_attention(q, k, v, cu, selection=sel, backend="triton")
-            do = torch.randn_like(o)
-            g = torch.autograd.grad(o, (q, k, v), do)
-            tk.POISON_OUTPUTS = False
-            qf, kf, vf = [x.detach().float().requires_grad_() for x in (q, k, v)]
-            ref = sparse_attention_naive(qf, kf, vf, cu, sel)
-            gr = torch.autograd.grad(ref, (qf, kf, vf), do.float())
-            errs = [(a.float() - b).abs().max().item() / b.abs().max().item() for a, b in zip((o, *g), (ref, *gr))]
+            errs, _ = against_reference(q, k, v, cu, sel, options, det=False)
             ok = errs[0] <= 1e-2 and max(errs[1:]) <= 2e-2
             ok_all &= ok
-            log(json.dumps(dict(D=D, B=B, selection_vs_torch=same, rel_err_o_dq_dk_dv=[f"{e:.2e}" for e in errs],
+            log(json.dumps(dict(D=hd, B=bs, selection_vs_torch=same, rel_err_o_dq_dk_dv=[f"{e:.2e}" for e in errs],
                                 ok=ok)))
     log("QUICK_CHECK", "PASS" if ok_all else "FAIL")
-    H, D, B = 16, 128, 128
-    fields = ["case", "T", "ndocs", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms", "fwd_tflops",
-              "fwdbwd_tflops", "speedup_vs_flex_fwdbwd", "error"]
-    out = open(args.csv, "w", newline="")
-    w = csv.DictWriter(out, fieldnames=fields)
-    w.writeheader()
-    for case, lens_, sps in (("packed64k", long_tail_lengths(65536), (0.9, 0.95)), ("single", [8192], (0.9,)),
-                             ("single", [32768], (0.0, 0.9))):
-        T = sum(lens_)
-        cu = cu_from_lens(lens_)
-        q, k, v = make_qkv(T, H, H, D, torch.bfloat16)
-        do = torch.randn_like(q)
-        lw = torch.tensor(lens_, device="cuda", dtype=torch.float32) ** 2  # same weighting as the full grid
-        for sp in sps:
-            for mode in ("kept_fraction", "torch_select") if (T == 32768 and sp == 0.9) else ("kept_fraction",):
-                if mode == "torch_select":
-                    os.environ["SPARSE_ATTN_SELECT"] = "torch"
-                s_ms = bench(lambda: select_blocks(q, k, cu, kept_fraction=1 - sp, block_size=B))
-                os.environ["SPARSE_ATTN_SELECT"] = "auto"
-                sel = select_blocks(q, k, cu, kept_fraction=1 - sp, block_size=B)
-                fl = 4 * D * sel.kept_block_pairs_tokens()
-                fwd = lambda: sparse_attention(q, k, v, cu, selection=sel, backend="triton")  # noqa: E731
-                f_ms = bench(fwd)
-                fb_ms = bench(lambda: torch.autograd.grad(fwd(), (q, k, v), do))
-                row = dict(case=case, T=T, ndocs=len(lens_), sparsity=sp,
-                           kept_fraction=round(float((sel.kept_fraction * lw).sum() / lw.sum()), 4),
-                           impl="triton_sparse",
-                           fwd_ms=round(f_ms, 4), fwdbwd_ms=round(fb_ms, 4), fwd_tflops=round(fl / f_ms / 1e9, 1),
-                           fwdbwd_tflops=round(3.5 * fl / fb_ms / 1e9, 1),
-                           error=f"select_ms[{'torch' if mode == 'torch_select' else 'triton'}]={s_ms:.3f} "
-                                 f"select/fwdbwd={s_ms / fb_ms:.3f}")
-                w.writerow(row)
-                out.flush()
-                log(json.dumps(row))
-    out.close()
-    # fused (GPU) vs torch selection on the packed batch: same blocks, reverse lists and per-document stats
-    lens_ = long_tail_lengths(65536)
-    cu = cu_from_lens(lens_)
-    q, k, v = make_qkv(sum(lens_), H, H, D, torch.bfloat16, grad=False)
-    os.environ["SPARSE_ATTN_SELECT"] = "torch"
-    a = select_blocks(q, k, cu, kept_fraction=0.1, block_size=B)
-    os.environ["SPARSE_ATTN_SELECT"] = "auto"
+
+
+def quick_points(args):
+    """Our kernel's times at a few grid points, with the selection's cost (fused, and torch at 32K / 0.9)."""
+    with open(args.csv, "w", newline="") as out:
+        emit = csv_emitter(out, GRID_FIELDS)
+        for case, lens, sps in (("packed64k", long_tail_lengths(65536), (0.9, 0.95)), ("single", [8192], (0.9,)),
+                                ("single", [32768], (0.0, 0.9))):
+            for row in quick_case_rows(args.options, case, lens, sps):
+                emit(row)
+
+
+def quick_case_rows(options: KernelOptions, case: str, lens: list, sparsities):
+    T = sum(lens)
+    cu = cu_from_lens(lens)
+    q, k, v = make_qkv(T, H, H, D, torch.bfloat16)
+    do = torch.randn_like(q)
+    lw = torch.tensor(lens, device="cuda", dtype=torch.float32) ** 2  # same weighting as the full grid
+    for sp in sparsities:
+        for mode in ("kept_fraction", "torch_select") if (T == 32768 and sp == 0.9) else ("kept_fraction",):
+            select_opts = TORCH_SELECTION if mode == "torch_select" else KernelOptions()
+            s_ms = bench(lambda: select_blocks(q, k, cu, kept_fraction=1 - sp, block_size=B, options=select_opts))
+            sel = select_blocks(q, k, cu, kept_fraction=1 - sp, block_size=B)
+            fwd = lambda: sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=options)  # noqa: E731
+            f_ms = bench(fwd)
+            fb_ms = bench(lambda: torch.autograd.grad(fwd(), (q, k, v), do))
+            base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp,
+                        kept_fraction=round(float((sel.kept_fraction * lw).sum() / lw.sum()), 4), impl="triton_sparse")
+            yield dict(timed_row(base, f_ms, fb_ms, 4 * D * sel.kept_block_pairs_tokens()),
+                       error=f"select_ms[{'torch' if mode == 'torch_select' else 'triton'}]={s_ms:.3f} "
+                             f"select/fwdbwd={s_ms / fb_ms:.3f}")
+
+
+def packed_selection_match():
+    """Fused (GPU) vs torch selection on the packed batch: same blocks, reverse lists and per-document stats."""
+    lens = long_tail_lengths(65536)
+    cu = cu_from_lens(lens)
+    q, k, v = make_qkv(sum(lens), H, H, D, torch.bfloat16, grad=False)
+    a = select_blocks(q, k, cu, kept_fraction=0.1, block_size=B, options=TORCH_SELECTION)
     b = select_blocks(q, k, cu, kept_fraction=0.1, block_size=B)
     nnz = int(a.k2q_ptr[-1])
     log("PACKED_SELECTION_MATCH", json.dumps(dict(
@@ -539,7 +607,10 @@ def quick(args):
         k2q_idx=torch.equal(a.k2q_idx[:nnz], b.k2q_idx[:nnz]), k2q_end=torch.equal(a.k2q_end[:nnz], b.k2q_end[:nnz]),
         kept_fraction_maxdiff=float((a.kept_fraction - b.kept_fraction).abs().max()),
         coverage_maxdiff=float((a.coverage - b.coverage).abs().max()))))
-    # where the selection time goes at 32K / 0.9 (host launches vs device kernels)
+
+
+def selection_profile():
+    """Where the selection time goes at 32K / 0.9 (host launches vs device kernels)."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -554,19 +625,22 @@ def quick(args):
         log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     except Exception as e:  # noqa: BLE001
         log("SELECT_PROFILE failed", repr(e)[:300])
-    # where the backward time goes at 32K / 0.9, and what the compiler made of each kernel
+
+
+def kernel_info():
+    """Where the backward time goes at 32K / 0.9, and what the compiler made of each kernel."""
     try:
-        L = 32768
+        L, scale = 32768, D ** -0.5
         q, k, v = make_qkv(L, H, H, D, torch.bfloat16, grad=False)
-        cu = cu_from_lens([L])
-        sel = select_blocks(q, k, cu, kept_fraction=0.1, block_size=B)
-        o, lse = tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5)
+        sel = select_blocks(q, k, cu_from_lens([L]), kept_fraction=0.1, block_size=B)
+        compiled = {}
+        opts = KernelOptions(compiled=compiled)
+        o, lse = forward.sparse_attn_fwd(q, k, v, sel, scale, opts)
         do = torch.randn_like(o)
-        t_f = bench(lambda: tk.sparse_attn_fwd(q, k, v, sel, D ** -0.5))
-        t_b = bench(lambda: tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5))
-        tk.sparse_attn_bwd(do, q, k, v, o, lse, sel, D ** -0.5)
+        t_f = bench(lambda: forward.sparse_attn_fwd(q, k, v, sel, scale, opts))
+        t_b = bench(lambda: backward.sparse_attn_bwd(do, q, k, v, o, lse, sel, scale, opts))
         info = {}
-        for name, ck in tk.LAST_COMPILED.items():
+        for name, ck in compiled.items():
             try:
                 ptx = ck.asm.get("ptx", "")
                 info[name] = dict(regs=ck.n_regs, spills=ck.n_spills, cp_async=ptx.count("cp.async"),
@@ -579,6 +653,54 @@ def quick(args):
         log("KERNEL_INFO failed", repr(e)[:300])
 
 
+# ---------------------------------------------------------------------------------------------- table
+def case_label(case: str, T: int, ndocs: int) -> str:
+    return f"packed {T // 1024}K ({ndocs} documents)" if case.startswith("packed") else f"single {T // 1024}K"
+
+
+def cell(ms: float, speedup: float) -> str:
+    return "-" if math.isnan(ms) else f"{ms:.2f}" + ("" if math.isnan(speedup) else f" ({speedup:.2f}x)")
+
+
+def results_table(path: str) -> str:
+    """Markdown of a grid CSV: our fwd+bwd ms and FlexAttention's time over ours per case and sparsity (by
+    ``do_bench``, and by CUDA-graph replay where the grid has it), the dense point against cuDNN, and the
+    selection's cost."""
+    import pandas as pd
+
+    df = pd.read_csv(path)
+    ours, cudnn = df[df.impl == "triton_sparse"], df[df.impl == "cudnn_dense"].set_index("T")
+    sparsities = sorted(ours.sparsity.unique())
+    lines = ["| fwd+bwd ms (FlexAttention's time / ours) | " + " | ".join(f"sparsity {s:g}" for s in sparsities)
+             + " | dense: cuDNN's time / ours |", "| --- " * (len(sparsities) + 2) + "|"]
+    timings = (("", "fwdbwd_ms", "speedup_vs_flex_fwdbwd"),
+               (", CUDA graph", "fwdbwd_graph_ms", "speedup_vs_flex_fwdbwd_graph"))
+    for (case, T, ndocs), g in ours.groupby(["case", "T", "ndocs"], sort=False):
+        g = g.set_index("sparsity")
+        for suffix, ms, speedup in timings:
+            if ms not in g or g[ms].isna().all():
+                continue
+            cells = [cell(g[ms].get(s, float("nan")), g[speedup].get(s, float("nan"))) for s in sparsities]
+            dense = (f"{cudnn.loc[T, ms] / g.loc[0.0, ms]:.2f}x" if T in cudnn.index and 0.0 in g.index
+                     and not math.isnan(cudnn.loc[T, ms]) else "-")
+            lines.append(f"| {case_label(case, T, ndocs)}{suffix} | " + " | ".join(cells) + f" | {dense} |")
+    return "\n".join(lines + selection_lines(df)) + "\n"
+
+
+def selection_lines(df) -> list[str]:
+    """One line per selection mode: its time and its share of fwd+bwd over the grid's selection rows."""
+    sel = df[df.case.str.startswith("selection")]
+    out = []
+    for impl, g in sel.groupby("impl", sort=False):
+        share = g.error.str.extract(r"select/attn_fwdbwd=([0-9.]+)", expand=False).astype(float) * 100
+        T = int(g["T"].iloc[0])
+        out.append(f"* selection ({impl[len('select['):-1]}) at {T // 1024}K tokens: {g.fwd_ms.min():.2f}-"
+                   f"{g.fwd_ms.max():.2f} ms, {share.min():.1f}-{share.max():.1f}% of the fwd+bwd over it "
+                   f"({len(g)} samples)")
+    return [""] + out if out else []
+
+
+# ---------------------------------------------------------------------------------------------- CLI
 def comma_list(cast, valid, what: str):
     """An argparse type: a comma-separated list of ``cast`` values, each passing ``valid``."""
     def parse(text: str) -> list:
@@ -606,8 +728,10 @@ def int_at_least(minimum: int, what: str):
     return parse
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.attention")
+    ap.add_argument("--table", metavar="GRID_CSV", default=None,
+                    help="print the markdown results table of a grid CSV and exit (no GPU needed)")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--bench", action="store_true")
@@ -634,26 +758,35 @@ def main():
     ap.add_argument("--graph-max-tokens", type=int_at_least(0, "a token count"), default=0,
                     help="also time fwd and fwd+bwd replayed from CUDA graphs (GPU time without the host's launch "
                          "overhead) at grid points of at most this many tokens (0: none)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.table is not None:
+        if not os.path.isfile(args.table):
+            ap.error(f"--table {args.table!r}: no such file (a grid CSV of this benchmark)")
+        return args
     if not torch.cuda.is_available():
         ap.error("no CUDA GPU here: this benchmark times the kernels, FlexAttention and cuDNN on one (the CPU "
                  "correctness tests are `python -m pytest tests/kernels`)")
     args.tune_cands = {k: [tuple(c) for c in v] for k, v in TUNE_CANDS.items()}
-    if args.config:
-        cfg = json.loads(args.config)
-        tk.CONFIG_OVERRIDES[(128, 128)] = {
-            kind: dict(zip(CONFIG_KEYS, c)) for kind, c in cfg.items() if c}
+    configs = json.loads(args.config) if args.config else {}
+    args.options = tiles_option({kind: dict(zip(CONFIG_KEYS, c)) for kind, c in configs.items() if c})
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.table is not None:
+        print(results_table(args.table), end="")
+        return
     if args.tune:
         best = tune(args)
         if args.apply_tuned:
-            tk.CONFIG_OVERRIDES[(128, 128)] = best
+            args.options = tiles_option(best)
     if args.check:
         check(argparse.Namespace(**{**vars(args), "csv": args.check_csv or args.csv}))
     if args.short_vs_long:
         short_vs_long(args)
     if args.selection:
-        selection_cost(lambda row: log(json.dumps(row)), 16, 128, 128, torch.bfloat16, lengths=(8192, 32768, 131072),
-                       repeats=3)
+        selection_cost(lambda row: log(json.dumps(row)), args.options, lengths=(8192, 32768, 131072), repeats=3)
     if args.quick:
         args.csv = args.csv or "attention_quick.csv"
         quick(args)

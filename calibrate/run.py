@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from tqdm import tqdm
@@ -180,6 +181,10 @@ def make_measurer(shapes: list[ModelShape], device: str, block_size: int):
     from calibrate.measure import Measurer
     from kernels import sparse_attention as kernel
     from runner.attention import make_attention
+
+    # where the fused selection cannot be built for this GPU, the torch selection is what gets timed (as
+    # training would run it there): the log must say so, whatever the interpreter's warning filters
+    warnings.simplefilter("default", kernel.SelectionFallbackWarning)
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     bench = timing.bench_gpu if device == "cuda" else timing.bench_cpu

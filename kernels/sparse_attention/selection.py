@@ -25,18 +25,21 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .layout import BlockLayout, block_layout
+from .options import DEFAULT_OPTIONS, KernelOptions
 
-__all__ = ["BlockSelection", "select_blocks", "selection_from_mask", "pool_blocks"]
+__all__ = ["BlockSelection", "SelectionFallbackWarning", "select_blocks", "selection_from_mask", "pool_blocks"]
 
 _CHUNK_ELEMS = 1 << 23
-_TRITON_SELECT_BROKEN = False
+
+
+class SelectionFallbackWarning(UserWarning):
+    """The fused Triton selection cannot be built for this GPU; this call used the torch selection."""
 
 
 @dataclass
@@ -107,14 +110,14 @@ class BlockSelection:
         return int(torch.where(valid, pairs, 0).sum())
 
 
-def pool_blocks(x: torch.Tensor, lay: BlockLayout, num_kv_heads: int) -> torch.Tensor:
+def pool_blocks(x: torch.Tensor, lay: BlockLayout, num_kv_heads: int, fused: bool | None = None) -> torch.Tensor:
     """Mean over the tokens of each block and over the heads of each KV group: ``[NB, Hkv, D]`` float32.
 
-    One Triton launch on CUDA; a torch ``index_add_`` on CPU."""
+    ``fused`` (default: on CUDA): one Triton launch; otherwise a torch ``index_add_``."""
     T, H, D = x.shape
     G = H // num_kv_heads
-    if x.is_cuda:
-        from .triton_kernels import pool_blocks_triton
+    if x.is_cuda if fused is None else fused:
+        from .select_kernels import pool_blocks_triton
 
         return pool_blocks_triton(x, lay, num_kv_heads)
     xs = x.view(T, num_kv_heads, G, D).float().sum(2)
@@ -180,13 +183,6 @@ def _doc_buckets(lay: BlockLayout):
     return sorted(buckets.items(), reverse=True)
 
 
-def use_triton_selection(q: torch.Tensor) -> bool:
-    """Fused Triton selection on CUDA (a few launches); the torch path elsewhere (or with
-    SPARSE_ATTN_SELECT=torch). SPARSE_ATTN_SELECT=triton forces it (interpreter tests)."""
-    mode = os.environ.get("SPARSE_ATTN_SELECT", "auto")
-    return mode == "triton" or (mode == "auto" and q.is_cuda)
-
-
 def _topk_host_bounds(lay: BlockLayout, kfs: list[float]) -> tuple[int, int, int, int]:
     """From host budgets alone: (most blocks a top-k row keeps, list width, kept-entry bound per KV head, kept
     entries per KV head estimated as round(kf * causal blocks) per document, at least one per row). A row of
@@ -207,7 +203,7 @@ def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, s
     """Fused selection: four Triton launches. Top-p (and top-k with budgets only on the device) syncs once
     with the host for the list width and the nonzero count; top-k with host budgets (``kf_host``: one float
     per document) sizes its lists from those and never syncs."""
-    from .triton_kernels import doc_stats_triton, reverse_lists_triton, select_rows_triton
+    from .select_kernels import doc_stats_triton, reverse_lists_triton, select_rows_triton
 
     if topp:
         wout = lay.max_doc_blocks
@@ -273,100 +269,153 @@ def _dense_selection(lay: BlockLayout, Hkv: int) -> BlockSelection:
 
 @torch.no_grad()
 def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=None, kept_fraction=None,
-                  block_size: int = 64, softmax_scale: float | None = None) -> BlockSelection:
+                  block_size: int = 64, softmax_scale: float | None = None,
+                  options: KernelOptions = DEFAULT_OPTIONS) -> BlockSelection:
     """Select KV blocks per (KV head, query block). See the module docstring.
 
     q ``[T, Hq, D]``, k ``[T, Hkv, D]``, cu_seqlens int32 ``[n+1]`` (on any device: only its values are
     used, through the cached block layout; a host tensor saves a device->host copy). Exactly one of ``p``
     (top-p coverage target) and ``kept_fraction`` may be given (float or ``[n]`` tensor, in (0, 1]); neither
-    means dense.
+    means dense. ``options.selection`` picks the fused Triton or the torch path (see :class:`KernelOptions`).
     """
     if p is not None and kept_fraction is not None:
         raise ValueError("give p or kept_fraction, not both")
-    T, Hq, D = q.shape
     Hkv = k.shape[1]
-    dev = q.device
-    lay = block_layout(cu_seqlens, block_size, dev)
-    n, NB = lay.num_docs, lay.num_blocks
+    lay = block_layout(cu_seqlens, block_size, q.device)
     topp = kept_fraction is None
-    budget = _per_doc(1.0 if (p is None and kept_fraction is None) else (p if topp else kept_fraction), n,
-                      "p" if topp else "kept_fraction", dev)
-    if _all_dense(p if topp else kept_fraction, budget):
+    value = p if topp else kept_fraction
+    budget = _per_doc(1.0 if value is None else value, lay.num_docs, "p" if topp else "kept_fraction", q.device)
+    if _all_dense(value, budget):
         return _dense_selection(lay, Hkv)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    if use_triton_selection(q):
-        global _TRITON_SELECT_BROKEN
-        if not _TRITON_SELECT_BROKEN:
-            try:
-                from .triton_kernels import pool_blocks_triton
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if options.selection == "torch" or (options.selection == "auto" and not q.is_cuda):
+        return _select_torch(q, k, lay, budget, topp, scale)
+    kf_host = None if topp else _host_budgets(kept_fraction, lay.num_docs)
+    if options.selection == "triton":
+        return _select_fused(q, k, lay, budget, topp, scale, kf_host)
+    sel = _select_fused_where_it_builds(q, k, lay, budget, topp, scale, kf_host)
+    return sel if sel is not None else _select_torch(q, k, lay, budget, topp, scale, fused_pool=False)
 
-                qbar, kbar = pool_blocks_triton(q, lay, Hkv, k=k)  # [NB, Hkv, D] each
-                return _select_triton(lay, Hkv, qbar, kbar, budget, topp, scale,
-                                      None if topp else _host_budgets(kept_fraction, n))
-            except Exception as e:  # noqa: BLE001 - a compile failure on an untested GPU/Triton: use torch
-                if os.environ.get("SPARSE_ATTN_SELECT") == "triton":
-                    raise
-                _TRITON_SELECT_BROKEN = True
-                warnings.warn(f"fused Triton selection failed ({e!r:.200}); using the torch selection")
 
-    qbar = pool_blocks(q, lay, Hkv)  # [NB, Hkv, D]
-    kbar = pool_blocks(k, lay, Hkv)
-    kept_sum = torch.zeros(n, dtype=torch.float32, device=dev)
-    cov_sum = torch.zeros(n, dtype=torch.float32, device=dev)
+def _select_fused(q, k, lay: BlockLayout, budget, topp: bool, scale: float, kf_host) -> BlockSelection:
+    from .select_kernels import pool_blocks_triton
+
+    Hkv = k.shape[1]
+    qbar, kbar = pool_blocks_triton(q, lay, Hkv, k=k)  # [NB, Hkv, D] each
+    return _select_triton(lay, Hkv, qbar, kbar, budget, topp, scale, kf_host)
+
+
+def _select_fused_where_it_builds(q, k, lay: BlockLayout, budget, topp: bool, scale: float,
+                                  kf_host) -> BlockSelection | None:
+    """The fused selection, or None (with a :class:`SelectionFallbackWarning` naming the reason) where Triton
+    cannot build its kernels for this GPU: their row tiles need more shared memory or registers than it has
+    (``OutOfResources``: the widest row grows with the longest document), or ptxas rejects the code for its
+    architecture (``PTXASError``). Every other exception is a bug and propagates."""
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    try:
+        return _select_fused(q, k, lay, budget, topp, scale, kf_host)
+    except (OutOfResources, PTXASError) as e:
+        reason = (str(e).splitlines() or [""])[0][:200]
+        warnings.warn(f"the fused Triton selection cannot run on this GPU ({type(e).__name__}: {reason}); this "
+                      "call uses the torch selection", SelectionFallbackWarning)
+        return None
+
+
+def _select_torch(q, k, lay: BlockLayout, budget, topp: bool, scale: float, fused_pool: bool | None = None):
+    """The vectorised torch selection: per bucket of similar-length documents, in row chunks of at most
+    ``_CHUNK_ELEMS`` scores; then the forward lists and (one sort) the reverse lists. ``fused_pool``: see
+    :func:`pool_blocks`."""
+    Hkv = k.shape[1]
+    qbar = pool_blocks(q, lay, Hkv, fused_pool)  # [NB, Hkv, D]
+    kbar = pool_blocks(k, lay, Hkv, fused_pool)
+    kept_sum = torch.zeros(lay.num_docs, dtype=torch.float32, device=q.device)
+    cov_sum = torch.zeros(lay.num_docs, dtype=torch.float32, device=q.device)
     pieces = []  # (global rows [nd, R], idx [nd, Hkv, R, w], cnt [nd, Hkv, R], rowvalid [nd, R])
     for W, docs in _doc_buckets(lay):
-        nd = len(docs)
-        docs_t = torch.tensor(docs, device=dev)
-        first = lay.doc_first_block_t[docs_t]  # [nd]
-        nbs = lay.doc_first_block_t[docs_t + 1] - first
-        j = torch.arange(W, device=dev)
-        gidx = first[:, None] + j[None, :]  # [nd, W]
-        colvalid = j[None, :] < nbs[:, None]
-        gidx_c = torch.where(colvalid, gidx, 0)
-        Qp = qbar[gidx_c].permute(0, 2, 1, 3)  # [nd, Hkv, W, D]
-        Kp = kbar[gidx_c].permute(0, 2, 1, 3)
-        bud = budget[docs_t]
-        rows_per_chunk = max(1, _CHUNK_ELEMS // max(1, nd * Hkv * W))
-        for r0 in range(0, W, rows_per_chunk):
-            r1 = min(W, r0 + rows_per_chunk)
-            R = r1 - r0
-            r = torch.arange(r0, r1, device=dev)
-            rowvalid = r[None, :] < nbs[:, None]  # [nd, R]
-            valid = (j[None, None, :] <= r[None, :, None]) & rowvalid[:, :, None]  # [nd, R, W]
-            valid = valid | ((j == 0)[None, None, :] & ~rowvalid[:, :, None])  # keep softmax finite
-            s = torch.matmul(Qp[:, :, r0:r1], Kp.transpose(-1, -2)) * scale  # [nd, Hkv, R, W]
-            s = s.masked_fill(~valid[:, None], float("-inf"))
-            prob = torch.softmax(s, dim=-1)
-            isdiag = (j[None, :] == r[:, None])[None, None]  # [1, 1, R, W]
-            validh = valid[:, None].expand_as(prob)
-            if topp:
-                vals, order = torch.sort(prob, dim=-1, descending=True, stable=True)
-                excl = torch.cumsum(vals, -1) - vals
-                keep_sorted = excl < bud[:, None, None, None]
-                keep_sorted = keep_sorted | (bud >= 1.0)[:, None, None, None]
-                keep_sorted = keep_sorted & (order <= r[None, None, :, None])
-                keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-            else:
-                ncaus = (r + 1).to(torch.float32)
-                kk = torch.floor(bud[:, None] * ncaus[None, :] + 0.5).clamp(min=1)
-                kk = torch.minimum(kk, ncaus[None, :]).to(torch.int64)  # [nd, R]
-                key = torch.where(isdiag, 2.0, prob).masked_fill(~validh, -1.0)
-                order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-                keep_sorted = (j[None, None, None, :] < kk[:, None, :, None]).expand_as(key)
-                keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-            keep = (keep | isdiag) & validh & rowvalid[:, None, :, None]
-            cnt = keep.sum(-1)  # [nd, Hkv, R]
-            cov = (prob * keep).sum(-1)
-            kept_sum.index_add_(0, docs_t, cnt.sum((1, 2)).to(torch.float32))
-            cov_sum.index_add_(0, docs_t, torch.where(rowvalid[:, None], cov, 0).sum((1, 2)))
-            w = int(cnt.max()) if cnt.numel() else 1  # one host sync per chunk
-            w = max(w, 1)
-            pos = torch.cumsum(keep, -1) - 1
-            slot = torch.where(keep, pos, w)
-            out = torch.zeros(nd, Hkv, R, w + 1, dtype=torch.int32, device=dev)
-            out.scatter_(-1, slot, gidx.to(torch.int32)[:, None, None, :].expand(nd, Hkv, R, W))
-            grow = first[:, None] + r[None, :]
-            pieces.append((grow, out[..., :w], cnt, rowvalid))
+        pieces += _select_bucket(qbar, kbar, lay, docs, W, budget, topp, scale, kept_sum, cov_sum)
+    q2k_idx, q2k_cnt = _forward_lists(pieces, Hkv, lay.num_blocks, q.device)
+    return _finalize(lay, Hkv, q2k_idx, q2k_cnt, kept_sum / (lay.doc_causal_t * Hkv),
+                     cov_sum / (lay.doc_nblocks_t * Hkv))
+
+
+def _select_bucket(qbar, kbar, lay: BlockLayout, docs: list[int], W: int, budget, topp: bool, scale: float,
+                   kept_sum, cov_sum) -> list:
+    """The kept lists of the documents ``docs`` (at most ``W`` blocks each, padded to ``W``), one piece per
+    row chunk (see :func:`_select_torch`); adds their kept counts and coverages to ``kept_sum`` / ``cov_sum``."""
+    dev = qbar.device
+    Hkv = qbar.shape[1]
+    nd = len(docs)
+    docs_t = torch.tensor(docs, device=dev)
+    first = lay.doc_first_block_t[docs_t]  # [nd]
+    nbs = lay.doc_first_block_t[docs_t + 1] - first
+    j = torch.arange(W, device=dev)
+    gidx = first[:, None] + j[None, :]  # [nd, W]
+    colvalid = j[None, :] < nbs[:, None]
+    gidx_c = torch.where(colvalid, gidx, 0)
+    Qp = qbar[gidx_c].permute(0, 2, 1, 3)  # [nd, Hkv, W, D]
+    Kp = kbar[gidx_c].permute(0, 2, 1, 3)
+    bud = budget[docs_t]
+    pieces = []
+    rows_per_chunk = max(1, _CHUNK_ELEMS // max(1, nd * Hkv * W))
+    for r0 in range(0, W, rows_per_chunk):
+        r1 = min(W, r0 + rows_per_chunk)
+        r = torch.arange(r0, r1, device=dev)
+        rowvalid = r[None, :] < nbs[:, None]  # [nd, R]
+        valid = (j[None, None, :] <= r[None, :, None]) & rowvalid[:, :, None]  # [nd, R, W]
+        valid = valid | ((j == 0)[None, None, :] & ~rowvalid[:, :, None])  # keep softmax finite
+        s = torch.matmul(Qp[:, :, r0:r1], Kp.transpose(-1, -2)) * scale  # [nd, Hkv, R, W]
+        s = s.masked_fill(~valid[:, None], float("-inf"))
+        prob = torch.softmax(s, dim=-1)
+        isdiag = (j[None, :] == r[:, None])[None, None]  # [1, 1, R, W]
+        validh = valid[:, None].expand_as(prob)
+        keep = _keep_topp(prob, r, bud) if topp else _keep_topk(prob, r, j, bud, isdiag, validh)
+        keep = (keep | isdiag) & validh & rowvalid[:, None, :, None]
+        cnt = keep.sum(-1)  # [nd, Hkv, R]
+        cov = (prob * keep).sum(-1)
+        kept_sum.index_add_(0, docs_t, cnt.sum((1, 2)).to(torch.float32))
+        cov_sum.index_add_(0, docs_t, torch.where(rowvalid[:, None], cov, 0).sum((1, 2)))
+        pieces.append((first[:, None] + r[None, :], _compact(keep, gidx, cnt), cnt, rowvalid))
+    return pieces
+
+
+def _keep_topp(prob, r, bud):
+    """Top-p: per row, the fewest blocks in descending probability order whose mass reaches the document's
+    ``bud`` (every causal block where it is 1); ``r`` are the chunk's row indices (causal bound)."""
+    vals, order = torch.sort(prob, dim=-1, descending=True, stable=True)
+    excl = torch.cumsum(vals, -1) - vals
+    keep_sorted = excl < bud[:, None, None, None]
+    keep_sorted = keep_sorted | (bud >= 1.0)[:, None, None, None]
+    keep_sorted = keep_sorted & (order <= r[None, None, :, None])
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def _keep_topk(prob, r, j, bud, isdiag, validh):
+    """Top-k: per row of n = r + 1 causal blocks, the diagonal and the highest-probability others,
+    ``round(bud * n)`` in all (at least one)."""
+    ncaus = (r + 1).to(torch.float32)
+    kk = torch.floor(bud[:, None] * ncaus[None, :] + 0.5).clamp(min=1)
+    kk = torch.minimum(kk, ncaus[None, :]).to(torch.int64)  # [nd, R]
+    key = torch.where(isdiag, 2.0, prob).masked_fill(~validh, -1.0)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    keep_sorted = (j[None, None, None, :] < kk[:, None, :, None]).expand_as(key)
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def _compact(keep, gidx, cnt):
+    """``[nd, Hkv, R, w]`` int32: each row's kept global blocks, ascending, in its first ``cnt`` slots (w: the
+    chunk's widest row; one host sync)."""
+    nd, Hkv, R, W = keep.shape
+    w = max(int(cnt.max()) if cnt.numel() else 1, 1)
+    pos = torch.cumsum(keep, -1) - 1
+    slot = torch.where(keep, pos, w)
+    out = torch.zeros(nd, Hkv, R, w + 1, dtype=torch.int32, device=keep.device)
+    out.scatter_(-1, slot, gidx.to(torch.int32)[:, None, None, :].expand(nd, Hkv, R, W))
+    return out[..., :w]
+
+
+def _forward_lists(pieces: list, Hkv: int, NB: int, dev):
+    """``(q2k_idx [Hkv, NB, W], q2k_cnt [Hkv, NB])`` int32 from the row-chunk pieces of every bucket."""
     Wmax = max(pc[1].shape[-1] for pc in pieces)
     q2k_idx = torch.zeros(Hkv, NB + 1, Wmax, dtype=torch.int32, device=dev)
     q2k_cnt = torch.zeros(Hkv, NB + 1, dtype=torch.int32, device=dev)
@@ -375,10 +424,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
         g = torch.where(rowvalid, grow, NB).reshape(-1)  # invalid rows go to a dummy row
         q2k_idx[:, g, :w] = idx.permute(1, 0, 2, 3).reshape(Hkv, -1, w)
         q2k_cnt[:, g] = cnt.permute(1, 0, 2).reshape(Hkv, -1).to(torch.int32)
-    q2k_idx = q2k_idx[:, :NB].contiguous()
-    q2k_cnt = q2k_cnt[:, :NB].contiguous()
-    return _finalize(lay, Hkv, q2k_idx, q2k_cnt, kept_sum / (lay.doc_causal_t * Hkv),
-                     cov_sum / (lay.doc_nblocks_t * Hkv))
+    return q2k_idx[:, :NB].contiguous(), q2k_cnt[:, :NB].contiguous()
 
 
 def selection_from_mask(block_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int = 64,

@@ -1,0 +1,163 @@
+"""Launch rules of the attention kernels: tile tables, when TMA descriptors are used, when the backward
+overlaps its two kernels, and the host helpers every launcher shares."""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .options import KernelOptions
+
+LOG2E = 1.4426950408889634
+
+# Tunables per kernel kind: tiles, warps, stages and grid order, chosen by ``python -m benchmarks.attention
+# --tune`` on an H200 at block 128, D 128. Each kernel has a long-row and a short-row config: large tiles
+# amortise their setup and halve K/V re-reads on long rows (which matters once K/V outgrow L2, e.g. 128K
+# tokens), small 4-warp tiles (twice the programs, more per SM) win when every row is short, as in packed
+# batches of short documents or at high sparsity on 8K tokens.
+# HEAD_OUTER puts the head on grid axis 1, so the programs running together share one head's K/V (axis 0 =
+# head otherwise). dK/dV takes 64-key tiles with 4 warps and 2 stages for long rows as well: computed
+# query-major (see backward._dkdv_tile) they compile without spills and pipeline, which beats 128-key tiles
+# with 8 warps (key-major, unpipelined, spilling) by 4-13%.
+# TMA: the forward and dQ load their K/V tiles, dK/dV its Q/dO tiles, through tensor descriptors (1.01-1.16x
+# per kernel on an H200); the long-row forward's loop is also warp-specialised (WS), which gains only with
+# TMA and gives dQ nothing.
+# FALLBACK_STAGES: the stages where TMA is asked for but cannot run (pointer tiles): those tuned for pointer
+# tiles (2-stage pointer-tile dQ spills).
+DEFAULT_CONFIG = {
+    "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, WS=True, FALLBACK_STAGES=3),
+    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True, TMA=True, WS=False,
+                      FALLBACK_STAGES=3),
+    "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, FALLBACK_STAGES=3),
+    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True, FALLBACK_STAGES=3),
+    "dkdv": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True),
+    "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True),
+}
+SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens than this is "short"
+
+# TMA costs host time on every launch: two TensorDescriptor objects here, and in Triton's launcher a CUtensorMap
+# encoded per descriptor and the argument list re-packed in Python, about a third of the host path at 8K
+# tokens / kept 0.05. Below this many kept (query, key) token pairs the GPU time TMA saves is a few
+# microseconds (at 8K, H=16, D=128: pointer tiles cost 1-3.5% more GPU time at 3e7-6e7 pairs but cut the
+# host-bound fwd+bwd by 0.2 ms; at 1.4e8 and more they cost 6-8%, which a GPU-bound training step would pay),
+# so such launches take pointer tiles.
+TMA_MIN_PAIRS = 1 << 27
+
+# dQ runs on a side stream alongside dK/dV where dK/dV has few programs per SM and enough kept work: there the
+# two kernels' last waves overlap (the backward gains 2-6%, up to 25% where dK/dV has fewer programs than
+# the GPU has slots, e.g. two KV heads at 8K). Elsewhere the delta pre-pass it needs (one more read of O
+# and dO) costs up to 3% (many waves: packed 64K at kept 0.1), its extra launches show where the backward
+# is short, and at ~60 programs per SM (32K MHA) the gain is noise.
+OVERLAP_MAX_PROGRAMS_PER_SM = 32
+OVERLAP_MIN_PAIRS = 1 << 27  # kept (query, key) token pairs over all query heads
+
+
+def get_config(kind: str, block: int, D: int, row_blocks: int | None = None,
+               options: KernelOptions | None = None) -> dict:
+    """Launch config of one kernel kind ("fwd", "dq", "dkdv"); ``row_blocks`` (the most KV blocks any query
+    row keeps) picks the short-row config; ``options.tiles`` overrides it (see :class:`KernelOptions`)."""
+    short = row_blocks is not None and row_blocks * block < SHORT_ROW_TOKENS
+    cfg = dict(DEFAULT_CONFIG[kind + "_short" if short else kind])
+    over = options.tile_overrides(block, D) if options is not None else {}
+    cfg.update(over.get(kind, {}))
+    if short:
+        cfg.update(over.get(kind + "_short", {}))
+    for key in ("BM", "BN"):
+        cfg[key] = min(cfg[key], block)
+    return cfg
+
+
+def grid(cfg: dict, heads: int, rows: int) -> tuple[int, int]:
+    """The launch grid: (heads, rows), or (rows, heads) with HEAD_OUTER (see tiles.program_tile)."""
+    return (rows, heads) if cfg["HEAD_OUTER"] else (heads, rows)
+
+
+def pipeline_stages(cfg: dict, tma: bool) -> int:
+    """Pipeline stages of a launch: the config's, or its FALLBACK_STAGES where it asks for TMA that cannot run."""
+    return cfg["num_stages"] if tma or not cfg.get("TMA") else cfg.get("FALLBACK_STAGES", cfg["num_stages"])
+
+
+def precision(dtype) -> str:
+    """tl.dot's input precision: exact for fp32 inputs (the interpreter tests compare at 2e-5)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def empty(shape, like: torch.Tensor, options: KernelOptions, dtype=None) -> torch.Tensor:
+    """An output buffer on ``like``'s device: uninitialised, or NaN with ``options.poison_outputs``."""
+    dtype = dtype or like.dtype
+    if options.poison_outputs:
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def record(options: KernelOptions, kind: str, compiled) -> None:
+    """Hand a launch's compiled kernel to the diagnostics sink, where one is given."""
+    if options.compiled is not None:
+        options.compiled[kind] = compiled
+
+
+def kept_pairs(q, k, sel) -> int:
+    """Kept (query, key) token pairs over all query heads, counted in whole blocks; where only the device
+    knows the kept entries, k2q_idx's length bounds them (the sort-built lists are padded to the widest row)."""
+    B = sel.layout.block_size
+    kept = sel.kept_entries if sel.kept_entries is not None else sel.k2q_idx.numel()
+    return kept * B * B * (q.shape[1] // k.shape[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or later (cached: the launchers ask on every call)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_view(x: torch.Tensor) -> bool:
+    """Whether ``x [T, H, D]`` has a ``[T, H*D]`` view a descriptor can take: unit D stride, heads D apart,
+    16-byte aligned base and token stride."""
+    return (x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
+            and x.stride(0) * x.element_size() % 16 == 0)
+
+
+def descriptors(cfg: dict, rows: int, pairs: int, *xs):
+    """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[rows, D]`` boxes when the
+    config asks for TMA, the launch keeps at least TMA_MIN_PAIRS token ``pairs``, and TMA can run: Hopper or
+    later with 16-bit inputs and D 64 or 128 (the sizes ``benchmarks.attention --check`` validates on the
+    GPU), or the interpreter, on tensors with such a view. Otherwise Nones (pointer tiles)."""
+    x0 = xs[0]
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    able = cfg.get("TMA") and pairs >= TMA_MIN_PAIRS and (interpret or (
+        x0.is_cuda and x0.element_size() == 2 and x0.shape[2] in (64, 128) and _has_tma(x0.device)))
+    if not able or not all(_tma_view(x) for x in xs):
+        return (None,) * len(xs)
+    if not interpret:
+        _bind_context(x0.device)
+    return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [rows, x.shape[2]])
+                 for x in xs)
+
+
+_THREAD = threading.local()
+
+
+def _bind_context(device: torch.device):
+    """Make the device's primary CUDA context current on this thread. Triton encodes a launch's TMA
+    descriptors before its launcher binds a context, which fails ("invalid device context") on a thread whose
+    first CUDA work that launch is, e.g. autograd's device thread when this kernel's backward runs first in it
+    (Triton 3.6 on an H200). Any CUDA runtime call binds it; a stream query is cheap and never waits."""
+    if getattr(_THREAD, "bound", None) != device:
+        torch.cuda.current_stream(device).query()
+        _THREAD.bound = device
+
+
+def overlap_pays(programs: int, sms: int, pairs: int) -> bool:
+    """Whether the overlapped backward pays: ``programs`` dK/dV programs on ``sms`` SMs, ``pairs`` kept
+    (query, key) token pairs over all query heads."""
+    return programs <= OVERLAP_MAX_PROGRAMS_PER_SM * sms and pairs >= OVERLAP_MIN_PAIRS
+
+
+def dkdv_programs(q, k, sel, options: KernelOptions) -> int:
+    """Programs of the dK/dV launch: one per (KV head, KV tile)."""
+    B = sel.layout.block_size
+    return k.shape[1] * sel.layout.num_blocks * (B // get_config("dkdv", B, q.shape[-1], sel.row_blocks,
+                                                                 options)["BN"])
