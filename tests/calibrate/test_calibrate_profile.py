@@ -46,7 +46,7 @@ def test_profile_meets_the_error_targets(profile):
 def test_cost_features_describe_the_kernels_dkdv_tiles():
     """``kv_blocks`` and ``path_flops`` count dK/dV programs of DKDV_KEYS keys: the kernel's long- and
     short-row dK/dV configs must use that tile, or the fitted profile describes another grid."""
-    from kernels.sparse_attention import triton_kernels as tk
+    from kernels.sparse_attention import launch as tk
     from sim.cost import DKDV_KEYS
 
     assert {tk.DEFAULT_CONFIG[kind]["BN"] for kind in ("dkdv", "dkdv_short")} == {DKDV_KEYS}
