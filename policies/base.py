@@ -1,120 +1,68 @@
-"""Policy interfaces and registries.
-
-A policy is one file that defines a class and registers it under a name, plus one YAML in
-``conf/policy/`` naming a batching and a sparsity policy with their parameters. Each policy class
-declares its parameters as a ``Params`` dataclass; ``make_batching``/``make_sparsity`` validate
-the YAML's parameters against it, so a misspelt or mistyped parameter fails before any step runs.
-"""
+"""Shared machinery of the built-in policies: two-level partitioning over DP ranks and micro-batches, the
+micro-batch order for the pipeline, and uniform budgets. The interfaces and registries are ``sim.policy``."""
 from __future__ import annotations
 
+import itertools
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Mapping, Protocol, runtime_checkable
+from enum import Enum
+from typing import ClassVar
 
 import numpy as np
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from policies.plan import Assignment, Budget, Plan
 from sim.cluster import Layout
-from sim.config import ConfigError
 from sim.cost import CostModel
+from sim.plan import Assignment, Budget, Plan
 from sim.workload import Sequence
 
 
-@dataclass(frozen=True)
-class NoParams:
-    """For policies without parameters."""
-
-
-@runtime_checkable
-class BatchingPolicy(Protocol):
-    """May also define ``observe(plan)``: it is then shown every tuned Plan (see ``plan_step``)."""
-
-    def plan(self, batch: list[Sequence], layout: Layout, cost: CostModel, step: int) -> Plan: ...
-
-
-@runtime_checkable
-class SparsityPolicy(Protocol):
-    def tune(self, plan: Plan, layout: Layout, cost: CostModel) -> Plan: ...
-
-
-BATCHING: dict[str, type] = {}
-SPARSITY: dict[str, type] = {}
-
-
-def register_batching(name: str):
-    return _register(BATCHING, name)
-
-
-def register_sparsity(name: str):
-    return _register(SPARSITY, name)
-
-
-def _register(registry: dict, name: str):
-    def add(cls):
-        if name in registry:
-            raise ValueError(f"policy name {name!r} is registered twice ({registry[name]} and {cls})")
-        cls.name = name
-        registry[name] = cls
-        return cls
-
-    return add
-
-
-def plan_step(batching: BatchingPolicy, sparsity: SparsityPolicy, batch: list[Sequence], layout: Layout,
-              cost: CostModel, step: int) -> Plan:
-    """One global batch to its Plan: batching, sparsity tuning, then the tuned Plan shown to a batching
-    policy that learns from it (sab's expected budgets). sim.run and the runner both plan through this,
-    so they produce the same Plans."""
-    plan = sparsity.tune(batching.plan(batch, layout, cost, step), layout, cost)
-    observe = getattr(batching, "observe", None)
-    if observe is not None:
-        observe(plan)
-    return plan
-
-
-def make_batching(name: str, params: Mapping[str, Any]) -> BatchingPolicy:
-    return _make(BATCHING, "batching", name, params)
-
-
-def make_sparsity(name: str, params: Mapping[str, Any]) -> SparsityPolicy:
-    return _make(SPARSITY, "sparsity", name, params)
-
-
-def _make(registry: dict, kind: str, name: str, params: Mapping[str, Any]):
-    if name not in registry:
-        raise ConfigError(f"policy.{kind}.name={name!r} is unknown; allowed: {', '.join(sorted(registry))}")
-    cls = registry[name]
-    schema = OmegaConf.structured(cls.Params)
-    try:
-        merged = OmegaConf.merge(schema, dict(params))
-    except OmegaConfBaseException as exc:
-        first = str(exc).splitlines()[0]
-        raise ConfigError(f"policy.{kind}.params.{exc.full_key} for {name!r}: {first}") from None
-    try:
-        return cls(OmegaConf.to_object(merged))
-    except ValueError as exc:  # e.g. a Budget outside (0, 1]
-        raise ConfigError(f"policy.{kind}.params for {name!r}: {exc}") from None
-
-
 # ----------------------------------------------------------------------------- batching helpers
-class PartitionPolicy(ABC):
-    """Batching in two levels: split the global batch over DP ranks, then each rank's share over its
-    micro-batches (never across global batches, which would change the optimiser's semantics).
+class PipelineOrder(str, Enum):
+    """In which order a rank runs its micro-batches (the partition fixes only what runs together).
 
-    Subclasses say how to cut a list of costs into k parts; the cost of a sequence is its dense busy
-    time from the CostModel (``sequence_costs``), which a sparsity-aware policy overrides.
+    In 1F1B the first micro-batch's forward and the last one's backward cross every stage alone (warm-up
+    and cool-down), so with pp > 1 the order changes a rank's time; with pp = 1 it never does.
     """
 
-    Params: ClassVar[type] = NoParams
+    packed = "packed"  # as the partition returned them
+    verl = "verl"  # by cost, the lighter micro-batches at both ends (verl's dynamic-batch rule)
+    search = "search"  # the order with the shortest 1F1B time at the policy's own expected costs
+
+
+MAX_ORDERED = 6  # micro-batches per rank up to which ``search`` tries every order (6! = 720)
+MAX_SWAP_ROUNDS = 64  # above MAX_ORDERED: pairwise-swap rounds of the order search (each strictly improves)
+
+
+@dataclass(frozen=True)
+class PartitionParams:
+    """Parameters every PartitionPolicy accepts; a policy's own Params subclasses this."""
+
+    pipeline_order: PipelineOrder = PipelineOrder.packed
+
+
+class PartitionPolicy(ABC):
+    """Batching in two levels: split the global batch over DP ranks, then each rank's share over its
+    micro-batches (never across global batches, which would change the optimiser's semantics), then put
+    each rank's micro-batches in the ``pipeline_order``.
+
+    Subclasses say how to cut a list of costs into k parts; the cost of a sequence is its busy time
+    from the CostModel (``sequence_costs``) at the kept fractions ``expected_kept`` gives (dense here; a
+    sparsity-aware policy overrides it), or whatever ``costs`` a subclass returns instead.
+    """
+
+    Params: ClassVar[type] = PartitionParams
 
     def __init__(self, params) -> None:
         self.params = params
 
+    def expected_kept(self, lengths: np.ndarray, sensitivities: np.ndarray, cost: CostModel) -> np.ndarray:
+        """Kept fraction the policy expects each sequence to run at (1: it plans as if dense)."""
+        return np.ones(lengths.size)
+
     def costs(self, batch: list[Sequence], layout: Layout, cost: CostModel) -> np.ndarray:
-        lengths = np.fromiter((s.length for s in batch), dtype=np.int64, count=len(batch))
-        return cost.sequence_costs(lengths, np.ones(lengths.size), layout)
+        lengths, sens = batch_arrays(batch)
+        return cost.sequence_costs(lengths, self.expected_kept(lengths, sens, cost), layout)
 
     @abstractmethod
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
@@ -123,15 +71,90 @@ class PartitionPolicy(ABC):
         The plan lists assignments by (rank, micro-batch), in that order.
         """
 
+    def rank_partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
+        """One rank's share over its k micro-batches (the DP-level cut, unless a policy cuts ranks otherwise)."""
+        return self.partition(costs, k)
+
     def plan(self, batch: list[Sequence], layout: Layout, cost: CostModel, step: int) -> Plan:
         costs = self.costs(batch, layout, cost)
         assignments = []
         for rank, members in enumerate(self.partition(costs, layout.dp)):
-            for mb, sub in enumerate(self.partition(costs[members], layout.micro_batches)):
+            for mb, sub in enumerate(self.rank_partition(costs[members], layout.micro_batches)):
                 for i in sub:
                     seq = batch[members[i]]
                     assignments.append(Assignment(seq.id, seq.length, seq.sensitivity, rank, mb))
-        return Plan(step=step, dp=layout.dp, micro_batches=layout.micro_batches, assignments=tuple(assignments))
+        plan = Plan(step=step, dp=layout.dp, micro_batches=layout.micro_batches, assignments=tuple(assignments))
+        return self.ordered(plan, costs, batch, layout, cost)
+
+    def ordered(self, plan: Plan, costs: np.ndarray, batch: list[Sequence], layout: Layout, cost: CostModel) -> Plan:
+        order = PipelineOrder(self.params.pipeline_order)
+        if order is PipelineOrder.packed or layout.pp == 1 or layout.micro_batches == 1:
+            return plan
+        if order is PipelineOrder.verl:
+            by_id = {s.id: c for s, c in zip(batch, costs.tolist())}
+            loads = np.zeros((layout.dp, layout.micro_batches))
+            for a in plan.assignments:
+                loads[a.dp_rank, a.micro_batch] += by_id[a.seq_id]
+            return reorder(plan, np.array([verl_order(row) for row in loads]))
+        return reorder(plan, self.searched_orders(plan, layout, cost))
+
+    def searched_orders(self, plan: Plan, layout: Layout, cost: CostModel) -> np.ndarray:
+        """Per rank the micro-batch order with the shortest 1F1B time at the expected kept fractions:
+        every order up to MAX_ORDERED micro-batches (ties keep the packed order), else pairwise swaps from
+        the better of the packed and the verl order."""
+        from policies.dst import pipeline_ms  # here: policies.dst imports this module
+
+        dp, m = layout.dp, layout.micro_batches
+        rank = np.array([a.dp_rank for a in plan.assignments], dtype=np.int64)
+        mb = np.array([a.micro_batch for a in plan.assignments], dtype=np.int64)
+        lengths = np.array([a.length for a in plan.assignments], dtype=np.int64)
+        sens = np.array([a.sensitivity for a in plan.assignments])
+        mb_costs = cost.micro_batch_costs(lengths, self.expected_kept(lengths, sens, cost), rank * m + mb, dp * m, layout)
+        fwd, bwd = mb_costs.fwd_ms.reshape(dp, m), mb_costs.bwd_ms.reshape(dp, m)
+        p2p = cost.hand_off_ms(mb_costs.tokens, layout).reshape(dp, m)
+
+        def spans(orders: np.ndarray) -> np.ndarray:  # orders [dp, c, m] -> [dp, c]
+            take = lambda x: np.take_along_axis(x[:, None, :], orders, axis=2)
+            return pipeline_ms(take(fwd), take(bwd), take(p2p), layout.pp)
+
+        if m <= MAX_ORDERED:
+            every = np.broadcast_to(np.array(list(itertools.permutations(range(m)))), (dp, math.factorial(m), m))
+            return every[np.arange(dp), np.argmin(spans(every), axis=1)]
+        start = np.stack([np.broadcast_to(np.arange(m), (dp, m)), np.array([verl_order(r) for r in fwd + bwd])], axis=1)
+        best = start[np.arange(dp), np.argmin(spans(start), axis=1)]
+        pairs = np.array(list(itertools.combinations(range(m), 2)))
+        for _ in range(MAX_SWAP_ROUNDS):
+            swapped = np.repeat(best[:, None, :], len(pairs), axis=1)
+            rows = np.arange(len(pairs))
+            swapped[:, rows, pairs[:, 0]], swapped[:, rows, pairs[:, 1]] = best[:, pairs[:, 1]], best[:, pairs[:, 0]]
+            now, trial = spans(best[:, None, :])[:, 0], spans(swapped)
+            better = trial.min(axis=1) < now * (1 - 1e-12)
+            if not better.any():
+                break
+            best = np.where(better[:, None], swapped[np.arange(dp), np.argmin(trial, axis=1)], best)
+        return best
+
+
+def batch_arrays(batch: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter((s.length for s in batch), dtype=np.int64, count=len(batch))
+    sens = np.fromiter((s.sensitivity for s in batch), dtype=np.float64, count=len(batch))
+    return lengths, sens
+
+
+def verl_order(loads) -> list[int]:
+    """Micro-batches heaviest first, then every other one reversed followed by the rest: the lightest at
+    both ends of the pipeline and the heaviest in the middle, where the steady state hides it (verl)."""
+    by_load = sorted(range(len(loads)), key=lambda j: (loads[j], j), reverse=True)
+    return by_load[::2][::-1] + by_load[1::2]
+
+
+def reorder(plan: Plan, orders: np.ndarray) -> Plan:
+    """The plan with rank r running its packed micro-batch orders[r, j] at position j."""
+    position = np.argsort(orders, axis=1)  # [rank, packed micro-batch] -> position
+    moved = [Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, int(position[a.dp_rank, a.micro_batch]),
+                        a.budget, a.cp_budgets) for a in plan.assignments]
+    moved.sort(key=lambda a: (a.dp_rank, a.micro_batch))
+    return replace(plan, assignments=tuple(moved))
 
 
 def uniform_budget_plan(plan: Plan, budget: Budget) -> Plan:

@@ -10,6 +10,14 @@ LDM is better than greedy LPT on average but not on every instance (e.g. costs
 [1, 1, 1, 103, 47, 55, 247, 249, 343, 485, 295, 340] into 3 parts: LDM 739, LPT 737), so the
 free-count variant also runs LPT (O(n log k), cheap next to LDM) and keeps the lower makespan:
 this policy is then never worse than ``lpt``.
+
+Equal-count LDM can still be far from the optimum on long-tailed costs (a few heavy items that the
+fixed count forces together), so ``refine`` follows it with a local search (``refined``): the heaviest
+part swaps one item with any other part, or hands one item to another part (free count, or a part one
+item larger than the other under equal counts), whichever lowers the larger of the two loads most, until
+no such exchange lowers the makespan. On few items (a rank's micro-batches), where single items are
+coarse, an exchange may move a bundle of up to two items each way (``refined_small``, pure Python: on
+a handful of items numpy's call overhead dominates).
 """
 from __future__ import annotations
 
@@ -18,8 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.base import PartitionPolicy, register_batching
+from policies.base import PartitionParams, PartitionPolicy
+
+from sim.policy import register_batching
 from policies.lpt import lpt_partition
+
+MAX_EXCHANGES_PER_ITEM = 4  # bounds the local search; every exchange strictly lowers the heaviest load
+BUNDLE_ITEMS = 32  # up to this many items exchanges may also take two items from a part at once
 
 
 def _initial_tuples(costs: np.ndarray, k: int, equal_count: bool) -> list[tuple[list[float], list[list[int]]]]:
@@ -62,20 +75,129 @@ def ldm_partition(costs: np.ndarray, k: int, equal_count: bool) -> list[list[int
 @register_batching("karmarkar_karp")
 class KarmarkarKarp(PartitionPolicy):
     @dataclass(frozen=True)
-    class Params:
+    class Params(PartitionParams):
         equal_count: bool = True  # every rank / micro-batch gets the same number of sequences
+        refine: bool = False  # local search after LDM (swaps, and moves when the count is free)
 
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
-        return kk_partition(costs, k, self.params.equal_count)
+        return kk_partition(costs, k, self.params.equal_count, self.params.refine)
 
 
 def makespan(costs: np.ndarray, parts: list[list[int]]) -> float:
     return max((float(costs[p].sum()) for p in parts), default=0.0)
 
 
-def kk_partition(costs: np.ndarray, k: int, equal_count: bool) -> list[list[int]]:
-    ldm = ldm_partition(costs, k, equal_count)
-    if equal_count:
-        return ldm  # LPT ignores the count constraint, so it is no valid alternative here
-    lpt = lpt_partition(costs, k)
-    return ldm if makespan(costs, ldm) <= makespan(costs, lpt) else lpt
+def kk_partition(costs: np.ndarray, k: int, equal_count: bool, refine: bool = False) -> list[list[int]]:
+    parts = ldm_partition(costs, k, equal_count)
+    if not equal_count:  # LPT ignores the count constraint, so it is an alternative only without it
+        lpt = lpt_partition(costs, k)
+        parts = parts if makespan(costs, parts) <= makespan(costs, lpt) else lpt
+    if not refine:
+        return parts
+    if costs.size <= BUNDLE_ITEMS:
+        return refined_small(costs.tolist(), parts, equal_count)
+    return refined(costs, parts, equal_count)
+
+
+def refined(costs: np.ndarray, parts: list[list[int]], equal_count: bool) -> list[list[int]]:
+    """Local search from ``parts``: exchanges between the heaviest part and the others.
+
+    Each step takes the exchange (one item of the heaviest part for one item of another part, or with a
+    free count one item of the heaviest part moved to another) that minimises the larger of the two new
+    loads, if that is below the heaviest load; so the sorted load vector falls lexicographically and the
+    search ends. Parts keep their sizes under ``equal_count``; execution order inside a part is by index.
+    """
+    k, n = len(parts), costs.size
+    if k < 2 or n < 2:
+        return parts
+    part_of = np.empty(n, dtype=np.int64)
+    for j, members in enumerate(parts):
+        part_of[members] = j
+    loads = np.bincount(part_of, weights=costs, minlength=k)
+    for _ in range(MAX_EXCHANGES_PER_ITEM * n):
+        heavy = int(np.argmax(loads))
+        top = loads[heavy]
+        mine, rest = np.flatnonzero(part_of == heavy), np.flatnonzero(part_of != heavy)
+        gain, best, move = 0.0, None, None
+        if rest.size:
+            delta = costs[mine][:, None] - costs[rest][None, :]  # load the heavy part sheds in a swap
+            swap = np.maximum(top - delta, loads[part_of[rest]][None, :] + delta)
+            best, gain = np.unravel_index(np.argmin(swap), swap.shape), top - swap.min()
+        if not equal_count:
+            sizes = costs[mine][:, None]
+            moved = np.maximum(top - sizes, loads[None, :] + sizes)
+            moved[:, heavy] = np.inf
+            if top - moved.min() > gain:
+                move = np.unravel_index(np.argmin(moved), moved.shape)
+                gain = top - moved.min()
+        if gain <= top * 1e-12:
+            break
+        if move is not None:
+            item, target = int(mine[move[0]]), int(move[1])
+            loads[heavy] -= costs[item]
+            loads[target] += costs[item]
+            part_of[item] = target
+        else:
+            item, other = int(mine[best[0]]), int(rest[best[1]])
+            target = int(part_of[other])
+            shift = costs[item] - costs[other]
+            loads[heavy] -= shift
+            loads[target] += shift
+            part_of[item], part_of[other] = target, heavy
+    return [np.flatnonzero(part_of == j).tolist() for j in range(k)]
+
+
+
+def refined_small(costs: list[float], parts: list[list[int]], equal_count: bool) -> list[list[int]]:
+    """``refined`` with bundles: a part gives up to two items and takes up to two from another part
+    (counts kept within one of each other under ``equal_count``). The heaviest part's best exchange
+    first; when it has none, the best exchange that lowers the heavier load of any other pair of parts
+    (the sum of squared loads falls, so this ends too), which can open a way for the heaviest."""
+    parts = [list(p) for p in parts]
+    k, n = len(parts), len(costs)
+    if k < 2 or n < 2:
+        return parts
+    low, high = n // k, -(-n // k)
+    loads = [sum(costs[i] for i in p) for p in parts]
+
+    def best_exchange(a: int, others) -> tuple[float, tuple] | None:
+        """The exchange between part a and one of others that minimises the larger new load, if it is
+        below both parts' current larger load."""
+        give = bundles(parts[a], costs)
+        found = None
+        for b in others:
+            limit = max(loads[a], loads[b]) * (1 - 1e-12)
+            if found is not None:
+                limit = min(limit, found[0])
+            for out, out_v in give:
+                for back, back_v in bundles(parts[b], costs):
+                    shift = len(out) - len(back)
+                    if not (out or back) or equal_count and not (
+                            low <= len(parts[a]) - shift <= high and low <= len(parts[b]) + shift <= high):
+                        continue
+                    worse = max(loads[a] - out_v + back_v, loads[b] + out_v - back_v)
+                    if worse < limit:
+                        limit, found = worse, (worse, (a, b, out, back, out_v - back_v))
+        return found
+
+    for _ in range(MAX_EXCHANGES_PER_ITEM * n):
+        heavy = max(range(k), key=loads.__getitem__)
+        found = best_exchange(heavy, [b for b in range(k) if b != heavy])
+        for a in sorted(range(k), key=loads.__getitem__, reverse=True)[1:] if found is None else ():
+            found = best_exchange(a, [b for b in range(k) if b != heavy and loads[b] < loads[a]])
+            if found is not None:
+                break
+        if found is None:
+            break
+        a, b, out, back, shift_v = found[1]
+        parts[a] = [i for i in parts[a] if i not in out] + list(back)
+        parts[b] = [i for i in parts[b] if i not in back] + list(out)
+        loads[a] -= shift_v
+        loads[b] += shift_v
+    return [sorted(p) for p in parts]
+
+
+def bundles(members: list[int], costs: list[float]) -> list[tuple[tuple[int, ...], float]]:
+    """Every set of at most two of the members (the empty one too) with its total cost."""
+    out = [((), 0.0)] + [((i,), costs[i]) for i in members]
+    return out + [((i, j), costs[i] + costs[j]) for a, i in enumerate(members) for j in members[a + 1:]]

@@ -14,38 +14,33 @@ carried across steps: the same seed and config replay the same sequence of
 plans. Buckets never seen yet take the mean of the seen ones, and before the first step everything
 takes ``prior_p`` (1.0: dense, so step 0 is plain LBB).
 
-Ours, not the paper's (``pipeline_order``, on by default): with pp > 1 each rank's packed micro-batches
-are also put in the order with the shortest 1F1B time.
+Ours, not the paper's (``pipeline_order: search``, the default here; every PartitionPolicy accepts the
+parameter): with pp > 1 each rank's packed micro-batches are also put in the order with the shortest
+1F1B time at the expected budgets.
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from policies.base import PartitionPolicy
-
-from sim.policy import register_batching
-from policies.dst import pipeline_ms
+from policies.base import PartitionParams, PartitionPolicy, PipelineOrder
 from policies.karmarkar_karp import kk_partition
-from sim.plan import Plan
-from sim.cluster import Layout
 from sim.cost import CostModel
-from sim.workload import Sequence
-
-MAX_ORDERED = 6  # micro-batches per rank up to which every order is tried (6! = 720)
+from sim.plan import Plan
+from sim.policy import register_batching
 
 
 @register_batching("sab")
 class SparsityAwareBatching(PartitionPolicy):
     @dataclass(frozen=True)
-    class Params:
+    class Params(PartitionParams):
+        pipeline_order: PipelineOrder = PipelineOrder.search  # ours, not the paper's (see the module docstring)
         ema: float = 0.5  # weight of the newest step's budgets
         buckets_per_octave: int = 2  # length buckets: log2(length) in steps of 1 / this
         prior_p: float = 1.0  # expected budget before anything was observed
         equal_count: bool = True  # fixed micro-batch size, as the LBB baseline
-        pipeline_order: bool = True  # with pp > 1, order each rank's micro-batches for 1F1B (ours, not the paper's)
+        refine: bool = False  # local search after Karmarkar-Karp (policies/karmarkar_karp.py)
 
     def __init__(self, params: Params) -> None:
         if not 0.0 < params.ema <= 1.0:
@@ -64,43 +59,11 @@ class SparsityAwareBatching(PartitionPolicy):
         default = float(np.mean(list(self.expected_p.values()))) if self.expected_p else self.params.prior_p
         return np.array([self.expected_p.get(int(b), default) for b in self.bucket(lengths)])
 
-    def costs(self, batch: list[Sequence], layout: Layout, cost: CostModel) -> np.ndarray:
-        lengths = np.fromiter((s.length for s in batch), dtype=np.int64, count=len(batch))
-        sens = np.fromiter((s.sensitivity for s in batch), dtype=np.float64, count=len(batch))
-        kept = cost.kept_fractions(lengths, sens, self.expected(lengths))
-        return cost.sequence_costs(lengths, kept, layout)
+    def expected_kept(self, lengths: np.ndarray, sensitivities: np.ndarray, cost: CostModel) -> np.ndarray:
+        return cost.kept_fractions(lengths, sensitivities, self.expected(lengths))
 
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
-        return kk_partition(costs, k, self.params.equal_count)
-
-    def plan(self, batch: list[Sequence], layout: Layout, cost: CostModel, step: int) -> Plan:
-        plan = super().plan(batch, layout, cost, step)
-        if self.params.pipeline_order and layout.pp > 1 and layout.micro_batches <= MAX_ORDERED:
-            plan = self.pipeline_order(plan, layout, cost)
-        return plan
-
-    def pipeline_order(self, plan: Plan, layout: Layout, cost: CostModel) -> Plan:
-        """Each rank's micro-batches in the order with the shortest 1F1B time at the expected budgets.
-
-        Bin-packing fixes what runs together, not when: in 1F1B the first micro-batch's forward and the
-        last one's backward cross every stage alone (warm-up and cool-down), so the order changes the
-        rank's time. Every order is tried (m! of them, vectorised; ties keep the packed order).
-        """
-        dp, m = layout.dp, layout.micro_batches
-        rank = np.array([a.dp_rank for a in plan.assignments], dtype=np.int64)
-        mb = np.array([a.micro_batch for a in plan.assignments], dtype=np.int64)
-        lengths = np.array([a.length for a in plan.assignments], dtype=np.int64)
-        sens = np.array([a.sensitivity for a in plan.assignments])
-        kept = cost.kept_fractions(lengths, sens, self.expected(lengths))
-        costs = cost.micro_batch_costs(lengths, kept, rank * m + mb, dp * m, layout)
-        fwd, bwd = costs.fwd_ms.reshape(dp, m), costs.bwd_ms.reshape(dp, m)
-        p2p = cost.hand_off_ms(costs.tokens, layout).reshape(dp, m)
-        orders = np.array(list(itertools.permutations(range(m))))  # [orders, m], the packed order first
-        span = pipeline_ms(fwd[:, orders], bwd[:, orders], p2p[:, orders], layout.pp)  # [dp, orders]
-        position = np.argsort(orders[np.argmin(span, axis=1)], axis=1)  # [rank, old mb] -> new mb
-        moved = [replace(a, micro_batch=int(position[a.dp_rank, a.micro_batch])) for a in plan.assignments]
-        moved.sort(key=lambda a: (a.dp_rank, a.micro_batch))
-        return replace(plan, assignments=tuple(moved))
+        return kk_partition(costs, k, self.params.equal_count, self.params.refine)
 
     def observe(self, tuned: Plan) -> None:
         """Fold one step's budgets into the per-bucket EMA."""

@@ -7,11 +7,12 @@ from hypothesis import given, settings, strategies as st
 from sim.policy import make_batching, make_sparsity, plan_step
 from sim.plan import Budget
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError
+from sim.core import ConfigError, compose_config
 from sim.cost import make_cost
 from sim.engine import Engine
-from sim.run import compose_config, load_policy
+from sim.run import load_policy
 from sim.workload import Sequence, Workload
+from pinned import pinned
 
 DENSE = ("fixed", {"p": 1.0})
 DST = ("dst", {"p": 0.9, "floor": 0.8})
@@ -19,7 +20,7 @@ DST = ("dst", {"p": 0.9, "floor": 0.8})
 
 @pytest.fixture(scope="module")
 def cost():
-    cfg = compose_config(["cluster.nodes=2"])
+    cfg = compose_config(pinned(["cluster.nodes=2"]))
     return make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster))
 
 
@@ -34,7 +35,7 @@ def test_sab_equals_lbb_with_equal_sensitivity_and_dense_budgets(cost, dp, pp, m
     lengths = data.draw(st.lists(st.integers(256, 32768), min_size=1, max_size=4 * dp * m))
     batch = [Sequence(i, n, sens) for i, n in enumerate(lengths)]
     lbb = make_batching("karmarkar_karp", {"equal_count": True})
-    sab = make_batching("sab", {"pipeline_order": False})
+    sab = make_batching("sab", {"pipeline_order": "packed"})
     ordered = make_batching("sab", {})
     dense = make_sparsity(*DENSE)
     for step in range(2):  # the second step plans with the learned (dense) budgets
@@ -52,11 +53,11 @@ def micro_batch_sets(plan):
 
 
 def test_pipeline_order_never_slows_a_rank(cost):
-    cfg = compose_config(["+experiment=paper"])
+    cfg = compose_config(pinned(["+experiment=paper"]))
     workload = Workload(cfg.workload, cfg.model.max_context, 0)
     layout = Layout(dp=2, pp=4, micro_batches=4)
     engine = Engine(layout, cost, Cluster.from_config(cfg.cluster))
-    packed, ordered = (make_batching("sab", {"pipeline_order": o}) for o in (False, True))
+    packed, ordered = (make_batching("sab", {"pipeline_order": o}) for o in ("packed", "search"))
     for step in range(10):
         batch = workload.batch(step)
         finish = [engine.step(s.plan(batch, layout, cost, step)).timeline.finish_ms.max(axis=1) for s in (packed, ordered)]
@@ -65,7 +66,7 @@ def test_pipeline_order_never_slows_a_rank(cost):
 
 def test_expected_budgets_follow_the_paired_policy(cost):
     layout = Layout(dp=2, pp=4, micro_batches=4)
-    cfg = compose_config(["+experiment=paper"])
+    cfg = compose_config(pinned(["+experiment=paper"]))
     workload = Workload(cfg.workload, cfg.model.max_context, 0)
     sab = make_batching("sab", {"ema": 1.0})
     tuned = plan_step(sab, make_sparsity(*DST), workload.batch(0), layout, cost, 0)
@@ -86,7 +87,7 @@ def test_ema_blends_steps_and_unseen_buckets_take_the_mean(cost):
 
 
 def test_same_seed_same_plans_and_batches_stay_whole(cost):
-    cfg = compose_config(["+experiment=paper"])
+    cfg = compose_config(pinned(["+experiment=paper"]))
     workload = Workload(cfg.workload, cfg.model.max_context, 0)
     layout = Layout(dp=2, pp=4, micro_batches=4)
     policy = load_policy("sparsebalance")
