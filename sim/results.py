@@ -8,6 +8,7 @@ never sees a half-written file; ``summary.json`` moves last and marks a complete
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -31,6 +32,8 @@ class MicroBatchRecord:
     tokens: int
     kept_fraction: float
     coverage: float
+    # GB on this (rank, stage) while this micro-batch's backward runs (sim.memory); NaN where not modelled
+    peak_memory_gb: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,12 @@ class StepRecord:
     mfu: float
     mean_coverage: float
     min_coverage: float
+    peak_memory_gb: float = math.nan  # the largest over ranks, stages and micro-batches; NaN where not modelled
+
+
+def _or_none(value: float) -> float | None:
+    """A summary figure, or None (JSON null) where no step had it."""
+    return None if math.isnan(value) else float(value)
 
 
 def _columns(record_type) -> list[str]:
@@ -89,6 +98,7 @@ class Results:
             "mfu": float(steps["mfu"].mean()),
             "mean_coverage": float(steps["mean_coverage"].mean()),
             "min_coverage": float(steps["min_coverage"].min()),
+            "peak_memory_gb": _or_none(steps["peak_memory_gb"].max()),
         }
 
     def write(self, run_dir: Path, summary: dict) -> list[Path]:
