@@ -218,7 +218,7 @@ class RunConfig:
     steps: int = bounded(20, AT_LEAST_ONE)
     baseline: Optional[str] = "baseline"  # policy (conf/policy/<name>) to compare against; null: none
     write_plans: bool = True
-    plot: bool = False  # also draw the run's figures (sim.plot) into <run dir>/figures
+    plot: bool = False  # also draw the run's figures into <run dir>/figures (viz.callbacks.RunFigures)
     force: bool = False  # run even when the size guard (MAX_GPUS, MAX_GPU_STEPS, MAX_SEQUENCES) says it is too big
 
     def check(self, prefix: str) -> None:

@@ -122,11 +122,6 @@ def run(cfg: DictConfig, run_dir: Path) -> pd.DataFrame:
     table = summary_table(rows, baseline_ms)
     print(table.to_string(index=False))
     print(f"results: {files[0].parent}  ({', '.join(f.name for f in files)})")
-    if cfg.plot:
-        from sim.plot import results_figures, save  # matplotlib only when figures are asked for
-
-        figures = save(results_figures(run_dir, step=0), run_dir / "figures", "png")
-        print(f"figures: {figures[0].parent}  ({', '.join(f.name for f in figures)})")
     return table
 
 

@@ -1,4 +1,4 @@
-"""sim.plot: figures from real Results, calibration and benchmark files; one clear line on bad input."""
+"""viz: figures from real Results, calibration and benchmark files; one clear line on bad input."""
 from __future__ import annotations
 
 import json
@@ -9,14 +9,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from sim import plot
-from sim.plot import PlotError
+from viz.calibration import (DEFAULT_PROFILE, benchmark_vs_profile, calibration_frame, plot_calibration,
+                             plot_residuals, read_profile)
+from viz.cli import main
+from viz.fidelity import fidelity_frame, plot_step_fidelity
+from viz.figures import profile_figures, results_figures
+from viz.kernels import plot_kernel_comparison, read_benchmark
+from viz.policies import plot_frontier, plot_policies
+from viz.runs import PlotError, read_run, read_runs, summary_frame
+from viz.timeline import pick_timeline_runs, plot_timeline, replay_step
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def job(sweep, policy):
-    return next(r for r in plot.read_runs(sweep) if r.policy == policy)
 
 
 def assert_legible(fig):
@@ -32,29 +35,29 @@ def assert_legible(fig):
 
 # ----------------------------------------------------------------------------- Results
 def test_sweep_is_read_in_job_order_with_settings(sweep):
-    runs = plot.read_runs(sweep)
+    runs = read_runs(sweep)
     assert [r.policy for r in runs] == ["baseline", "kk"]
-    frame = plot.summary_frame(runs)
+    frame = summary_frame(runs)
     assert list(frame["setting"]) == ["", ""]  # steps=2 is common to every job: not a sweep axis
     assert frame.loc[0, "speedup"] == pytest.approx(1.0)
     assert frame.loc[1, "speedup"] > 1.0
 
 
-@pytest.mark.parametrize("make", ["policies", "frontier"])
+@pytest.mark.parametrize("make", [plot_policies, plot_frontier])
 def test_policy_figures(sweep, make, tmp_path):
-    fig = getattr(plot, f"plot_{make}")(plot.read_runs(sweep))
+    fig = make(read_runs(sweep))
     assert_legible(fig)
     fig.savefig(tmp_path / "f.png")
 
 
 def test_timeline_replays_the_recorded_step(sweep):
-    runs = plot.pick_timeline_runs(plot.read_runs(sweep))
-    traces = [plot.replay_step(r, step=1) for r in runs]
+    runs = pick_timeline_runs(read_runs(sweep))
+    traces = [replay_step(r, step=1) for r in runs]
     for trace, run in zip(traces, runs):
         assert trace.step_ms == pytest.approx(run.steps.loc[1, "step_ms"], rel=1e-6)
         assert set(trace.ops["kind"]) == {"F", "B"}
         assert len(trace.ops) == 2 * trace.dp * trace.pp * run.summary["micro_batches"]
-    assert_legible(plot.plot_timeline(traces))
+    assert_legible(plot_timeline(traces))
 
 
 def test_sim_run_draws_a_pipeline_timeline_when_asked(tmp_path):
@@ -64,9 +67,9 @@ def test_sim_run_draws_a_pipeline_timeline_when_asked(tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"figures: {tmp_path / 'figures'}  (timeline.png)" in done.stdout
     assert (tmp_path / "figures" / "timeline.png").stat().st_size > 0
-    trace = plot.replay_step(plot.read_run(tmp_path))
+    trace = replay_step(read_run(tmp_path))
     assert trace.pp == 2 and set(trace.ops["stage"]) == {0, 1}
-    assert_legible(plot.plot_timeline([trace]))
+    assert_legible(plot_timeline([trace]))
 
 
 def test_replay_refuses_a_run_the_current_model_would_time_differently(sweep_copy):
@@ -75,20 +78,20 @@ def test_replay_refuses_a_run_the_current_model_would_time_differently(sweep_cop
     frame.loc[0, "step_ms"] *= 1.5
     frame.to_csv(steps, index=False)
     with pytest.raises(PlotError, match="changed since, re-run it"):
-        plot.replay_step(plot.read_run(sweep_copy / "0"), step=0)
+        replay_step(read_run(sweep_copy / "0"), step=0)
 
 
 def test_empty_directory_says_how_to_make_results(tmp_path):
     with pytest.raises(PlotError, match=r"no Results found .*python -m sim.run"):
-        plot.read_runs(tmp_path)
+        read_runs(tmp_path)
 
 
 def test_partial_run_is_named(sweep_copy):
     (sweep_copy / "1" / "summary.json").unlink()
     with pytest.raises(PlotError, match=r"partial Results \(no summary.json\); the run did not finish"):
-        plot.read_run(sweep_copy / "1")
+        read_run(sweep_copy / "1")
     with pytest.warns(UserWarning, match="skipped: .*partial Results"):
-        runs = plot.read_runs(sweep_copy)  # the rest of the sweep still plots
+        runs = read_runs(sweep_copy)  # the rest of the sweep still plots
     assert [r.policy for r in runs] == ["baseline"]
 
 
@@ -96,17 +99,17 @@ def test_older_schema_names_the_missing_column(sweep_copy):
     path = sweep_copy / "0" / "micro_batches.csv"
     pd.read_csv(path).drop(columns=["coverage"]).to_csv(path, index=False)
     with pytest.raises(PlotError, match=r"older or unknown Results schema \(no column coverage\)"):
-        plot.read_run(sweep_copy / "0")
+        read_run(sweep_copy / "0")
 
 
 def test_unknown_summary_is_refused(sweep_copy):
     (sweep_copy / "0" / "summary.json").write_text(json.dumps({"schema": 99}))
     with pytest.raises(PlotError, match="summary.json lacks policy"):
-        plot.read_run(sweep_copy / "0")
+        read_run(sweep_copy / "0")
 
 
 def test_cli_bad_input_is_one_line_without_traceback(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "sim.plot", str(tmp_path)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "viz", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
@@ -118,13 +121,13 @@ def test_cli_names_a_partial_or_old_run(sweep_copy, damage, message):
     steps = sweep_copy / "0" / "steps.csv"
     steps.unlink() if damage == "partial" else steps.write_text("step,step_ms\n0,1.0\n")
     with pytest.raises(SystemExit, match=f"^error: .*{message}") as exc:
-        plot.main([str(sweep_copy / "0")])
+        main([str(sweep_copy / "0")])
     assert "\n" not in str(exc.value)
 
 
 def test_cli_writes_every_results_figure(sweep, tmp_path, capsys):
     out = tmp_path / "figs"
-    assert plot.main([str(sweep), "--out", str(out), "--format", "svg", "--step", "1"]) == 0
+    assert main([str(sweep), "--out", str(out), "--format", "svg", "--step", "1"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["frontier.svg", "policies.svg", "timeline.svg"]
     assert f"figure: {out / 'timeline.svg'}" in capsys.readouterr().out
 
@@ -145,13 +148,13 @@ def fake_runner_run(job_dir, slower=1.1):
 
 def test_fidelity_replays_runner_runs(sweep_copy):
     fake_runner_run(sweep_copy / "1")
-    runs = plot.read_runs(sweep_copy)
-    frame = plot.fidelity_frame(runs)
+    runs = read_runs(sweep_copy)
+    frame = fidelity_frame(runs)
     assert list(frame["step"]) == [1] and list(frame["group"]) == ["kk"]  # step 0 is warm-up
     assert (frame["measured_ms"] / frame["plan_ms"]).iloc[0] == pytest.approx(1.1, rel=1e-6)
     assert frame["predicted_ms"].iloc[0] != pytest.approx(frame["plan_ms"].iloc[0])
-    assert_legible(plot.plot_step_fidelity(frame))
-    assert sorted(plot.results_figures(sweep_copy, step=0)) == ["fidelity", "timeline"]  # one simulated run
+    assert_legible(plot_step_fidelity(frame))
+    assert sorted(results_figures(sweep_copy, step=0)) == ["fidelity", "timeline"]  # one simulated run
 
 
 def test_fidelity_reads_runner_compare_output(sweep_copy):
@@ -159,22 +162,22 @@ def test_fidelity_reads_runner_compare_output(sweep_copy):
 
     fake_runner_run(sweep_copy / "0", slower=2.0)
     assert compare.main([str(sweep_copy / "0"), "--skip", "0"]) == 0
-    frame = plot.fidelity_frame(plot.read_runs(sweep_copy))
+    frame = fidelity_frame(read_runs(sweep_copy))
     assert list(frame["step"]) == [0, 1]  # compare.json's skip, not the default
     assert list(frame["measured_ms"] / frame["plan_ms"]) == pytest.approx([2.0, 2.0], rel=1e-5)  # 6-digit CSV
 
 
 def test_fidelity_without_runner_runs_says_how_to_make_them(sweep):
     with pytest.raises(PlotError, match="no runner Results .*runner.compare"):
-        plot.fidelity_frame(plot.read_runs(sweep))
+        fidelity_frame(read_runs(sweep))
 
 
 # ----------------------------------------------------------------------------- calibration and kernels
 def test_calibration_figures_from_a_fitted_profile(fitted_profile, tmp_path):
-    frame = plot.calibration_frame(fitted_profile)
+    frame = calibration_frame(fitted_profile)
     assert {"attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd", "layer_full"} <= set(frame["term"])
     assert frame.loc[frame["split"] == "heldout", "residual_pct"].abs().median() < 10
-    figures = plot.profile_figures(fitted_profile)
+    figures = profile_figures(fitted_profile)
     assert sorted(figures) == ["calibration", "layer_fidelity", "residuals"]
     for fig in figures.values():
         assert_legible(fig)
@@ -186,20 +189,20 @@ def test_provisional_profile_says_how_to_measure(tmp_path):
     path = tmp_path / "h200.json"
     path.write_text(json.dumps(profile))
     with pytest.raises(PlotError, match=r"no measurements to compare with .*python -m calibrate.run"):
-        plot.calibration_frame(path)
+        calibration_frame(path)
 
 
 def test_bad_profile_is_one_line(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"schema_version": 0}))
     with pytest.raises(PlotError, match="schema_version=0"):
-        plot.read_profile(bad)
+        read_profile(bad)
 
 
 def test_kernel_comparison_counts_failed_configs(bench_csv):
-    bench = plot.read_benchmark(bench_csv)
+    bench = read_benchmark(bench_csv)
     assert set(bench["impl"]) == {"flex", "triton_sparse", "cudnn_dense"}
-    fig = plot.plot_kernel_comparison(bench)
+    fig = plot_kernel_comparison(bench)
     assert_legible(fig)
     assert "1 config(s) failed" in fig.get_suptitle()
 
@@ -208,35 +211,35 @@ def test_benchmark_with_foreign_columns_is_refused(tmp_path):
     path = tmp_path / "b.csv"
     path.write_text("a,b\n1,2\n")
     with pytest.raises(PlotError, match="not a kernel benchmark CSV"):
-        plot.read_benchmark(path)
+        read_benchmark(path)
 
 
 def test_benchmark_checks_the_profile_on_our_kernel(bench_csv):
-    frame = plot.benchmark_vs_profile(plot.read_benchmark(bench_csv), plot.DEFAULT_PROFILE)
+    frame = benchmark_vs_profile(read_benchmark(bench_csv), DEFAULT_PROFILE)
     assert set(frame["term"]) == {"attn_fwd", "attn_fwd+bwd"}
     assert sorted(frame["budget"].unique()) == [0.1, 1.0]  # nominal budgets group the realised fractions
     assert (frame["predicted_ms"] > 0).all()
-    profile = plot.read_profile(plot.DEFAULT_PROFILE)
-    assert_legible(plot.plot_calibration(frame, profile, source="benchmark"))
-    assert_legible(plot.plot_residuals(frame, profile))
+    profile = read_profile(DEFAULT_PROFILE)
+    assert_legible(plot_calibration(frame, profile, source="benchmark"))
+    assert_legible(plot_residuals(frame, profile))
 
 
 def test_cli_benchmark_figures(bench_csv, tmp_path):
     out = tmp_path / "figs"
-    assert plot.main([str(bench_csv), "--out", str(out)]) == 0
+    assert main([str(bench_csv), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["kernel_model.png", "kernel_model_residuals.png", "kernels.png"]
 
 
 def test_cli_plots_the_rest_of_a_sweep_and_warns_in_one_line(sweep_copy, tmp_path, capsys):
     (sweep_copy / "1" / "micro_batches.csv").unlink()
-    assert plot.main([str(sweep_copy), "--out", str(tmp_path)]) == 0
+    assert main([str(sweep_copy), "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert err.startswith("warning: skipped: ") and err.count("\n") == 1 and "partial Results" in err
     assert (tmp_path / "timeline.png").is_file()
 
 
 def test_committed_h200_runner_runs_replay():
-    runs = plot.read_runs(ROOT / "runner" / "results" / "h200")
-    frame = plot.fidelity_frame(runs, skip=4)
+    runs = read_runs(ROOT / "runner" / "results" / "h200")
+    frame = fidelity_frame(runs, skip=4)
     assert set(frame["group"]) == {"baseline", "sparsebalance"} and frame["step"].min() == 4
-    assert_legible(plot.plot_step_fidelity(frame))
+    assert_legible(plot_step_fidelity(frame))
