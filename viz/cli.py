@@ -12,7 +12,8 @@ the figures the notebooks show. Each PATH is one of:
 * a kernel benchmark CSV (``benchmarks/results/*.csv``): our kernel vs FlexAttention vs dense cuDNN.
 
 Figures are built on ``matplotlib.figure.Figure`` (no pyplot state), so the same functions serve the CLI
-and the notebooks. Bad input (an empty, partial or older-schema directory) is one line, no traceback.
+and the notebooks. Bad input (an empty, partial or older-schema directory) is one ``error:`` line and exit
+code 2, no traceback.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from sim.core import fail
 from viz.figures import figures_for, save
 from viz.runs import PlotError
 
@@ -48,5 +50,5 @@ def main(argv: list[str] | None = None) -> int:
             for written in save(figures, out, args.format):
                 print(f"figure: {written}")
     except PlotError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        fail(str(exc))
     return 0
