@@ -75,11 +75,17 @@ class PartitionPolicy(ABC):
         """One rank's share over its k micro-batches (the DP-level cut, unless a policy cuts ranks otherwise)."""
         return self.partition(costs, k)
 
+    def micro_batch_counts(self, batch: list[Sequence], ranks: list[list[int]], layout: Layout) -> list[int]:
+        """How many of the layout's micro-batch slots each rank fills (all of them here); slots left over
+        stay empty and take no time."""
+        return [layout.micro_batches] * len(ranks)
+
     def plan(self, batch: list[Sequence], layout: Layout, cost: CostModel, step: int) -> Plan:
         costs = self.costs(batch, layout, cost)
         assignments = []
-        for rank, members in enumerate(self.partition(costs, layout.dp)):
-            for mb, sub in enumerate(self.rank_partition(costs[members], layout.micro_batches)):
+        ranks = self.partition(costs, layout.dp)
+        for rank, (members, count) in enumerate(zip(ranks, self.micro_batch_counts(batch, ranks, layout))):
+            for mb, sub in enumerate(self.rank_partition(costs[members], count)):
                 for i in sub:
                     seq = batch[members[i]]
                     assignments.append(Assignment(seq.id, seq.length, seq.sensitivity, rank, mb))

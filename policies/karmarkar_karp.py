@@ -92,8 +92,11 @@ def kk_partition(costs: np.ndarray, k: int, equal_count: bool, refine: bool = Fa
     if not equal_count:  # LPT ignores the count constraint, so it is an alternative only without it
         lpt = lpt_partition(costs, k)
         parts = parts if makespan(costs, parts) <= makespan(costs, lpt) else lpt
-    if not refine:
-        return parts
+    return refined_partition(costs, parts, equal_count) if refine else parts
+
+
+def refined_partition(costs: np.ndarray, parts: list[list[int]], equal_count: bool) -> list[list[int]]:
+    """The local search that suits the input's size (see the module docstring)."""
     if costs.size <= BUNDLE_ITEMS:
         return refined_small(costs.tolist(), parts, equal_count)
     return refined(costs, parts, equal_count)

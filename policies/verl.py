@@ -1,0 +1,52 @@
+"""``verl``: verl's sequence balancing (``verl/utils/seqlen_balancing.py``), in this simulator's two levels.
+
+* DP ranks: equal-count Karmarkar-Karp over verl's workload estimate ``24576 L + L^2`` (dense-block FLOPs
+  ``12 h^2 L + 2 h L^2`` over ``2 h`` for h = 4096, which verl uses whatever the model), as verl's trainer
+  balances the global batch before dispatching it;
+* each rank's share: free-count Karmarkar-Karp over the same estimate into the rank's micro-batches, as
+  verl's dynamic batching (``rearrange_micro_batches``) does, here with the layout's micro-batch count;
+* order: verl's rule by default (``pipeline_order: verl``): heaviest first, then every other micro-batch
+  reversed followed by the rest, so the lighter ones run at both ends of the pipeline.
+
+Plain LDM at both levels, as verl runs it; ``refine: true`` adds this project's local search.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from policies.base import PartitionParams, PartitionPolicy, PipelineOrder, batch_arrays
+from policies.karmarkar_karp import ldm_partition, refined_partition
+from sim.cluster import Layout
+from sim.cost import CostModel
+from sim.policy import register_batching
+from sim.workload import Sequence
+
+LINEAR_WEIGHT = 24576  # verl's calculate_workload: 24576 * seqlen + seqlen ** 2
+
+
+def verl_workload(lengths: np.ndarray) -> np.ndarray:
+    lengths = lengths.astype(np.float64)
+    return LINEAR_WEIGHT * lengths + lengths**2
+
+
+@register_batching("verl")
+class Verl(PartitionPolicy):
+    @dataclass(frozen=True)
+    class Params(PartitionParams):
+        pipeline_order: PipelineOrder = PipelineOrder.verl
+        refine: bool = False  # this project's local search after each LDM (not verl's)
+
+    def costs(self, batch: list[Sequence], layout: Layout, cost: CostModel) -> np.ndarray:
+        return verl_workload(batch_arrays(batch)[0])
+
+    def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
+        return self.cut(costs, k, equal_count=True)
+
+    def rank_partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
+        return self.cut(costs, k, equal_count=False)
+
+    def cut(self, costs: np.ndarray, k: int, equal_count: bool) -> list[list[int]]:
+        parts = ldm_partition(costs, k, equal_count)
+        return refined_partition(costs, parts, equal_count) if self.params.refine else parts
