@@ -127,6 +127,7 @@ class ClusterConfig:
     intra: TierConfig = field(default_factory=TierConfig)  # inside a node
     inter: TierConfig = field(default_factory=TierConfig)  # between nodes
     grad_bytes: int = bounded(2, Bound(1, 8))  # bytes per gradient element in the DP all-reduce
+    hbm_gb: float = bounded(MISSING, POSITIVE)  # HBM capacity per GPU, GB (1e9 bytes); sim.memory plans inside it
 
 
 @dataclass
@@ -198,6 +199,71 @@ class PolicyConfig:
     sparsity: PolicyPart = field(default_factory=PolicyPart)
 
 
+class Sharding(str, Enum):
+    """How the dp x cp replicas of a pipeline stage split its weights, gradients and optimizer states."""
+
+    ddp = "ddp"  # plain data parallelism: every replica holds all three
+    zero1 = "zero1"  # ZeRO-1 / distributed optimizer: the optimizer states are sharded
+    fsdp = "fsdp"  # FSDP / ZeRO-3: all three are sharded; a layer's weights are gathered when it runs
+
+
+class Overflow(str, Enum):
+    """What planning does with a plan whose peak memory exceeds the HBM left after the margin."""
+
+    repair = "repair"  # the batching policy moves sequences until it fits; an error if it cannot
+    reject = "reject"  # an error, one line
+    allow = "allow"  # nothing: the peak is only reported
+
+
+@dataclass
+class TokenBytes:
+    """Bytes per token as a linear form in one layer's widths: the sum of each coefficient times its width
+    (``q`` = heads x head_dim, ``kv`` = kv_heads x head_dim, ``const`` = 1)."""
+
+    hidden: float = bounded(0.0, NON_NEGATIVE)
+    q: float = bounded(0.0, NON_NEGATIVE)
+    kv: float = bounded(0.0, NON_NEGATIVE)
+    ffn: float = bounded(0.0, NON_NEGATIVE)
+    heads: float = bounded(0.0, NON_NEGATIVE)
+    head_dim: float = bounded(0.0, NON_NEGATIVE)
+    const: float = bounded(0.0, NON_NEGATIVE)
+
+
+@dataclass
+class MemoryConfig:
+    """The memory model of sim/memory.py. The per-token defaults count, from first principles, what the
+    runner's layer (runner/model.py, bf16, fused RMSNorm) and the sparse-attention kernel keep; a measured
+    ``profile`` (``python -m calibrate.memory``) replaces them for the layer shapes it was fitted on."""
+
+    overflow: Overflow = Overflow.repair
+    margin_gb: float = bounded(8.0, NON_NEGATIVE)  # kept free: CUDA context, NCCL buffers, allocator fragmentation
+    sharding: Sharding = Sharding.zero1
+    # Each layer keeps only its input and recomputes the rest in its backward (the cost model does not charge
+    # the recompute's time).
+    activation_checkpointing: bool = True
+    weight_bytes: float = bounded(2.0, POSITIVE)  # per parameter: bf16 weights
+    grad_bytes: float = bounded(2.0, NON_NEGATIVE)  # per parameter: bf16 gradient accumulation
+    optimizer_bytes: float = bounded(12.0, NON_NEGATIVE)  # per parameter: Adam's fp32 master weights and two moments
+    # Per token and vocabulary entry on the last stage while a micro-batch's loss and backward run: the fp32
+    # log-softmax and its gradient (8; PyTorch's F.cross_entropy over fp32 logits peaks at 12, a fused or
+    # chunked loss near 0, the runner's loss over a few answer tokens about 0).
+    logits_bytes: float = bounded(8.0, NON_NEGATIVE)
+    # Held per token per layer from a micro-batch's forward to its backward, without checkpointing: the
+    # layer input and both norm outputs, x after attention (hidden 8); the fused QKV output, RoPE'd q and k
+    # and the attention output (q 6, kv 6); the gate/up output, SiLU output and their product (ffn 8); the
+    # kernel's fp32 LSE (heads 4); two fp32 RMSNorm rstd (const 8).
+    activations: TokenBytes = field(
+        default_factory=lambda: TokenBytes(hidden=8.0, q=6.0, kv=6.0, ffn=8.0, heads=4.0, const=8.0))
+    checkpointed: TokenBytes = field(default_factory=lambda: TokenBytes(hidden=2.0))  # with it: the layer input
+    # Extra while one layer's backward runs: the incoming and the norm's gradient (hidden 4), the MLP's
+    # gradients alive beside its not yet freed activations (ffn 4).
+    backward: TokenBytes = field(default_factory=lambda: TokenBytes(hidden=4.0, ffn=4.0))
+    # Per token per micro-batch and stage, not per layer: fp32 RoPE cos/sin (head_dim 4), int64 positions and
+    # the kernel's token -> block map (const 16).
+    micro_batch: TokenBytes = field(default_factory=lambda: TokenBytes(head_dim=4.0, const=16.0))
+    profile: Optional[str] = None  # measured terms, e.g. calibrate/profiles/h200_memory.json; null: first principles
+
+
 # A run on more GPUs than this, or larger than this many simulated GPU-steps (GPUs x steps) or sequences
 # (global batch x steps), takes many minutes to hours and gigabytes; it needs ``force=true``. The simulator runs ~50,000 GPU-steps/s.
 MAX_GPUS = 131_072
@@ -214,6 +280,7 @@ class RunConfig:
     workload: WorkloadConfig = MISSING
     cost: CostConfig = MISSING
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     seed: int = bounded(0, NON_NEGATIVE)
     steps: int = bounded(20, AT_LEAST_ONE)
     baseline: Optional[str] = "baseline"  # policy (conf/policy/<name>) to compare against; null: none

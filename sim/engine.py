@@ -26,6 +26,7 @@ import simpy
 from sim.plan import Plan
 from sim.cluster import Cluster, Layout
 from sim.cost import CostModel, total_params, training_flops
+from sim.memory import GB, MemoryModel
 from sim.results import StepRecord
 
 
@@ -141,10 +142,11 @@ class StepOutcome:
 
 
 class Engine:
-    def __init__(self, layout: Layout, cost: CostModel, cluster: Cluster) -> None:
+    def __init__(self, layout: Layout, cost: CostModel, cluster: Cluster, memory: MemoryModel | None = None) -> None:
         self.layout = layout
         self.cost = cost
         self.cluster = cluster
+        self.memory = memory  # None: no memory figures (NaN in the records)
         self.allreduce_ms = cluster.grad_allreduce_ms(total_params(cost.model) / layout.pp, layout)
 
     def step(self, plan: Plan, trace: bool = False) -> StepOutcome:
@@ -164,6 +166,9 @@ class Engine:
         step_ms = barrier + self.allreduce_ms
         tokens = int(arrays.length.sum())
         flops = training_flops(arrays.length, kept, cost.model, cost.block_size)
+        # [dp, m, pp] GB of each stage while each micro-batch's backward runs (sim.memory)
+        memory_gb = (None if self.memory is None else
+                     self.memory.bytes_of(arrays.dp_rank, arrays.micro_batch, arrays.length, kept) / GB)
         record = StepRecord(
             step=plan.step,
             step_ms=step_ms,
@@ -172,8 +177,11 @@ class Engine:
             mfu=flops / (layout.gpus * self.cluster.peak_tflops * 1e9 * step_ms) if step_ms > 0 else 0.0,
             mean_coverage=float(coverage.mean()) if coverage.size else 1.0,
             min_coverage=float(coverage.min()) if coverage.size else 1.0,
+            peak_memory_gb=float(memory_gb.max(initial=0.0)) if memory_gb is not None else float("nan"),
         )
-        return StepOutcome(record, self._rows(plan.step, group, kept, coverage, mb_cost, p2p, timeline), timeline)
+        rows = self._rows(plan.step, group, kept, coverage, mb_cost, p2p, timeline)
+        rows["peak_memory_gb"] = memory_gb.reshape(-1) if memory_gb is not None else np.full(rows["step"].size, np.nan)
+        return StepOutcome(record, rows, timeline)
 
     def _rows(self, step, group, kept, coverage, mb_cost, p2p, timeline) -> dict[str, np.ndarray]:
         """MicroBatchRecord columns, ordered (dp_rank, micro_batch, stage)."""

@@ -24,6 +24,7 @@ from sim.cluster import Layout
 from sim.config import validate
 from sim.core import ConfigError
 from sim.cost import CostModel
+from sim.memory import MemoryModel
 from sim.plan import Plan
 from sim.workload import Sequence
 
@@ -71,11 +72,19 @@ def _register(registry: dict, name: str):
 
 
 def plan_step(batching: BatchingPolicy, sparsity: SparsityPolicy, batch: list[Sequence], layout: Layout,
-              cost: CostModel, step: int) -> Plan:
+              cost: CostModel, step: int, memory: MemoryModel | None = None) -> Plan:
     """One global batch to its Plan: batching, sparsity tuning, then the tuned Plan shown to a batching
     policy that learns from it (sab's expected budgets). sim.run and the runner both plan through this,
-    so they produce the same Plans."""
-    plan = sparsity.tune(batching.plan(batch, layout, cost, step), layout, cost)
+    so they produce the same Plans. With a ``memory`` model the batch and both plans must fit (sim.memory:
+    a sequence that fits under no plan, or a plan its batching policy cannot repair, is a one-line error)."""
+    if memory is not None:
+        memory.check_batch(batch)
+    plan = batching.plan(batch, layout, cost, step)
+    if memory is not None:
+        plan = memory.fitted(plan, batching, cost)
+    plan = sparsity.tune(plan, layout, cost)
+    if memory is not None:
+        memory.check(plan, cost, f"{getattr(batching, 'name', '?')} tuned by {getattr(sparsity, 'name', '?')}")
     observe = getattr(batching, "observe", None)
     if observe is not None:
         observe(plan)

@@ -27,6 +27,7 @@ from sim.config import PolicyConfig, RunConfig, register, validate
 from sim.core import CONF_DIR, ConfigError, check_group_overrides, compose_config, fail, group_options
 from sim.cost import CostModel, make_cost
 from sim.engine import Engine
+from sim.memory import MemoryModel
 from sim.results import Results
 from sim.workload import Workload
 
@@ -54,15 +55,17 @@ class Setup:
     layout: Layout
     cost: CostModel
     workload: Workload
+    memory: MemoryModel
 
 
 def prepare(cfg: RunConfig) -> Setup:
-    """Validate a run config (ranges, layout, sizes, trace, profile) and build its parts."""
+    """Validate a run config (ranges, layout, sizes, trace, profiles) and build its parts."""
     validate(cfg)
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
     cost = make_cost(cfg.cost, cfg.model, cluster)
-    return Setup(cluster, layout, cost, Workload(cfg.workload, cfg.model.max_context, cfg.seed))
+    memory = MemoryModel.from_config(cfg, layout, cost.block_size)
+    return Setup(cluster, layout, cost, Workload(cfg.workload, cfg.model.max_context, cfg.seed), memory)
 
 
 def make_policy(policy: PolicyConfig):
@@ -79,10 +82,10 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     setup = prepare(cfg)
     layout = setup.layout
     batching, sparsity = make_policy(policy)
-    engine = Engine(layout, setup.cost, setup.cluster)
+    engine = Engine(layout, setup.cost, setup.cluster, setup.memory)
     results = Results()
     for step in steps_with_progress(cfg.steps, policy.name, progress):
-        plan = plan_step(batching, sparsity, setup.workload.batch(step), layout, setup.cost, step)
+        plan = plan_step(batching, sparsity, setup.workload.batch(step), layout, setup.cost, step, setup.memory)
         outcome = engine.step(plan)
         results.add(outcome.record, outcome.rows, plan.to_json() if cfg.write_plans else None)
     summary = results.summary(
@@ -136,6 +139,7 @@ def summary_table(rows: list[dict], baseline_ms: float | None) -> pd.DataFrame:
         "MFU_%": (100 * frame["mfu"]).round(2),
         "mean_cov": frame["mean_coverage"].round(4),
         "min_cov": frame["min_coverage"].round(4),
+        "peak_GB": frame["peak_memory_gb"].astype(float).round(1),
     })
     if baseline_ms:
         table["speedup"] = (baseline_ms / frame["step_ms"]).round(3)

@@ -1,0 +1,425 @@
+"""Memory per (DP rank, pipeline stage): the bytes a plan needs on each GPU, against the HBM it has.
+
+Per GPU of stage s (a CP rank holds 1/cp of every per-token term, zigzag sharding):
+
+* static: the stage's weights, gradients and optimizer states (``memory.sharding``: ``ddp`` keeps all three
+  on every replica, ``zero1`` shards the optimizer states over the stage's dp x cp replicas, ``fsdp`` shards
+  all three and holds two layers' weights gathered, the running one and the prefetched next, and one
+  layer's gradient before its reduce-scatter). Stage 0 holds the embedding, the last stage the LM head
+  (a copy of the embedding when they are tied and pp > 1, as Megatron keeps it);
+* held, per micro-batch in flight: what its forward keeps for its backward, per token per layer
+  (``memory.activations``, or with ``activation_checkpointing`` each layer's input, ``memory.checkpointed``),
+  per token once per stage (``memory.micro_batch``) and the attention kernel's block selection;
+* transient, while a micro-batch's backward runs: one layer's activation gradients (``memory.backward``;
+  with checkpointing also that layer's recomputed activations and selection), the gradient of the largest
+  weight matrix before it is accumulated, on the last stage the loss's logits (``logits_bytes`` per token
+  and vocabulary entry), and with cp > 1 the ring's K/V send and receive buffers;
+* in flight, as sim/engine.py schedules 1F1B: stage s runs w = min(pp - s - 1, m) warm-up forwards, so
+  during micro-batch i's backward it holds micro-batches i .. min(i + w, m - 1), up to pp - s of them. The
+  peak of a (rank, stage) is the largest of those moments.
+
+The block selection (kernels/sparse_attention/selection.py) is int32 lists per KV head: ``q2k_idx`` and
+``q2k_start`` [NB, W] (NB blocks of the micro-batch, W the widest row), ``q2k_cnt`` and ``k2q_ptr`` [NB], and
+``k2q_idx`` / ``k2q_start`` / ``k2q_end`` [kept entries]. A dense micro-batch's selection depends on the block
+layout alone and is shared by all its layers; a sparse one is built per layer. The kernel's fp32 LSE
+``[Hq, T]`` is held per layer (``activations.heads``); its fp32 delta lives only inside one layer's backward.
+
+Per-token terms come from the config (first principles) or, for the layer shapes it was fitted on, from a
+measured profile (``memory.profile``, written by ``python -m calibrate.memory --fit``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
+from sim.core import ConfigError, resolve_path
+from sim.cost import BF16, embedding_params, params_per_layer
+from sim.plan import Assignment, Plan
+
+if TYPE_CHECKING:
+    from sim.cluster import Layout
+    from sim.cost import CostModel
+    from sim.workload import Sequence
+
+GB = 1e9  # bytes; capacities and reports are decimal GB, as the datasheet's 141 GB
+INT32 = 4
+TIE_SLOTS = 16  # list slots the kernel adds to a sparse row for score ties (selection._topk_host_bounds)
+MODES = ("full", "checkpointed")  # activation storage without and with checkpointing (profile keys)
+TERMS = ("held_layer", "held_micro_batch", "transient", "transient_bytes")
+SHAPE_KEYS = ("hidden", "heads", "kv_heads", "head_dim", "ffn")  # what per-token activation bytes depend on
+PROFILE_SCHEMA_VERSION = 1
+
+
+class MemoryLimitError(ConfigError):
+    """A batch or plan that does not fit in the HBM left after the margin; one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """Activation bytes of one storage mode (per CP rank, before the 1/cp share)."""
+
+    held_layer: float  # per token per layer, from a micro-batch's forward to its backward
+    held_micro_batch: float  # per token per micro-batch and stage
+    transient: float  # per token, while one layer's backward runs
+    transient_bytes: float  # per micro-batch, while its backward runs
+
+
+def widths(model: ModelConfig) -> dict[str, float]:
+    """The widths TokenBytes coefficients multiply."""
+    return {"hidden": model.hidden, "q": model.heads * model.head_dim, "kv": model.kv_heads * model.head_dim,
+            "ffn": model.ffn, "heads": model.heads, "head_dim": model.head_dim, "const": 1.0}
+
+
+def per_token(coefs: TokenBytes, model: ModelConfig) -> float:
+    w = widths(model)
+    return float(sum(getattr(coefs, name) * width for name, width in w.items()))
+
+
+def largest_matrix(model: ModelConfig) -> float:
+    """Parameters of the layer's largest weight matrix (the fused gate/up projection in these models)."""
+    h, q, kv = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim
+    return float(max(h * (q + 2 * kv), q * h, 2 * h * model.ffn, model.ffn * h))
+
+
+def first_principles_terms(cfg: MemoryConfig, model: ModelConfig) -> dict[str, TokenTerms]:
+    """Both storage modes from the config's per-token coefficients. Checkpointing holds each layer's input
+    and, in the backward, recomputes one layer's full activations on top of its gradients."""
+    full, backward = per_token(cfg.activations, model), per_token(cfg.backward, model)
+    once, grad_temp = per_token(cfg.micro_batch, model), cfg.grad_bytes * largest_matrix(model)
+    return {
+        "full": TokenTerms(full, once, backward, grad_temp),
+        "checkpointed": TokenTerms(per_token(cfg.checkpointed, model), once, full + backward, grad_temp),
+    }
+
+
+# ----------------------------------------------------------------------------- profile
+def shape_of(model) -> dict[str, int]:
+    return {key: int(getattr(model, key)) for key in SHAPE_KEYS}
+
+
+def load_profile_terms(path: str, model: ModelConfig, key: str = "memory.profile") -> dict[str, TokenTerms]:
+    """The measured terms of the profile entry whose layer shape is the model's; one ConfigError line for
+    a missing or malformed file and for a shape the profile was not fitted on."""
+    file = resolve_path(path)
+    try:
+        profile = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise ConfigError(f"{key}={path!r}: no such file (python -m calibrate.memory --fit writes one)") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{key}={path!r}: not a readable JSON file ({type(exc).__name__})") from None
+    problem = profile_problem(profile)
+    if problem:
+        raise ConfigError(f"{key}={path!r}: {problem}")
+    wanted = shape_of(model)
+    for entry in profile["shapes"].values():
+        if entry["shape"] == wanted:
+            return {mode: TokenTerms(**entry["modes"][mode]) for mode in MODES}
+    fitted = ", ".join(sorted(profile["shapes"]))
+    raise ConfigError(f"{key}={path!r} has no entry for the layer shape of model {model.name!r} ({wanted}); "
+                      f"allowed: a model of the shapes fitted ({fitted}), or memory.profile=null (first principles)")
+
+
+def profile_problem(profile) -> str | None:
+    """What makes a parsed profile unusable, or None."""
+    if not isinstance(profile, dict) or profile.get("schema_version") != PROFILE_SCHEMA_VERSION:
+        return f"schema_version must be {PROFILE_SCHEMA_VERSION} (a JSON object written by calibrate.memory)"
+    shapes = profile.get("shapes")
+    if not isinstance(shapes, dict) or not shapes:
+        return "shapes must be a non-empty object of model name -> {shape, modes}"
+    for name, entry in shapes.items():
+        if not isinstance(entry, dict) or set(entry.get("shape", {})) != set(SHAPE_KEYS):
+            return f"shapes.{name}.shape must have the keys {', '.join(SHAPE_KEYS)}"
+        for mode in MODES:
+            terms = entry.get("modes", {}).get(mode)
+            if not isinstance(terms, dict) or set(terms) != set(TERMS):
+                return f"shapes.{name}.modes.{mode} must have the keys {', '.join(TERMS)}"
+            bad = [t for t in TERMS if not isinstance(terms[t], (int, float)) or not math.isfinite(terms[t]) or terms[t] < 0]
+            if bad:
+                return f"shapes.{name}.modes.{mode}.{bad[0]}={terms[bad[0]]!r}; allowed: a finite number >= 0"
+    return None
+
+
+# ----------------------------------------------------------------------------- static bytes
+def stage_params(model: ModelConfig, pp: int) -> np.ndarray:
+    """Parameters held by each pipeline stage: its layers, the embedding on the first, the LM head on the last."""
+    params = np.full(pp, model.layers // pp * params_per_layer(model))
+    matrix = embedding_params(model) / (1.0 if model.tie_embeddings else 2.0)
+    params[0] += matrix
+    params[-1] += matrix if (pp > 1 or not model.tie_embeddings) else 0.0
+    return params
+
+
+def static_bytes(cfg: MemoryConfig, model: ModelConfig, layout: Layout) -> np.ndarray:
+    """Weights, gradients and optimizer states per GPU of each stage, [pp]."""
+    params = stage_params(model, layout.pp)
+    replicas = layout.dp * layout.cp
+    sharding = Sharding(cfg.sharding)
+    opt_share = 1.0 if sharding is Sharding.ddp else 1.0 / replicas
+    share = 1.0 / replicas if sharding is Sharding.fsdp else 1.0
+    total = params * (share * (cfg.weight_bytes + cfg.grad_bytes) + opt_share * cfg.optimizer_bytes)
+    if sharding is Sharding.fsdp:
+        total += params_per_layer(model) * (2 * cfg.weight_bytes + cfg.grad_bytes)
+    return total
+
+
+# ----------------------------------------------------------------------------- selection bytes
+def selection_bytes(lengths, kept, group, n_groups: int, kv_heads: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's block selection of each micro-batch: (bytes per layer, bytes per micro-batch), [n_groups].
+
+    A micro-batch whose every sequence is dense shares one selection over its layers (per micro-batch);
+    any sparse one makes each layer build its own (per layer). Rows of a sparse sequence keep about
+    kept x blocks entries plus the tie slots; a dense row keeps every causal block."""
+    nb = np.ceil(np.asarray(lengths, dtype=np.float64) / block_size)
+    kept = np.asarray(kept, dtype=np.float64)
+    dense = kept >= 1.0
+    entries = np.maximum(nb, kept * nb * (nb + 1.0) / 2.0)  # at least the diagonal of every row
+    row = np.where(dense, nb, np.minimum(nb, np.ceil(kept * nb) + TIE_SLOTS))
+    blocks = np.bincount(group, weights=nb, minlength=n_groups)
+    width = np.zeros(n_groups)
+    np.maximum.at(width, group, row)
+    total = np.bincount(group, weights=entries, minlength=n_groups)
+    nbytes = INT32 * kv_heads * (2.0 * blocks * width + 2.0 * blocks + 3.0 * total)
+    all_dense = np.bincount(group, weights=(~dense).astype(np.float64), minlength=n_groups) == 0
+    return np.where(all_dense, 0.0, nbytes), np.where(all_dense, nbytes, 0.0)
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class Overfull:
+    """The worst (rank, stage) of a plan that does not fit."""
+
+    rank: int
+    micro_batch: int
+    stage: int
+    need_bytes: float
+
+
+class MemoryModel:
+    """Bytes per (DP rank, micro-batch, stage) of a plan: the memory of that stage while that micro-batch's
+    backward runs, static bytes included."""
+
+    def __init__(self, cfg: MemoryConfig, model: ModelConfig, layout: Layout, hbm_gb: float, block_size: int) -> None:
+        if cfg.margin_gb >= hbm_gb:
+            raise ConfigError(f"memory.margin_gb={cfg.margin_gb:g} leaves nothing of cluster.hbm_gb={hbm_gb:g}; "
+                              f"allowed: margin_gb < {hbm_gb:g}")
+        self.cfg, self.model, self.layout, self.block_size = cfg, model, layout, block_size
+        self.hbm_gb = hbm_gb
+        self.available_bytes = (hbm_gb - cfg.margin_gb) * GB
+        terms = load_profile_terms(cfg.profile, model) if cfg.profile else first_principles_terms(cfg, model)
+        self.terms = terms["checkpointed" if cfg.activation_checkpointing else "full"]
+        self.static = static_bytes(cfg, model, layout)
+        self.layers = model.layers // layout.pp
+        pp, m = layout.pp, layout.micro_batches
+        self.warmup = np.array([min(pp - s - 1, m) for s in range(pp)])
+
+    @classmethod
+    def from_config(cls, cfg, layout: Layout, block_size: int) -> MemoryModel:
+        """From a run config (its ``memory``, ``model`` and ``cluster.hbm_gb``)."""
+        return cls(cfg.memory, cfg.model, layout, cfg.cluster.hbm_gb, block_size)
+
+    # --- per micro-batch
+    def micro_batch_bytes(self, lengths, kept, group, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+        """(held, transient) bytes per micro-batch and stage, [n_groups, pp]."""
+        cp, t, model = self.layout.cp, self.terms, self.model
+        tokens = np.bincount(group, weights=np.asarray(lengths, dtype=np.float64), minlength=n_groups) / cp
+        per_layer, shared = selection_bytes(lengths, kept, group, n_groups, model.kv_heads, self.block_size)
+        per_layer, shared = per_layer / cp, shared / cp
+        busy = tokens > 0
+        held = self.layers * (t.held_layer * tokens + per_layer) + t.held_micro_batch * tokens + shared
+        transient = np.where(busy, t.transient * tokens + t.transient_bytes, 0.0)
+        if self.cfg.activation_checkpointing:
+            transient = transient + per_layer  # the recomputed layer builds its selection again
+        if cp > 1:
+            transient = transient + 2 * 2 * model.kv_heads * model.head_dim * BF16 * tokens  # K/V send + receive
+        held = np.repeat(held[:, None], self.layout.pp, axis=1)
+        transient = np.repeat(transient[:, None], self.layout.pp, axis=1)
+        # The last stage runs each micro-batch's backward right after its forward, so the loss's logits are
+        # counted once, as the transient of that micro-batch.
+        transient[:, -1] += self.cfg.logits_bytes * model.vocab * tokens
+        return held, transient
+
+    def stage_bytes(self, held: np.ndarray, transient: np.ndarray) -> np.ndarray:
+        """[dp, m, pp] from held/transient [dp, m, pp]: static + the micro-batches in flight + the transient."""
+        m = held.shape[1]
+        cumulative = np.concatenate([np.zeros_like(held[:, :1]), np.cumsum(held, axis=1)], axis=1)
+        end = np.minimum(np.arange(m)[:, None] + self.warmup[None, :], m - 1) + 1  # [m, pp]
+        window = np.take_along_axis(cumulative, np.broadcast_to(end, held.shape), axis=1) - cumulative[:, :m]
+        return self.static[None, None, :] + window + transient
+
+    def bytes_of(self, dp_rank, micro_batch, lengths, kept) -> np.ndarray:
+        """[dp, m, pp] bytes of a plan given as one row per sequence."""
+        dp, m, pp = self.layout.dp, self.layout.micro_batches, self.layout.pp
+        group = np.asarray(dp_rank, dtype=np.int64) * m + np.asarray(micro_batch, dtype=np.int64)
+        held, transient = self.micro_batch_bytes(lengths, kept, group, dp * m)
+        return self.stage_bytes(held.reshape(dp, m, pp), transient.reshape(dp, m, pp))
+
+    def plan_bytes(self, plan: Plan, cost: CostModel) -> np.ndarray:
+        """[dp, m, pp] bytes of a plan at the kept fractions its budgets give."""
+        rows = plan_rows(plan, cost)
+        return self.bytes_of(rows.rank, rows.micro_batch, rows.length, rows.kept)
+
+    def overfull(self, nbytes: np.ndarray) -> Overfull | None:
+        """The worst (rank, micro-batch, stage) above the available bytes, or None when everything fits."""
+        worst = np.unravel_index(int(np.argmax(nbytes)), nbytes.shape)
+        need = float(nbytes[worst])
+        return Overfull(*map(int, worst), need) if need > self.available_bytes else None
+
+    # --- checks
+    def check_batch(self, batch: list[Sequence]) -> None:
+        """Fail, naming the sequence, when one sequence alone in a micro-batch (dense) exceeds a stage."""
+        lengths = np.fromiter((s.length for s in batch), dtype=np.float64, count=len(batch))
+        held, transient = self.micro_batch_bytes(lengths, np.ones(lengths.size), np.arange(lengths.size), lengths.size)
+        alone = self.static[None, :] + held + transient
+        over = np.flatnonzero(alone.max(axis=1, initial=0.0) > self.available_bytes)
+        if over.size:
+            i = int(over[np.argmax(lengths[over])])
+            stage = int(np.argmax(alone[i]))
+            seq = batch[i]
+            raise MemoryLimitError(
+                f"sequence {seq.id} (length {seq.length} tokens) needs {alone[i, stage] / GB:.1f} GB on pipeline "
+                f"stage {stage} alone in its micro-batch, above the {self._available()}; it fits under no plan; "
+                f"allowed: {self._remedies('shorter sequences (workload.max_len)')}")
+
+    def fitted(self, plan: Plan, batching, cost: CostModel) -> Plan:
+        """The batching policy's plan if it fits; else, under ``overflow=repair``, the policy's repair of it
+        (its ``fit_memory(plan, memory, cost)``, or ``repack``); an error when it still does not fit."""
+        if Overflow(self.cfg.overflow) is Overflow.allow:
+            return plan
+        over = self.overfull(self.plan_bytes(plan, cost))
+        if over is not None and Overflow(self.cfg.overflow) is Overflow.repair:
+            repair = getattr(batching, "fit_memory", None)
+            plan = repair(plan, self, cost) if repair is not None else repack(plan, self, cost)
+            over = self.overfull(self.plan_bytes(plan, cost))
+        if over is not None:
+            self._reject(plan, over, getattr(batching, "name", type(batching).__name__))
+        return plan
+
+    def check(self, plan: Plan, cost: CostModel, who: str) -> None:
+        """Fail when a plan (e.g. after its budgets were tuned) does not fit; nothing under ``overflow=allow``."""
+        if Overflow(self.cfg.overflow) is Overflow.allow:
+            return
+        over = self.overfull(self.plan_bytes(plan, cost))
+        if over is not None:
+            self._reject(plan, over, who)
+
+    def _reject(self, plan: Plan, over: Overfull, who: str) -> None:
+        tried = " after its repair" if Overflow(self.cfg.overflow) is Overflow.repair else ""
+        raise MemoryLimitError(
+            f"step {plan.step}: the plan of {who!r}{tried} needs {over.need_bytes / GB:.1f} GB on DP rank {over.rank}, "
+            f"pipeline stage {over.stage} (during micro-batch {over.micro_batch}'s backward), above the "
+            f"{self._available()}; allowed: {self._remedies('more micro-batches (layout.micro_batches)')}")
+
+    def _available(self) -> str:
+        return (f"{self.available_bytes / GB:.1f} GB available (cluster.hbm_gb={self.hbm_gb:g} - "
+                f"memory.margin_gb={self.cfg.margin_gb:g})")
+
+    def _remedies(self, first: str) -> str:
+        cfg, options = self.cfg, [first]
+        if not cfg.activation_checkpointing:
+            options.append("memory.activation_checkpointing=true")
+        if Sharding(cfg.sharding) is not Sharding.fsdp:
+            options.append("memory.sharding=fsdp")
+        options.append("more pipeline stages or context parallelism (layout.pp, layout.cp)")
+        return ", ".join(options)
+
+    def peak_gb(self, nbytes: np.ndarray) -> float:
+        return float(nbytes.max(initial=0.0)) / GB
+
+
+# ----------------------------------------------------------------------------- plans
+@dataclass(frozen=True)
+class PlanRows:
+    """A plan's sequences as arrays, in plan order."""
+
+    rank: np.ndarray
+    micro_batch: np.ndarray
+    length: np.ndarray
+    kept: np.ndarray
+
+
+def plan_rows(plan: Plan, cost: CostModel) -> PlanRows:
+    a = plan.assignments
+    n = len(a)
+    rank = np.fromiter((x.dp_rank for x in a), dtype=np.int64, count=n)
+    mb = np.fromiter((x.micro_batch for x in a), dtype=np.int64, count=n)
+    length = np.fromiter((x.length for x in a), dtype=np.int64, count=n)
+    sens = np.fromiter((x.sensitivity for x in a), dtype=np.float64, count=n)
+    p = np.fromiter((x.budget.p for x in a), dtype=np.float64, count=n)
+    fixed = np.fromiter((np.nan if x.budget.kept_fraction is None else x.budget.kept_fraction for x in a),
+                        dtype=np.float64, count=n)
+    return PlanRows(rank, mb, length, cost.kept_fractions(length, sens, p, fixed))
+
+
+MAX_TARGET_RANKS = 8  # a cross-rank move tries the ranks with the lowest peaks only
+
+
+def repack(plan: Plan, memory: MemoryModel, cost: CostModel) -> Plan:
+    """Move sequences off the most overfull rank until every rank fits or no move helps.
+
+    A rank's overflow is the sum, over its micro-batches and stages, of the bytes above the available ones.
+    Each move takes one sequence of the worst rank to another micro-batch, the one that lowers the two
+    ranks' overflow most (ties: the lower peak, then the first candidate in (longest sequence, rank,
+    micro-batch) order, so repairs are deterministic): first inside the rank, which leaves the DP split and
+    so the balance of the ranks' work untouched, and only when no such move helps to another rank (the
+    MAX_TARGET_RANKS with the lowest peaks). Every move lowers the total overflow, so the search ends."""
+    rows = plan_rows(plan, cost)
+    rank, mb = rows.rank.copy(), rows.micro_batch.copy()
+    state = [_rank_state(memory, rows, np.flatnonzero(rank == r), mb) for r in range(memory.layout.dp)]
+    for _ in range(4 * len(plan.assignments)):
+        worst = max(range(len(state)), key=lambda r: state[r][0])
+        if state[worst][0] <= 0:
+            break
+        move = _best_move(memory, rows, rank, mb, state, worst, inside=True) or \
+            _best_move(memory, rows, rank, mb, state, worst, inside=False)
+        if move is None:
+            break
+        i, target, j, new_worst, new_target = move
+        rank[i], mb[i] = target, j
+        state[worst], state[target] = new_worst, new_target
+    return _moved(plan, rank, mb)
+
+
+def _rank_state(memory: MemoryModel, rows: PlanRows, members: np.ndarray, mb: np.ndarray) -> tuple[float, float]:
+    """(overflow bytes, peak bytes) of one rank holding the sequences ``members`` at micro-batches ``mb``."""
+    m, pp = memory.layout.micro_batches, memory.layout.pp
+    held, transient = memory.micro_batch_bytes(rows.length[members], rows.kept[members], mb[members], m)
+    nbytes = memory.stage_bytes(held.reshape(1, m, pp), transient.reshape(1, m, pp))
+    return float(np.maximum(nbytes - memory.available_bytes, 0.0).sum()), float(nbytes.max())
+
+
+def _best_move(memory, rows, rank, mb, state, worst: int, inside: bool):
+    """(sequence, target rank, target micro-batch, new worst-rank state, new target state) or None."""
+    mine = np.flatnonzero(rank == worst)
+    by_peak = sorted((r for r in range(len(state)) if r != worst), key=lambda r: state[r][1])
+    best, best_key = None, None
+    for i in mine[np.argsort(-rows.length[mine], kind="stable")].tolist():
+        for target in [worst] if inside else by_peak[:MAX_TARGET_RANKS]:
+            now = (state[worst][0] + (state[target][0] if target != worst else 0.0),
+                   max(state[worst][1], state[target][1]))
+            for j in range(memory.layout.micro_batches):
+                if target == worst and j == mb[i]:
+                    continue
+                trial = mb.copy()
+                trial[i] = j
+                if inside:
+                    new_worst = new_target = _rank_state(memory, rows, mine, trial)
+                    key = new_worst
+                else:
+                    new_worst = _rank_state(memory, rows, mine[mine != i], trial)
+                    new_target = _rank_state(memory, rows, np.append(np.flatnonzero(rank == target), i), trial)
+                    key = (new_worst[0] + new_target[0], max(new_worst[1], new_target[1]))
+                if key < now and (best_key is None or key < best_key):
+                    best, best_key = (i, target, j, new_worst, new_target), key
+    return best
+
+
+def _moved(plan: Plan, rank: np.ndarray, mb: np.ndarray) -> Plan:
+    moved = [Assignment(a.seq_id, a.length, a.sensitivity, int(r), int(j), a.budget, a.cp_budgets)
+             for a, r, j in zip(plan.assignments, rank.tolist(), mb.tolist())]
+    moved.sort(key=lambda a: (a.dp_rank, a.micro_batch))  # stable: a micro-batch keeps its order
+    return replace(plan, assignments=tuple(moved))
