@@ -16,8 +16,11 @@ look-ups.
 1. Rank level (bidirectional): for a target makespan tau every rank takes the highest level whose
    pipeline time fits in tau. DST picks the smallest tau (so the fastest step) at which the mean
    coverage is still at least ``min_mean_coverage`` (default: the start's, so sparsity is traded
-   between sequences, not taken from the model). tau never exceeds the start's makespan, so DST is
-   never slower than ``fixed`` at the same ``p``.
+   between sequences, not taken from the model). The mean is weighted by ``coverage_weight``: by
+   default by attention work (length ** 2), since an unweighted mean lets DST buy speed with sparsity
+   on the long stragglers, where most of the attention is, while short sequences gain coverage that
+   weighs little. tau never exceeds the start's makespan, so DST is never slower than ``fixed`` at the
+   same ``p``.
 2. Micro-batch level (fills pipeline bubbles): with tau fixed, each micro-batch in turn is raised to
    the highest level that keeps its rank within tau; repeated until nothing moves (a fixed point).
    A micro-batch off the critical path of the 1F1B schedule gets a higher budget for free, and with
@@ -39,6 +42,7 @@ Infeasible cases, handled explicitly:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 from functools import lru_cache
 from typing import Optional
 
@@ -55,6 +59,18 @@ FINE_TAUS = 64  # with pp > 1, makespans tried between the uniform-level ones
 MAX_SWEEPS = 8  # micro-batch refinement: each sweep raises levels only, so it settles in a few
 
 
+class CoverageWeight(str, Enum):
+    """How DST's coverage constraint weighs sequences (the mean it keeps no lower than the start's)."""
+
+    sequence = "sequence"  # every sequence alike: the plain mean
+    token = "token"  # by length
+    attention = "attention"  # by length ** 2, the attention work: sparsity on long sequences counts most
+
+    def weights(self, lengths: np.ndarray) -> np.ndarray:
+        lengths = lengths.astype(np.float64)
+        return {"sequence": np.ones_like(lengths), "token": lengths, "attention": lengths**2}[self.value]
+
+
 @register_sparsity("dst")
 class DynamicSparsityTuning:
     @dataclass(frozen=True)
@@ -63,7 +79,8 @@ class DynamicSparsityTuning:
         floor: float = 0.8  # lowest coverage target any sequence may get
         cap: float = 1.0  # highest: the profile anchor (1.0 = dense)
         levels: int = 11  # budget levels between floor and cap (steps of 0.02 by default)
-        min_mean_coverage: Optional[float] = None  # None: the start's mean coverage
+        min_mean_coverage: Optional[float] = None  # None: the start's mean coverage (as weighted below)
+        coverage_weight: CoverageWeight = CoverageWeight.attention  # the weighting of that mean
 
     def __init__(self, params: Params) -> None:
         if not 0.0 < params.floor <= params.p <= params.cap <= 1.0:
@@ -83,7 +100,7 @@ def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost
         return plan
     grid = budget_grid(params)
     start_level = int(np.searchsorted(grid, params.p))
-    table = LevelTable.build(plan, layout, cost, grid)
+    table = LevelTable.build(plan, layout, cost, grid, CoverageWeight(params.coverage_weight))
     start = np.full((layout.dp, layout.micro_batches), start_level)
     start_ms, start_cov = table.makespan(start), table.mean_coverage(start)
     target_cov = start_cov if params.min_mean_coverage is None else params.min_mean_coverage
@@ -120,14 +137,15 @@ class LevelTable:
     fwd: np.ndarray  # [levels, dp, m] ms per stage
     bwd: np.ndarray  # [levels, dp, m]
     p2p: np.ndarray  # [dp, m] stage hand-off ms (budget-independent)
-    coverage: np.ndarray  # [levels, dp, m] sum of the sequences' coverages
+    coverage: np.ndarray  # [levels, dp, m] weighted sum of the sequences' coverages, over the total weight
     rank_ms: np.ndarray  # [levels, dp] pipeline time with the whole rank at one level
     rank: np.ndarray  # [n] each sequence's rank (plan order)
     micro_batch: np.ndarray  # [n]
     pp: int
 
     @classmethod
-    def build(cls, plan: Plan, layout: Layout, cost: CostModel, grid: np.ndarray) -> LevelTable:
+    def build(cls, plan: Plan, layout: Layout, cost: CostModel, grid: np.ndarray,
+              weight: CoverageWeight = CoverageWeight.sequence) -> LevelTable:
         rows = np.array([(a.dp_rank, a.micro_batch, a.length, a.sensitivity) for a in plan.assignments])
         rank, mb = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
         lengths, sens = rows[:, 2].astype(np.int64), rows[:, 3]
@@ -136,7 +154,8 @@ class LevelTable:
         kept = cost.kept_fractions(np.tile(lengths, g), np.tile(sens, g), np.repeat(grid, n))
         group = np.repeat(np.arange(g) * dp * m, n) + np.tile(rank * m + mb, g)
         costs = cost.micro_batch_costs(np.tile(lengths, g), kept, group, g * dp * m, layout)
-        covered = np.bincount(group, weights=cost.coverages(np.tile(sens, g), kept), minlength=g * dp * m)
+        share = np.tile(weight.weights(lengths) / weight.weights(lengths).sum(), g)
+        covered = np.bincount(group, weights=share * cost.coverages(np.tile(sens, g), kept), minlength=g * dp * m)
         fwd, bwd = costs.fwd_ms.reshape(g, dp, m), costs.bwd_ms.reshape(g, dp, m)
         p2p = cost.hand_off_ms(costs.tokens[: dp * m], layout).reshape(dp, m)
         return cls(fwd, bwd, p2p, covered.reshape(g, dp, m), pipeline_ms(fwd, bwd, p2p, layout.pp), rank, mb, layout.pp)
@@ -150,7 +169,7 @@ class LevelTable:
         return float(pipeline_ms(self.gather(self.fwd, levels), self.gather(self.bwd, levels), self.p2p, self.pp).max())
 
     def mean_coverage(self, levels: np.ndarray) -> float:
-        return float(self.gather(self.coverage, levels).sum() / self.rank.size)
+        return float(self.gather(self.coverage, levels).sum())
 
 
 def rank_levels(rank_ms: np.ndarray, tau: float) -> np.ndarray:

@@ -1,31 +1,119 @@
-"""``python -m sim.compare experiment=paper [overrides...]``: the SparseBalance comparison as one table.
+"""``python -m sim.compare experiment=paper [--seeds N] [overrides...]``: the SparseBalance comparison as one table.
 
-Simulates the baseline (arrival order, fixed budget), lbb, sab, dst and sparsebalance on one composed
-config (same workload, seed and steps for all) and prints step time, speedup over the baseline and
-mean/min coverage. ``experiment=<name>`` selects a preset from ``conf/experiment/``; other arguments are
-Hydra overrides (``steps=100``, ``seed=3``, ``workload.sigma=1.2``). Nothing is written to disk.
+Simulates every policy of ``--policies`` on one composed config (same workload, seed and steps for all),
+over ``--seeds`` consecutive seeds from ``seed``, and prints per policy the mean (and, with several seeds,
+the standard deviation) over seeds of: step time; speedup over the first policy (``speedup``) and over the
+fastest of the ``--baselines`` on the same seed (``vs_best``); bubble; and coverage: the plain mean over
+sequences, weighted by tokens (``tok_cov``) and by attention work, length ** 2 (``attn_cov``), the longest
+quarter's (``long_cov``) and the minimum. ``--bounds`` adds rows for the step time at perfect balance: the
+work of a policy's own plans (its budgets, its micro-batch overheads) spread exactly evenly over DP ranks
+and micro-batches (``even: <policy>``). ``experiment=<name>`` selects a preset from ``conf/experiment/``;
+other arguments are Hydra overrides (``steps=100``, ``workload.sigma=1.2``). Nothing is written to disk.
 """
 from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pandas as pd
 from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from sim.cluster import Cluster, Layout
 from sim.config import register
+from sim.core import ConfigError, compose_config, fail
+from sim.cost import make_cost
+from sim.engine import Engine, PlanArrays, run_pipeline
+from sim.plan import Plan
+from sim.run import load_policy, simulate
 
-from sim.core import compose_config, ConfigError, fail
-from sim.run import load_policy, simulate, summary_table
+# Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9), then ours and the cross.
+BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap")
+POLICIES = (*BASELINES, "sab", "dst", "verl_dst", "sparsebalance")
+BOUNDS = ("baseline", "sparsebalance")
+FIGURES = {  # table column -> summary key
+    "step_ms": "step_ms", "bubble_%": "bubble_fraction", "mean_cov": "mean_coverage",
+    "tok_cov": "token_coverage", "attn_cov": "attention_coverage", "long_cov": "long_coverage",
+    "min_cov": "min_coverage",
+}
 
-POLICIES = ("baseline", "lbb", "sab", "dst", "sparsebalance")
+
+def compare(overrides: list[str], policies: tuple[str, ...] = POLICIES, seeds: int = 1,
+            baselines: tuple[str, ...] = BASELINES, bounds: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One row per policy (then per bound), the columns of FIGURES plus ``speedup`` and ``vs_best``, as
+    means over seeds, with ``<column>_std`` beside each when seeds > 1."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds={seeds} must be >= 1")
+    base = compose_config(overrides)
+    runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds)
+                      for seed in range(base.seed, base.seed + seeds)], ignore_index=True)
+    return seed_statistics(runs, seeds > 1)
 
 
-def compare(overrides: list[str], policies: tuple[str, ...] = POLICIES) -> pd.DataFrame:
-    """One row per policy; the first policy is the baseline of the speedup column."""
-    cfg = compose_config(overrides)
-    rows = [simulate(cfg, load_policy(name)).summary for name in policies]
-    return summary_table(rows, rows[0]["step_ms"])
+def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines: tuple[str, ...],
+              bounds: tuple[str, ...]) -> pd.DataFrame:
+    """One seed: a row per policy and per bound, with speedups over the first policy and the best baseline."""
+    cfg = OmegaConf.merge(base, {"seed": seed, "write_plans": True})
+    outputs = {name: simulate(cfg, load_policy(name)) for name in dict.fromkeys((*policies, *baselines, *bounds))}
+    rows = [{"policy": name, **{col: outputs[name].summary[key] for col, key in FIGURES.items()}} for name in policies]
+    for name in bounds:
+        rows.append({"policy": f"even: {name}", **{col: outputs[name].summary[key] for col, key in FIGURES.items()},
+                     "step_ms": even_step_ms(cfg, outputs[name].results.plans), "bubble_%": np.nan})
+    frame = pd.DataFrame(rows)
+    frame["bubble_%"] *= 100
+    frame["speedup"] = outputs[policies[0]].summary["step_ms"] / frame["step_ms"]
+    frame["vs_best"] = min(outputs[name].summary["step_ms"] for name in baselines) / frame["step_ms"]
+    frame["seed"] = seed
+    return frame
+
+
+def even_step_ms(cfg: DictConfig, plans: list[str]) -> float:
+    """Mean step time with each plan's total forward and backward work (at its own kept fractions) and
+    hand-offs spread exactly evenly over the DP ranks and micro-batches: what a perfect balancer reaches
+    with that work. With pp > 1 it is not a lower bound of every plan: micro-batches that are lighter at
+    both ends of the 1F1B pipeline can beat equal ones."""
+    typed = OmegaConf.to_object(cfg)
+    cluster = Cluster.from_config(typed.cluster)
+    layout = Layout.from_config(typed.layout, Cluster.gpus(typed.cluster))
+    cost = make_cost(typed.cost, typed.model, cluster)
+    engine = Engine(layout, cost, cluster)
+    slots = layout.dp * layout.micro_batches
+    times = []
+    for text in plans:
+        arrays = PlanArrays.from_plan(Plan.from_json(text))
+        kept = cost.kept_fractions(arrays.length, arrays.sensitivity, arrays.p, arrays.fixed_kf)
+        group = arrays.dp_rank * layout.micro_batches + arrays.micro_batch
+        mb = cost.micro_batch_costs(arrays.length, kept, group, slots, layout)
+        even = np.full((1, layout.micro_batches), 1.0 / slots)
+        p2p = cost.hand_off_ms(mb.tokens, layout).sum() * even
+        timeline = run_pipeline(mb.fwd_ms.sum() * even, mb.bwd_ms.sum() * even, p2p, layout.pp)
+        times.append(float(timeline.finish_ms.max()) + engine.allreduce_ms)
+    return float(np.mean(times))
+
+
+def seed_statistics(runs: pd.DataFrame, with_std: bool) -> pd.DataFrame:
+    columns = [*FIGURES, "speedup", "vs_best"]
+    grouped = runs.groupby("policy", sort=False)[columns]
+    table = grouped.mean()
+    if with_std:
+        spread = grouped.std(ddof=1)
+        for col in columns:
+            table.insert(table.columns.get_loc(col) + 1, f"{col}_std", spread[col])
+    return table.reset_index()
+
+
+def formatted(table: pd.DataFrame) -> pd.DataFrame:
+    """The table as printed: ``mean +- std`` where there is a spread."""
+    digits = {"step_ms": 1, "bubble_%": 1, "speedup": 3, "vs_best": 3}
+    out = pd.DataFrame({"policy": table["policy"]})
+    for col in [c for c in table.columns if c != "policy" and not c.endswith("_std")]:
+        places = digits.get(col, 4)
+        text = table[col].map(lambda v: "-" if pd.isna(v) else f"{v:.{places}f}")
+        if f"{col}_std" in table:
+            text = text + table[f"{col}_std"].map(lambda v: "" if pd.isna(v) else f" +- {v:.{places}f}")
+        out[col] = text
+    return out
 
 
 def hydra_overrides(args: list[str]) -> list[str]:
@@ -33,18 +121,27 @@ def hydra_overrides(args: list[str]) -> list[str]:
     return [f"+{a}" if a.startswith("experiment=") else a for a in args]
 
 
+def names(text: str) -> tuple[str, ...]:
+    return tuple(filter(None, (t.strip() for t in text.split(","))))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="experiment=<name> and Hydra overrides")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, baseline first")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; `speedup` is over the first")
+    parser.add_argument("--baselines", default=",".join(BASELINES), help="`vs_best` is over the fastest of these")
+    parser.add_argument("--seeds", type=int, default=1, help="consecutive seeds from `seed` (mean +- std)")
+    parser.add_argument("--bounds", nargs="?", const=",".join(BOUNDS), default="",
+                        help=f"perfect-balance rows for these policies' plans (alone: {','.join(BOUNDS)})")
     args = parser.parse_args()
     register()
     try:
-        table = compare(hydra_overrides(args.overrides), tuple(args.policies.split(",")))
+        table = compare(hydra_overrides(args.overrides), names(args.policies), args.seeds, names(args.baselines),
+                        names(args.bounds))
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         fail(str(exc).splitlines()[0])
-    print(" ".join(args.overrides))
-    print(table.to_string(index=False))
+    print(" ".join(args.overrides), f"(seeds {args.seeds})" if args.seeds > 1 else "")
+    print(formatted(table).to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from sim.plan import Plan
 from sim.cluster import Cluster, Layout
 from sim.cost import CostModel, total_params, training_flops
 from sim.memory import GB, MemoryModel
-from sim.results import StepRecord
+from sim.results import StepRecord, coverage_fields
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,7 @@ class Engine:
             mfu=flops / (layout.gpus * self.cluster.peak_tflops * 1e9 * step_ms) if step_ms > 0 else 0.0,
             mean_coverage=float(coverage.mean()) if coverage.size else 1.0,
             min_coverage=float(coverage.min()) if coverage.size else 1.0,
+            **coverage_fields(arrays.length, coverage),
             peak_memory_gb=float(memory_gb.max(initial=0.0)) if memory_gb is not None else float("nan"),
         )
         rows = self._rows(plan.step, group, kept, coverage, mb_cost, p2p, timeline)

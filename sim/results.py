@@ -46,6 +46,29 @@ class StepRecord:
     mean_coverage: float
     min_coverage: float
     peak_memory_gb: float = math.nan  # the largest over ranks, stages and micro-batches; NaN where not modelled
+    # Coverage where the work is (coverage_fields); NaN where a writer does not compute them.
+    token_coverage: float = math.nan  # weighted by length
+    attention_coverage: float = math.nan  # weighted by length ** 2, the causal attention work
+    long_coverage: float = math.nan  # mean over the longest quarter of the step's sequences
+
+
+COVERAGE_KEYS = ("token_coverage", "attention_coverage", "long_coverage")
+LONG_SHARE = 0.25  # long_coverage: this share of a step's sequences, the longest
+
+
+def coverage_fields(lengths: np.ndarray, coverage: np.ndarray) -> dict[str, float]:
+    """A step's coverage figures beside the plain mean over sequences: weighted by tokens, by attention
+    work (length ** 2: dense causal attention grows with its square, and sparsity saves time there), and
+    over the longest quarter of sequences (at least one; ties in length keep plan order)."""
+    if not coverage.size:
+        return {"token_coverage": 1.0, "attention_coverage": 1.0, "long_coverage": 1.0}
+    lengths = np.asarray(lengths, dtype=np.float64)
+    longest = np.argsort(-lengths, kind="stable")[: max(1, math.ceil(LONG_SHARE * lengths.size))]
+    return {
+        "token_coverage": float(np.average(coverage, weights=lengths)),
+        "attention_coverage": float(np.average(coverage, weights=lengths**2)),
+        "long_coverage": float(coverage[longest].mean()),
+    }
 
 
 def _or_none(value: float) -> float | None:
@@ -99,6 +122,7 @@ class Results:
             "mean_coverage": float(steps["mean_coverage"].mean()),
             "min_coverage": float(steps["min_coverage"].min()),
             "peak_memory_gb": _or_none(steps["peak_memory_gb"].max()),
+            **{key: _or_none(steps[key].mean()) for key in COVERAGE_KEYS},  # means over steps
         }
 
     def write(self, run_dir: Path, summary: dict) -> list[Path]:

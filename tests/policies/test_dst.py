@@ -71,7 +71,8 @@ def test_dst_never_slower_than_fixed_and_budgets_in_range(world, layout_dims, bu
     sens = data.draw(st.lists(st.floats(0.01, 1.0), min_size=n, max_size=n))
     layout = Layout(dp=dp, pp=pp, micro_batches=m)
     plan = plan_for(lengths, sens, layout, cost, data.draw(st.sampled_from(["sequential", "karmarkar_karp"])))
-    dst = make_sparsity("dst", {"p": p, "floor": floor, "cap": cap, "levels": 9})
+    weight = data.draw(st.sampled_from(["sequence", "token", "attention"]))
+    dst = make_sparsity("dst", {"p": p, "floor": floor, "cap": cap, "levels": 9, "coverage_weight": weight})
     tuned = dst.tune(plan, layout, cost)
     fixed = uniform_budget_plan(plan, Budget(p=p))
     assert barrier_ms(tuned, layout, cost, cluster) <= barrier_ms(fixed, layout, cost, cluster) * (1 + 1e-12)
@@ -79,12 +80,28 @@ def test_dst_never_slower_than_fixed_and_budgets_in_range(world, layout_dims, bu
     assert [(a.seq_id, a.dp_rank, a.micro_batch) for a in tuned.assignments] == [
         (a.seq_id, a.dp_rank, a.micro_batch) for a in plan.assignments
     ]
-    assert mean_coverage(tuned, cost) >= mean_coverage(fixed, cost) - 1e-12
+    assert mean_coverage(tuned, cost, weight) >= mean_coverage(fixed, cost, weight) - 1e-12
 
 
-def mean_coverage(plan, cost):
+def mean_coverage(plan, cost, weight="attention"):
+    """Coverage over the plan's sequences, weighted as DST's constraint is (its default: attention work)."""
+    lengths = np.array([a.length for a in plan.assignments], dtype=np.float64)
     kept = [cost.kept_fraction(Sequence(a.seq_id, a.length, a.sensitivity), a.budget.p) for a in plan.assignments]
-    return float(np.mean(cost.coverages(np.array([a.sensitivity for a in plan.assignments]), np.array(kept))))
+    coverage = cost.coverages(np.array([a.sensitivity for a in plan.assignments]), np.array(kept))
+    weights = {"sequence": np.ones_like(lengths), "token": lengths, "attention": lengths**2}[weight]
+    return float(np.average(coverage, weights=weights))
+
+
+def test_attention_weighting_keeps_the_long_sequences_covered(world):
+    """A straggler of long sequences next to a rank of short ones: the unweighted mean lets DST cut the
+    long ones' budgets (the short ones' higher coverage pays for it), attention weighting does not."""
+    cluster, cost = world
+    layout = Layout(dp=2, micro_batches=2)
+    plan = plan_for([32768, 32768, 2048, 2048, 2048, 2048], [0.5] * 6, layout, cost)
+    tuned = {w: make_sparsity("dst", {"coverage_weight": w}).tune(plan, layout, cost) for w in ("sequence", "attention")}
+    fixed = uniform_budget_plan(plan, Budget(p=0.9))
+    assert mean_coverage(tuned["sequence"], cost, "attention") < mean_coverage(fixed, cost, "attention")
+    assert mean_coverage(tuned["attention"], cost, "attention") >= mean_coverage(fixed, cost, "attention") - 1e-12
 
 
 @settings(max_examples=60, deadline=None)
@@ -117,7 +134,8 @@ def test_straggler_gets_more_sparsity_and_idle_rank_less(world):
     cluster, cost = world
     layout = Layout(dp=2, micro_batches=2)
     plan = plan_for([32768, 16384, 4096, 4096], [0.5] * 4, layout, cost)
-    tuned = make_sparsity("dst", {"p": 0.9, "floor": 0.8}).tune(plan, layout, cost)
+    # The plain mean: by attention work the short rank's coverage could not pay for the straggler's sparsity.
+    tuned = make_sparsity("dst", {"p": 0.9, "floor": 0.8, "coverage_weight": "sequence"}).tune(plan, layout, cost)
     by_rank = {a.dp_rank: a.budget.p for a in tuned.assignments}
     assert by_rank[0] < 0.9 < by_rank[1]
     fixed = uniform_budget_plan(plan, Budget(p=0.9))
@@ -129,7 +147,7 @@ def test_floor_bounds_the_speedup(world):
     cluster, cost = world
     layout = Layout(dp=2, micro_batches=1)
     plan = plan_for([32768, 1024], [0.9, 0.9], layout, cost)
-    tuned = make_sparsity("dst", {"p": 0.9, "floor": 0.85}).tune(plan, layout, cost)
+    tuned = make_sparsity("dst", {"p": 0.9, "floor": 0.85, "coverage_weight": "sequence"}).tune(plan, layout, cost)
     budgets = {a.dp_rank: a.budget.p for a in tuned.assignments}
     assert budgets == {0: 0.85, 1: 1.0}
     at_floor = uniform_budget_plan(plan, Budget(p=0.85))
