@@ -116,8 +116,8 @@ def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, col, LSEh, DELh, q0, qlen, kv0,
     with TMA, Q and dO come from the descriptors QD / DOD at [q0, col] (full tiles only: a box cannot stop at
     a document's end). S and dP are computed query-major (Q K^T, dO V^T), as FlashAttention-3's backward does:
     K and V are the shared-memory operand of both matmuls, and P^T, dS^T reach the dV, dK matmuls through
-    shared memory. Key-major (K Q^T, V dO^T) at the same 64 x 64 tiles spilled 30 registers on the H200
-    (Triton 3.6) and slowed down when pipelined; query-major compiles without spills and gains from 2 stages."""
+    shared memory. Key-major (K Q^T, V dO^T) at the same 64 x 64 tiles spills 30 registers on the H200
+    (Triton 3.6) and slows down when pipelined; query-major compiles without spills and gains from 2 stages."""
     qmask = offs_m < qlen
     if TMA:
         q = QD.load([q0, col])
