@@ -291,6 +291,8 @@ class RunConfig:
     def check(self, prefix: str) -> None:
         self._check_size(prefix)
         self._check_layout(prefix)
+        if self.plot and not self.write_plans:
+            raise ConfigError(f"{prefix}plot=true needs {prefix}write_plans=true (the timeline replays the Plans)")
 
     def _check_layout(self, prefix: str) -> None:
         gpus = self.cluster.nodes * self.cluster.gpus_per_node

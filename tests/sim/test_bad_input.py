@@ -26,6 +26,7 @@ CONFIG_CASES = [
     (["layout.pp=8"], "layout.pp=8 does not split the model's 36 layers evenly; allowed pp: 1, 2, 3, 4, 6, 9"),
     (["steps=0"], "steps=0 is out of range; allowed: >= 1"),
     (["seed=-1"], "seed=-1 is out of range; allowed: >= 0"),
+    (["plot=true", "write_plans=false"], "plot=true needs write_plans=true"),
     (["workload.distribution=zipf"], "expected one of [longtail, bimodal, trace]"),
     (["workload.max_len=40000"], "workload.max_len=40000 exceeds the model's max context 32768"),
     (["workload.min_len=0"], "workload.min_len=0 is out of range; allowed: >= 1"),
