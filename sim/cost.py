@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import tempfile
+import shlex
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from datetime import date
@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError, CostConfig, ModelConfig
-from sim.workload import Sequence, resolve_path
+from sim.config import CostConfig, ModelConfig
+from sim.core import ConfigError, one_line_errors, resolve_path, write_json_atomic
+from sim.workload import Sequence
 
 PROFILE_SCHEMA_VERSION = 1
 TERMS = ("attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd")
@@ -329,42 +330,74 @@ def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster) -> CostMode
 
 
 # ----------------------------------------------------------------------------- profiles
-def load_profile(path: str) -> dict:
-    """Read and validate a profile; any problem is one ConfigError line naming the file."""
+# The coefficients a profile term must carry: every feature the cost model hands that term, which is every
+# key calibrate.fit writes for it (a feature the fit holds at zero is written as 0, never left out).
+PROFILE_FEATURES = {term: LAYER_FEATURES if term.startswith("layer") else ATTENTION_FEATURES for term in TERMS}
+PROFILE_KEYS = ("schema_version", "gpu", "provisional", "meta", "block_size", "terms")
+
+
+def load_profile(path: str, key: str = "cost.profile") -> dict:
+    """Read and validate a profile; any problem is one ConfigError line naming ``key``, the file and the value."""
     file = resolve_path(path)
     if not file.is_file():
-        raise ConfigError(f"cost.profile={path!r}: no such file (profiles live in calibrate/profiles/)")
+        raise ConfigError(f"{key}={path!r}: no such file (profiles live in calibrate/profiles/)")
     try:
-        profile = json.loads(file.read_text())
+        profile = json.loads(file.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cost.profile={path!r}: not valid JSON ({exc})") from None
+        raise ConfigError(f"{key}={path!r}: not valid JSON ({exc})") from None
+    except (OSError, RecursionError) as exc:
+        raise ConfigError(f"{key}={path!r}: cannot be read ({type(exc).__name__})") from None
     problem = _profile_problem(profile)
     if problem:
-        raise ConfigError(f"cost.profile={path!r}: {problem}")
+        raise ConfigError(f"{key}={path!r}: {problem}")
     return profile
 
 
 def _profile_problem(profile) -> str | None:
+    """What is wrong with a parsed profile, as ``<key>=<value>: <what is allowed>``; None when it is usable."""
     if not isinstance(profile, dict):
-        return "top level must be a JSON object"
-    if profile.get("schema_version") != PROFILE_SCHEMA_VERSION:
-        return f"schema_version={profile.get('schema_version')!r}, this simulator reads {PROFILE_SCHEMA_VERSION}"
-    for key in ("gpu", "provisional", "meta", "block_size", "terms"):
-        if key not in profile:
-            return f"missing key {key!r}"
-    if not isinstance(profile["block_size"], int) or profile["block_size"] < 1:
-        return f"block_size={profile['block_size']!r} must be a positive integer"
-    terms = profile["terms"]
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(profile), "a number")
+        return f"the top level is {kind}; a profile is a JSON object"
+    if "schema_version" in profile and (profile["schema_version"] != PROFILE_SCHEMA_VERSION
+                                        or isinstance(profile["schema_version"], bool)):
+        return f"schema_version={profile['schema_version']!r}: this simulator reads {PROFILE_SCHEMA_VERSION}"
+    missing = [k for k in PROFILE_KEYS if k not in profile]
+    if missing:
+        return f"missing key {missing[0]!r}; a profile has {', '.join(PROFILE_KEYS)}"
+    return _header_problem(profile) or _terms_problem(profile["terms"])
+
+
+def _header_problem(profile: dict) -> str | None:
+    block = profile["block_size"]
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        return f"block_size={block!r}: must be a positive integer"
+    if not isinstance(profile["gpu"], str) or not profile["gpu"]:
+        return f"gpu={profile['gpu']!r}: must be a non-empty string"
+    if not isinstance(profile["provisional"], bool):
+        return f"provisional={profile['provisional']!r}: must be true or false"
+    if not isinstance(profile["meta"], dict):
+        return f"meta={profile['meta']!r}: must be a JSON object"
+    return None
+
+
+def _terms_problem(terms) -> str | None:
     if not isinstance(terms, dict) or set(terms) != set(TERMS):
-        return f"terms must be exactly {list(TERMS)}"
+        found = sorted(terms) if isinstance(terms, dict) else terms
+        return f"terms={found!r}: terms must be exactly {', '.join(TERMS)}"
     for term, coefs in terms.items():
-        allowed = LAYER_FEATURES if term.startswith("layer") else ATTENTION_FEATURES
-        if not isinstance(coefs, dict) or not coefs:
-            return f"terms.{term} must map features {list(allowed)} to coefficients"
-        for feat, coef in coefs.items():
-            if feat not in allowed:
-                return f"terms.{term}.{feat}: unknown feature; allowed: {', '.join(allowed)}"
-            if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not math.isfinite(coef) or coef < 0:
+        required = PROFILE_FEATURES[term]
+        if not isinstance(coefs, dict):
+            return f"terms.{term}={coefs!r}: must map the features {', '.join(required)} to coefficients"
+        for feat in coefs:
+            if feat not in required:
+                return f"terms.{term}.{feat}: unknown feature; allowed: {', '.join(required)}"
+        for feat in required:
+            if feat not in coefs:
+                return f"terms.{term}.{feat} is missing; every feature needs a coefficient: {', '.join(required)}"
+            coef = coefs[feat]
+            if not isinstance(coef, (int, float)) or isinstance(coef, bool):
+                return f"terms.{term}.{feat}={coef!r}: not a number; coefficients are finite numbers >= 0"
+            if not math.isfinite(coef) or coef < 0:
                 return f"terms.{term}.{feat}={coef!r}: coefficients must be finite and >= 0 (no negative times)"
     return None
 
@@ -390,7 +423,7 @@ def provisional_profile(model: ModelConfig, cluster: Cluster, cfg: CostConfig, c
             "grid": {},
         },
         "block_size": cfg.block_size,
-        "terms": {
+        "terms": _every_feature({
             "attn_fwd": {"const": launch, "flops": 1.0 / attn},
             "attn_bwd": {"const": launch, "flops": cfg.attn_bwd_ratio / attn},
             "select": {
@@ -401,40 +434,59 @@ def provisional_profile(model: ModelConfig, cluster: Cluster, cfg: CostConfig, c
             # The roofline's weight-streaming floor is not linear; at micro-batch sizes the FLOPs dominate.
             "layer_fwd": {"const": launch, "flops": 1.0 / mm},
             "layer_bwd": {"const": launch, "flops": 2.0 / mm},
-        },
+        }),
         "comm": {"allreduce_busbw_gbps": None, "p2p_gbps": None},
         "fit": {"heldout_mape": {}},
     }
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as out:
-        json.dump(payload, out, indent=2, sort_keys=True)
-        out.write("\n")
-    os.replace(tmp, path)
+def _every_feature(terms: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Terms with a coefficient for every feature of their set: the ones a model does not price are 0."""
+    return {term: {f: 0.0 for f in PROFILE_FEATURES[term]} | coefs for term, coefs in terms.items()}
 
 
-def _write_provisional(out: str) -> None:
-    from sim.run import compose_config
+PROVISIONAL_OUT = "calibrate/profiles/h200_provisional.json"
 
+
+def _measured_profile_at(path: Path) -> bool:
+    """Whether ``path`` holds anything but a provisional profile (a measurement, or a file of unknown kind)."""
+    if not path.exists():
+        return False
+    try:
+        existing = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return True
+    return not (isinstance(existing, dict) and existing.get("provisional") is True)
+
+
+def _write_provisional(out: str, replace_measured: bool) -> None:
+    from sim.core import compose_config
+
+    target = resolve_path(out)
+    if not replace_measured and _measured_profile_at(target):
+        raise ConfigError(f"--out={out}: holds a measured (not provisional) profile; pass --replace-measured "
+                          "to overwrite it with the roofline-derived one")
     cfg = compose_config(["cost=roofline"])
-    command = f"python -m sim.cost --write-provisional --out {out}"
+    command = shlex.join(["python", "-m", "sim.cost", "--write-provisional", "--out", out]
+                         + ["--replace-measured"] * replace_measured)
     profile = provisional_profile(cfg.model, Cluster.from_config(cfg.cluster), cfg.cost, command)
-    write_json_atomic(resolve_path(out), profile)
+    write_json_atomic(target, profile)
     print(f"wrote provisional profile {out}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Cost model utilities")
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sim.cost", description="Cost model utilities")
     parser.add_argument("--write-provisional", action="store_true", help="write the roofline-derived profile")
-    parser.add_argument("--out", default="calibrate/profiles/h200.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=PROVISIONAL_OUT, help=f"where to write it (default {PROVISIONAL_OUT})")
+    parser.add_argument("--replace-measured", action="store_true",
+                        help="allow --out to name a measured profile, which is then overwritten")
+    args = parser.parse_args(argv)
     if not args.write_provisional:
         parser.error("nothing to do; pass --write-provisional")
-    _write_provisional(args.out)
+    _write_provisional(args.out, args.replace_measured)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pinned import pinned
+
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("micro_batches.csv", "steps.csv", "summary.json", "plans.jsonl")
 
@@ -14,7 +16,7 @@ FILES = ("micro_batches.csv", "steps.csv", "summary.json", "plans.jsonl")
 def sim_run(run_dir, *overrides):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.run(
-        [sys.executable, "-m", "sim.run", f"hydra.run.dir={run_dir}", "steps=3", *overrides],
+        [sys.executable, "-m", "sim.run", f"hydra.run.dir={run_dir}", "steps=3", *pinned(overrides)],
         cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
     )
 
@@ -34,33 +36,6 @@ def test_different_seed_changes_results(tmp_path):
     for seed in (1, 2):
         assert sim_run(tmp_path / str(seed), f"seed={seed}").returncode == 0
     assert (tmp_path / "1" / "steps.csv").read_bytes() != (tmp_path / "2" / "steps.csv").read_bytes()
-
-
-def write(path, text):
-    path.write_text(text)
-    return str(path)
-
-
-BAD_PROFILE = {
-    "schema_version": 1, "gpu": "h200", "provisional": True, "meta": {}, "block_size": 128,
-    "terms": {t: {"const": 0.0, "flops": 1e-12} for t in ("attn_fwd", "attn_bwd", "select", "layer_fwd")}
-    | {"layer_bwd": {"flops": -1.0}},
-}
-
-
-@pytest.mark.parametrize(
-    "content,needle",
-    [
-        ("{not json", "not valid JSON"),
-        (json.dumps({"schema_version": 99}), "schema_version=99, this simulator reads 1"),
-        (json.dumps(BAD_PROFILE), "terms.layer_bwd.flops=-1.0: coefficients must be finite and >= 0"),
-    ],
-)
-def test_malformed_profile_is_rejected(tmp_path, content, needle):
-    profile = write(tmp_path / "bad.json", content)
-    run = sim_run(tmp_path / "run", f"cost.profile={profile}")
-    assert run.returncode != 0 and needle in run.stderr and len(run.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("args, message", [
