@@ -4,16 +4,18 @@ Features come from ``sim.cost`` itself: a CostModel whose ``term_ms`` records th
 handed, so the fit sees exactly the features (selection semantics, layer FLOPs) that the simulator will
 multiply the coefficients by. Each term is then a nonnegative, outlier-robust fit of
 ``time = sum(coef[f] * feature[f])`` on relative error (rows divided by the measured time), so a 20 ms
-point does not drown the 0.05 ms ones.
+point does not drown the 0.05 ms ones. Columns are scaled to unit norm and features that the others rebuild
+exactly are merged into them (``merged_columns``), so that the coefficients are unique, not just the
+predictions.
 
-A small argparse CLI, like calibrate.run, so that both halves read the same way.
+A small argparse CLI, like calibrate.run, so that both halves read the same way; ``--check [PROFILE]``
+fits nothing and says whether a profile meets the error targets.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
-import os
 import shlex
 import sys
 from collections import defaultdict
@@ -27,9 +29,11 @@ from calibrate import store
 from calibrate.run import DEFAULT_CSV, meta_path
 from sim.cluster import Layout
 from sim.config import ModelConfig
-from sim.cost import PROFILE_SCHEMA_VERSION, TERMS, CostModel, load_profile, write_json_atomic
+from sim.core import ConfigError, atomic_path, one_line_errors
+from sim.cost import PROFILE_SCHEMA_VERSION, TERMS, CostModel, load_profile
 
 DEFAULT_OUT = DEFAULT_CSV.with_name("h200.json")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,10 @@ class FeatureSource:
     """Features of a measurement, by model name (shapes as recorded in the run's metadata)."""
 
     def __init__(self, models: dict[str, dict], block_size: int) -> None:
-        # a recorded shape may carry more than the simulator prices (the runner's rope_theta)
+        # A recorded shape may carry more than the simulator prices (the runner's rope_theta), and less:
+        # a field added to ModelConfig after the run keeps its default.
         keys = [f.name for f in fields(ModelConfig)]
-        self.taps = {name: _FeatureTap(ModelConfig(**{k: shape[k] for k in keys}), block_size)
+        self.taps = {name: _FeatureTap(ModelConfig(**{k: shape[k] for k in keys if k in shape}), block_size)
                      for name, shape in models.items()}
 
     def __call__(self, m: Measurement) -> dict[str, dict[str, float]]:
@@ -96,34 +101,112 @@ class FeatureSource:
 
 
 ROBUST_SCALE = 0.05  # relative residuals beyond ~5% count linearly, not squared
+# A feature column that a non-negative combination of the other columns rebuilds to within this share of
+# its norm (columns scaled to unit norm) adds no prediction the others cannot make: it is merged into them.
+COLLINEAR = 1e-6
 
 
-def fit_term(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+@dataclass(frozen=True)
+class TermFit:
+    """One term's coefficients and how its fit was conditioned.
+
+    ``merged`` maps a feature held at zero to the weights that rebuild its column from the fitted ones
+    (``x[f] = sum(w * x[g])`` on every fit point); ``condition`` is the condition number of the scaled
+    design matrix that was solved.
+    """
+
+    coefs: dict[str, float]
+    merged: dict[str, dict[str, float]]
+    condition: float
+
+    def conditioning(self) -> dict:
+        return {"condition_number": float(f"{self.condition:.4g}"), "merged": self.merged}
+
+
+def merged_columns(A: np.ndarray) -> dict[int, np.ndarray]:
+    """Columns of A (unit-norm or zero) that are non-negative combinations of the others, with the weights.
+
+    At the grid's lengths (multiples of the block size) ``tokens``, ``q_blocks`` and ``kv_blocks`` are each
+    the block count times a per-model constant, so on a grid of two models one of them is exactly a
+    combination of the other two: the coefficients along that direction are not determined by the data and
+    move with the solver's rounding.
+    Holding such a column at zero changes no prediction on the fit points when its weights are
+    non-negative (any non-negative fit that uses it is rewritten without it). Columns are tried from the
+    last to the first, so the order of the features decides which of a collinear set is kept.
+    """
+    keep = list(range(A.shape[1]))
+    merged = {}
+    for j in reversed(range(A.shape[1])):
+        others = [k for k in keep if k != j]
+        if not others:
+            continue
+        weights, miss = nnls(A[:, others], A[:, j], maxiter=50 * len(others))
+        if miss <= COLLINEAR:
+            keep.remove(j)
+            merged[j] = np.zeros(A.shape[1])
+            merged[j][others] = weights
+    return merged
+
+
+def fit_term(X: np.ndarray, y: np.ndarray, names: list[str]) -> TermFit:
     """Nonnegative coefficients minimising a robust loss of the relative error of X @ c against y.
 
-    NNLS on the squared relative error gives the start; a soft-L1 refinement then keeps a few outlying
-    timings (a host hiccup in a 30 us call, the first call after a shape change) from pulling the rest.
+    Rows are divided by the measured time (relative error) and columns scaled to unit norm, so features
+    twelve orders of magnitude apart meet the solver on equal terms; columns that the others rebuild
+    (``merged_columns``) are held at zero. NNLS on the squared relative error gives the start; a soft-L1
+    refinement then keeps a few outlying timings (a host hiccup in a 30 us call, the first call after a
+    shape change) from pulling the rest.
     """
     A = X / y[:, None]
-    scale = np.abs(A).max(axis=0)
-    scale[scale == 0] = 1.0  # an all-zero feature keeps coefficient 0
-    A = A / scale
-    start, _ = nnls(A, np.ones_like(y), maxiter=50 * A.shape[1])
-    robust = least_squares(lambda c: A @ c - 1.0, start, bounds=(0.0, np.inf), loss="soft_l1",
+    norm = np.linalg.norm(A, axis=0)
+    norm[norm == 0] = 1.0  # an all-zero feature is merged (coefficient 0)
+    A = A / norm
+    merged = merged_columns(A)
+    free = [j for j in range(A.shape[1]) if j not in merged]
+    Af = A[:, free]
+    start, _ = nnls(Af, np.ones_like(y), maxiter=50 * Af.shape[1])
+    robust = least_squares(lambda c: Af @ c - 1.0, start, bounds=(0.0, np.inf), loss="soft_l1",
                            f_scale=ROBUST_SCALE, x_scale="jac").x
     # The bounded solver stays strictly inside the bounds; a feature worth under a millionth of every
-    # point's time (columns are scaled to a largest share of 1) is really at its bound of zero.
+    # point's time (unit-norm columns: no entry above 1) is really at its bound of zero.
     robust[robust < 1e-6] = 0.0
-    return robust / scale
+    coefs = np.zeros(A.shape[1])
+    coefs[free] = robust / norm[free]
+    return TermFit(dict(zip(names, coefs.tolist())), _in_feature_units(merged, norm, names), float(np.linalg.cond(Af)))
+
+
+def _in_feature_units(merged: dict[int, np.ndarray], norm: np.ndarray, names: list[str]) -> dict:
+    """Merge weights of scaled columns as weights of the features: x_j = sum(w_i * norm_j / norm_i * x_i).
+    A weight under COLLINEAR adds less than the tolerance the column was merged at and is left out."""
+    return {names[j]: {names[i]: float(f"{w[i] * norm[j] / norm[i]:.6g}") for i in np.flatnonzero(w > COLLINEAR)}
+            for j, w in sorted(merged.items())}
 
 
 def predict(coefs: dict[str, float], feats: dict[str, float]) -> float:
     return sum(c * feats[f] for f, c in coefs.items())
 
 
-def fit_all(measurements: list[Measurement], features: FeatureSource) -> dict[str, dict[str, float]]:
+@dataclass(frozen=True)
+class Fit:
+    terms: dict[str, TermFit]
+
+    @property
+    def coefs(self) -> dict[str, dict[str, float]]:
+        return {t: f.coefs for t, f in self.terms.items()}
+
+    def conditioning(self) -> dict:
+        """What the profile's ``fit.conditioning`` records: how the coefficients were made unique."""
+        return {
+            "method": ("rows divided by the measured time, columns scaled to unit L2 norm; a column that a "
+                       f"non-negative combination of the others rebuilds to {COLLINEAR:g} of its norm is "
+                       "merged into them (coefficient 0, weights below), so the solved matrix has full rank"),
+            "terms": {t: f.conditioning() for t, f in self.terms.items()},
+        }
+
+
+def fit_all(measurements: list[Measurement], features: FeatureSource) -> Fit:
     """Coefficients of every term from the ``fit`` split."""
-    terms: dict[str, dict[str, float]] = {}
+    terms: dict[str, TermFit] = {}
     for term in TERMS:
         rows = [(m, features(m)[term]) for m in measurements if m.term == term and m.split == "fit"]
         # A point whose features are all zero (selection of an all-dense batch, which the simulator prices
@@ -134,8 +217,8 @@ def fit_all(measurements: list[Measurement], features: FeatureSource) -> dict[st
         names = list(rows[0][1])
         X = np.array([[f[n] for n in names] for _, f in rows])
         y = np.array([m.median_ms for m, _ in rows])
-        terms[term] = {n: float(c) for n, c in zip(names, fit_term(X, y))}
-    return terms
+        terms[term] = fit_term(X, y, names)
+    return Fit(terms)
 
 
 def layer_prediction(coefs: dict, feats: dict[str, dict[str, float]]) -> float:
@@ -170,7 +253,8 @@ def evaluate(measurements: list[Measurement], coefs: dict, features: FeatureSour
 
 def summarise(errors: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {
-        name: {"median_ape_pct": round(float(np.median(v)), 3), "max_ape_pct": round(float(np.max(v)), 3), "points": len(v)}
+        name: {"median_ape_pct": round(float(np.median(v)), 3), "max_ape_pct": round(float(np.max(v)), 3),
+               "points": len(v)}
         for name, v in sorted(errors.items())
         if v
     }
@@ -236,15 +320,11 @@ def comm_section(comm: dict | str) -> dict:
 
 
 def write_profile(path: Path, profile: dict) -> None:
-    """Write only a profile the simulator accepts: check a temporary copy with sim.cost's loader first."""
-    tmp = path.with_name(path.name + ".check")
-    write_json_atomic(tmp, profile)
-    try:
-        load_profile(str(tmp))
-    except Exception:
-        tmp.unlink()
-        raise
-    os.replace(tmp, path)
+    """Write only a profile the simulator accepts: sim.cost's loader checks the temporary copy before it
+    replaces ``path`` (a refused one leaves ``path`` as it was and no temporary file)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(profile, indent=2, sort_keys=True) + "\n")
+        load_profile(str(tmp), key="--out")
 
 
 def print_report(report: dict) -> None:
@@ -253,10 +333,62 @@ def print_report(report: dict) -> None:
         for name, s in report[f"{split}_mape"].items():
             print(f"  {name:>13}: {s['median_ape_pct']:7.2f} {s['max_ape_pct']:8.2f} {s['points']:5d}")
     print("timing spread (p80-p20)/median %:", report["noise_pct"])
+    print("conditioning (scaled design matrix; features merged into others, held at 0):")
+    for term, c in report["conditioning"]["terms"].items():
+        merged = "; ".join(f"{f} = " + " + ".join(f"{w:g} {g}" for g, w in ws.items()) for f, ws in c["merged"].items())
+        print(f"  {term:>13}: condition {c['condition_number']:<8g} {merged}".rstrip())
     print("validation (whole layer fwd+bwd, packed mixed budgets):")
     for v in report["validation"]:
         print(f"  {v['model']:>10} {v['lengths']} kf={v['kept_fractions']}: measured {v['measured_ms']:.3f} ms, "
               f"predicted {v['predicted_ms']:.3f} ms, {v['error_pct']:+.1f}%")
+
+
+HELDOUT_TARGET_PCT = 5.0  # held-out median absolute % error of attention fwd+bwd and of whole layers
+VALIDATION_TARGET_PCT = 10.0  # every validation micro-batch (packed, mixed budgets, outside the grid)
+
+
+def _recorded(section, *keys: str) -> float | None:
+    """The number at ``section[k0][k1]...``, or None when it is absent or not a number (a hand-edited fit)."""
+    for key in keys:
+        section = section.get(key) if isinstance(section, dict) else None
+    return float(section) if isinstance(section, (int, float)) and not isinstance(section, bool) else None
+
+
+def target_checks(profile: dict) -> list[tuple[str, float | None, float]]:
+    """(what, recorded % error or None, limit on its size) for every error target of a profile."""
+    report = profile.get("fit")
+    checks = [(f"held-out {name} median", _recorded(report, "heldout_mape", name, "median_ape_pct"),
+               HELDOUT_TARGET_PCT) for name in ("attn_fwd+bwd", "layer")]
+    validation = report.get("validation") if isinstance(report, dict) else None
+    # No validation table at all is a miss, not a vacuous pass.
+    for point in validation if isinstance(validation, list) and validation else [None]:
+        label = (f"validation {point.get('model')} {point.get('lengths')}" if isinstance(point, dict)
+                 else "validation")
+        checks.append((label, _recorded(point, "error_pct"), VALIDATION_TARGET_PCT))
+    return checks
+
+
+def _met(value: float | None, limit: float) -> bool:
+    return value is not None and abs(value) <= limit
+
+
+def check(path: Path) -> int:
+    """``--check``: 0 when the profile's recorded fit meets every error target, else 1 and one line on stderr
+    (a file that is not a profile is bad input: ConfigError)."""
+    profile = load_profile(str(path), key="--check")
+    kind = "provisional" if profile["provisional"] else "measured"
+    print(f"{path} ({kind}, {profile['gpu']}, fitted {profile['meta'].get('fitted', 'never')}):")
+    checks = target_checks(profile)
+    for what, value, limit in checks:
+        shown = "not recorded" if value is None else f"{value:.2f}%"
+        print(f"  {what}: {shown} (target within {limit:g}%) {'ok' if _met(value, limit) else 'MISSED'}")
+    missed = [f"{what} {'not recorded' if value is None else f'{value:+g}%'} (target within {limit:g}%)"
+              for what, value, limit in checks if not _met(value, limit)]
+    if missed:
+        print(f"{path}: error targets missed: {'; '.join(missed)}", file=sys.stderr)
+        return 1
+    print("error targets met")
+    return 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -264,22 +396,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="raw measurements from calibrate.run")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="profile to write")
     ap.add_argument("--gpu", default="h200", help="the profile's gpu name")
+    ap.add_argument("--check", nargs="?", const=DEFAULT_OUT, type=Path, metavar="PROFILE",
+                    help=f"fit nothing; check that PROFILE (default {DEFAULT_OUT.relative_to(ROOT)}) meets the "
+                         f"error targets: held-out median <= {HELDOUT_TARGET_PCT:g}%% for attention fwd+bwd and "
+                         f"whole layers, every validation point within {VALIDATION_TARGET_PCT:g}%%")
     return ap.parse_args(argv)
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check is not None:
+        return check(args.check)
     if not args.csv.is_file():
-        raise SystemExit(f"error: --csv {args.csv}: no such file (raw measurements are written by calibrate.run)")
+        raise ConfigError(f"--csv {args.csv}: no such file (raw measurements are written by calibrate.run)")
     meta = meta_path(args.csv)
     if not meta.exists():
-        raise SystemExit(f"{meta}: no run metadata beside {args.csv} (written by calibrate.run)")
+        raise ConfigError(f"--csv {args.csv}: no run metadata {meta.name} beside it (written by calibrate.run)")
     runs = json.loads(meta.read_text())["runs"]
     grid = runs[-1]["grid"]
     measurements = load_measurements(args.csv)
     features = FeatureSource(grid["models"], grid["block_size"])
-    coefs = fit_all(measurements, features)
+    fitted = fit_all(measurements, features)
+    coefs = fitted.coefs
     report = {
+        "conditioning": fitted.conditioning(),
         "heldout_mape": summarise(evaluate(measurements, coefs, features, "heldout")),
         "fit_mape": summarise(evaluate(measurements, coefs, features, "fit")),
         "validation": validation_table(measurements, coefs, features),
