@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from sim.compare import compare, hydra_overrides
-from sim.run import compose_config
+from sim.core import compose_config
+from pinned import PROFILE_OVERRIDE, pinned
 
 
 def test_paper_preset_is_the_papers_setting():
@@ -21,7 +22,7 @@ def test_paper_preset_is_the_papers_setting():
 
 @pytest.fixture(scope="module")
 def paper_table():
-    return compare(hydra_overrides(["experiment=paper"])).set_index("policy")
+    return compare(pinned(hydra_overrides(["experiment=paper"]))).set_index("policy")
 
 
 def test_sparsebalance_beats_the_paper_at_no_coverage_cost(paper_table):
@@ -39,7 +40,8 @@ def test_each_mechanism_alone_beats_the_baseline(paper_table):
 
 def test_sim_run_reports_sparsebalance_against_the_baseline(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "sim.run", "policy=sparsebalance", "steps=3", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "-m", "sim.run", "policy=sparsebalance", "steps=3", f"hydra.run.dir={tmp_path}",
+         PROFILE_OVERRIDE],
         capture_output=True, text=True, check=True,
     ).stdout
     header, sb, base = out.splitlines()[:3]

@@ -3,9 +3,12 @@ from pathlib import Path
 
 import pytest
 
-from sim.run import GROUPS, compose_config, group_options, simulate
+from sim.run import simulate
 
-SMALL = ["steps=2", "workload.global_batch=32", "layout.micro_batches=1"]  # h200_4nodes: DP 32
+from sim.core import GROUPS, compose_config, group_options
+from pinned import pinned
+
+SMALL = pinned(["steps=2", "workload.global_batch=32", "layout.micro_batches=1"])  # h200_4nodes: DP 32
 CASES = [(group, option) for group in GROUPS for option in group_options(group)]
 
 
