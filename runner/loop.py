@@ -28,7 +28,9 @@ from runner.attention import make_attention
 from runner.data import TaskConfig, n_answers, pack
 from runner.dist import Comm
 from runner.model import ModelShape, TinyLlama
+from runner.records import SequenceRecord, TrainRecord
 from sim.cluster import Cluster
+from sim.core import ConfigError
 from sim.cost import training_flops
 from sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord
 
@@ -76,13 +78,11 @@ class Trainer:
         # The calibrated layer times are bf16; the CPU path is fp32 (no bf16 in the reference kernel).
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
-        self.model = TinyLlama(ModelShape.from_config(cfg.model)).to(device=device, dtype=dtype)
+        self.model = make_model(cfg).to(device=device, dtype=dtype)
         self.params = list(self.model.parameters())
         for p in self.params:
             p.grad = torch.zeros_like(p)  # every rank all-reduces every gradient, also with no micro-batches
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.runner.lr, weight_decay=cfg.runner.weight_decay, fused=device.type == "cuda"
-        )
+        self.optimizer = make_optimizer(self.params, cfg, fused=device.type == "cuda")
         self.history = {"steps": [], "micro_batches": [], "plans": [], "train": [], "sequences": []}
         self.start_step = 0
         if cfg.runner.resume:
@@ -168,11 +168,11 @@ class Trainer:
                 loss_sum += float(loss)
                 correct += int(right)
                 for a, k, c in zip(plan.micro_batch(self.rank, mb), kept, cov):
-                    sequences.append({
-                        "step": step, "seq_id": a.seq_id, "dp_rank": self.rank, "micro_batch": mb,
-                        "length": a.length, "sensitivity": a.sensitivity, "p": a.budget.p,
-                        "budget_kept_fraction": a.budget.kept_fraction, "kept_fraction": k, "coverage": c,
-                    })
+                    sequences.append(asdict(SequenceRecord(
+                        step=step, seq_id=a.seq_id, dp_rank=self.rank, micro_batch=mb, length=a.length,
+                        sensitivity=a.sensitivity, p=a.budget.p, budget_kept_fraction=a.budget.kept_fraction,
+                        kept_fraction=k, coverage=c,
+                    )))
             compute_ms += ms
             rows.append(asdict(MicroBatchRecord(
                 step=step, dp_rank=self.rank, micro_batch=mb, stage=0, compute_ms=ms,
@@ -202,25 +202,26 @@ class Trainer:
             mean_coverage=float(coverage.mean()),
             min_coverage=float(coverage.min()),
         )
-        train = {
-            "step": step,
-            "plan_sha256": digests.pop(),  # every rank's Plan had this digest
-            "loss": sum(g["loss_sum"] for g in gathered) / n_global,
-            "accuracy": sum(g["correct"] for g in gathered) / n_global,
-            "answers": n_global,
-            "compute_ms": max(g["compute_ms"] for g in gathered),
-            "wait_ms": max(g["wait_ms"] for g in gathered),
-            "allreduce_ms": max(g["comm_ms"] for g in gathered),
-            "optimizer_ms": max(g["optimizer_ms"] for g in gathered),
-            "data_ms": max(g["data_ms"] for g in gathered),
-        }
+        train = TrainRecord(
+            step=step,
+            plan_sha256=digests.pop(),
+            loss=sum(g["loss_sum"] for g in gathered) / n_global,
+            accuracy=sum(g["correct"] for g in gathered) / n_global,
+            answers=n_global,
+            compute_ms=max(g["compute_ms"] for g in gathered),
+            wait_ms=max(g["wait_ms"] for g in gathered),
+            allreduce_ms=max(g["comm_ms"] for g in gathered),
+            optimizer_ms=max(g["optimizer_ms"] for g in gathered),
+            data_ms=max(g["data_ms"] for g in gathered),
+        )
         h = self.history
         h["steps"].append(asdict(record))
         h["micro_batches"].extend(r for g in gathered for r in g["rows"])
         h["plans"].append(plan.to_json())
-        h["train"].append(train)
+        row = asdict(train)
+        h["train"].append(row)
         h["sequences"].extend(sequences)
-        return train
+        return row
 
     def _write_results(self) -> None:
         """The simulator's files (sim.results.Results) plus the runner's own: train.csv, sequences.csv."""
@@ -248,29 +249,64 @@ class Trainer:
         results.write(self.run_dir, summary)  # summary.json last: marks the run complete
 
     # ------------------------------------------------------------------ checkpoints
-    def _resume_config(self) -> dict:
-        full = OmegaConf.to_container(self.cfg, resolve=True)
-        return {**{k: full[k] for k in RESUME_KEYS},
-                **{f"runner.{k}": full["runner"][k] for k in RESUME_RUNNER_KEYS}}
-
     def _save(self, next_step: int) -> None:
         states = self.comm.gather(checkpoint.rng_state())
         if self.rank == 0:
             checkpoint.save(self.run_dir / "checkpoint.pt", model=self.model, optimizer=self.optimizer,
                             next_step=next_step, rng_states=states, history=self.history,
-                            config=self._resume_config())
+                            config=resume_config(self.cfg))
 
     def _resume(self, path: Path) -> None:
-        ckpt = checkpoint.load(path, self.comm.world.size, self._resume_config())
+        ckpt = checkpoint.load(path, self.comm.world.size, resume_config(self.cfg))
+        check_continuation(ckpt, path, self.model, self.optimizer, self.planner, self.cfg.steps)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         checkpoint.set_rng_state(ckpt["rng"][self.rank])
         self.history = ckpt["history"]
         self.start_step = ckpt["next_step"]
-        # Policies may carry state across steps (sab's budget EMA): replaying the planner over the steps
-        # already trained rebuilds it, so the resumed run plans what the uninterrupted run would have.
-        for step in range(self.start_step):
-            self.planner.plan(step)
+
+
+def make_model(cfg: DictConfig) -> TinyLlama:
+    return TinyLlama(ModelShape.from_config(cfg.model))
+
+
+def make_optimizer(params, cfg: DictConfig, fused: bool) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.runner.lr, weight_decay=cfg.runner.weight_decay, fused=fused)
+
+
+def resume_config(cfg: DictConfig) -> dict:
+    """What a checkpoint records of its run's config and a resumed run must agree on."""
+    full = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain data: no Enum objects
+    return {**{k: full[k] for k in RESUME_KEYS},
+            **{f"runner.{k}": full["runner"][k] for k in RESUME_RUNNER_KEYS}}
+
+
+def check_resume(cfg: DictConfig, planner, world_size: int) -> None:
+    """Refuse a checkpoint this run cannot continue before any process group or model exists: the
+    checks of ``Trainer._resume`` on a meta-device copy of the model (shapes, no memory) and a planner
+    of its own."""
+    path = Path(cfg.runner.resume)
+    ckpt = checkpoint.load(path, world_size, resume_config(cfg))
+    with torch.device("meta"):
+        model = make_model(cfg)
+    # Fused AdamW takes device parameters only; the state dict's layout does not depend on it.
+    check_continuation(ckpt, path, model, make_optimizer(model.parameters(), cfg, fused=False), planner, cfg.steps)
+
+
+def check_continuation(ckpt: dict, path: Path, model, optimizer, planner, steps: int) -> None:
+    """Check that the checkpoint fits the model and optimiser and that this run's planner plans the
+    checkpoint's steps as it recorded them, replaying the planner over them: policies such as sab carry
+    state across steps (a budget EMA), so the resumed run then plans what the uninterrupted run would."""
+    done = ckpt["next_step"]
+    if steps <= done:
+        raise ConfigError(f"steps={steps}: the checkpoint runner.resume={path} has trained {done} steps already; "
+                          f"allowed: steps > {done}")
+    with checkpoint.naming(path):
+        checkpoint.check_compatible(ckpt, model, optimizer)
+        for step, recorded in enumerate(ckpt["history"]["plans"]):
+            if planner.plan(step).to_json() != recorded:
+                raise checkpoint.Invalid(f"its Plan of step {step} is not the one this config plans; "
+                                         "allowed: a checkpoint this config wrote")
 
 
 def _write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:

@@ -7,11 +7,13 @@ before the gradient all-reduce, the all-reduce itself, tokens, and the kernel's 
 plus loss and retrieval accuracy. Rank 0 writes the simulator's Results files into the Hydra run dir.
 
 Bad input (world size vs layout, unknown policy, a workload that does not fit the model's context or
-the task) is one ``error:`` line and exit code 2 before any process group exists; a rank that dies or
-hangs ends the job with a ``RankFailure`` line and exit code 1 within ``runner.timeout_s``.
+the task, a runner key out of range, a checkpoint this run cannot continue) is one ``error:`` line and
+exit code 2 before Hydra makes a run dir or any process group exists; a rank that dies or hangs ends the
+job with a ``RankFailure`` line and exit code 1 within ``runner.timeout_s``.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,20 +21,18 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-import policies  # noqa: F401  (registers every policy)
-from policies.base import make_batching, make_sparsity, plan_step
 from runner.attention import BACKENDS
 from runner.config import register
-from runner.data import TaskConfig
 from runner.dist import Comm, RankFailure, World, check_world
-from runner.loop import Trainer
+from runner.loop import Trainer, check_resume
 from sim.cluster import Cluster, Layout
-from sim.config import ConfigError
-from sim.cost import make_cost
-from sim.run import CONF_DIR, check_group_overrides, fail
+from sim.core import CONF_DIR, ConfigError, check_group_overrides, compose_config, fail
+from sim.policy import plan_step
+from sim.run import make_policy, prepare, sweep_jobs
 from sim.workload import Workload
 
 EXIT_RANK_FAILURE = 1
@@ -53,47 +53,70 @@ class Planner:
 
 
 def build_planner(cfg: DictConfig, world: World) -> tuple[Planner, Cluster]:
-    """Everything that can reject the config, before any process group or model exists."""
-    if cfg.steps < 1:
-        raise ConfigError(f"steps={cfg.steps} must be >= 1")
-    cluster = Cluster.from_config(cfg.cluster)
-    layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
+    """Everything that can reject the config, before any process group or model exists: every key's
+    range and the checks across groups (``sim.run.prepare``, which also checks the runner's keys and
+    the task, see runner/config.py), the world size, the attention backend and device."""
+    setup = prepare(OmegaConf.to_object(cfg))
+    layout = setup.layout
     try:
         check_world(world, layout.dp, layout.cp, layout.pp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    cost = make_cost(cfg.cost, cfg.model, cluster)
-    workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
-    check_task(cfg)
-    if cfg.runner.attention not in BACKENDS:
-        raise ConfigError(f"runner.attention={cfg.runner.attention!r} is unknown; allowed: {', '.join(BACKENDS)}")
-    batching = make_batching(cfg.policy.batching.name, cfg.policy.batching.params)
-    sparsity = make_sparsity(cfg.policy.sparsity.name, cfg.policy.sparsity.params)
-    return Planner(workload, batching, sparsity, layout, cost), cluster
+    check_attention(cfg.runner.attention, device_type(cfg.runner.device))
+    batching, sparsity = make_policy(cfg.policy)
+    return Planner(setup.workload, batching, sparsity, layout, setup.cost), setup.cluster
 
 
-def check_task(cfg: DictConfig) -> None:
-    task = TaskConfig(**cfg.runner.task)
-    if cfg.model.vocab < task.min_vocab():
-        raise ConfigError(f"model.vocab={cfg.model.vocab} is too small for the retrieval task (needs {task.min_vocab()})")
-    shortest = task.min_length(1.0)
-    if cfg.workload.min_len < shortest:
+def check_attention(backend: str, device: str) -> None:
+    if backend not in BACKENDS:
+        raise ConfigError(f"runner.attention={backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(
-            f"workload.min_len={cfg.workload.min_len} is too short for the retrieval task (needs {shortest} tokens)"
+            "runner.attention='triton' on the CPU runs only under TRITON_INTERPRET=1 (the Triton interpreter); "
+            f"allowed on the CPU: {', '.join(b for b in BACKENDS if b != 'triton')}"
         )
 
 
-def pick_device(name: str, world: World) -> torch.device:
+def device_type(name: str) -> str:
+    """``runner.device`` as the device type this machine gives it."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("runner.device=cuda but no CUDA device is visible")
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cuda", "cpu"):
+        raise ConfigError(f"runner.device={name!r} is unknown; allowed: auto, cuda, cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("runner.device=cuda but no CUDA device is visible; allowed here: auto, cpu")
+    return name
+
+
+def pick_device(name: str, world: World) -> torch.device:
+    if device_type(name) == "cuda":
         torch.cuda.set_device(world.local_rank)  # kernels launch on the current device
         return torch.device("cuda", world.local_rank)
-    if name != "cpu":
-        raise ConfigError(f"runner.device={name!r} is unknown; allowed: auto, cuda, cpu")
     return torch.device("cpu")
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The config ``main`` will get, composed here so that Hydra's multi-line reports become one line."""
+    try:
+        return compose_config(overrides, config_name="runner")
+    except (HydraException, OmegaConfBaseException) as exc:
+        reason = str(exc).splitlines()[0]
+        if exc.__cause__ is not None:
+            reason += f" ({str(exc.__cause__).splitlines()[0]})"
+        raise ConfigError(reason) from None
+
+
+def check_inputs(argv: list[str], world: World) -> None:
+    """Every check of the run, the checkpoint's too, before Hydra makes a run dir or any process group
+    exists, so that bad input leaves nothing behind; for a sweep (``-m``), of every job before any runs."""
+    check_group_overrides(argv)
+    overrides = [a for a in argv if "=" in a and not a.startswith(("-", "hydra."))]
+    sweep = any(arg in ("-m", "--multirun") for arg in argv)
+    for job in sweep_jobs(overrides) if sweep else [overrides]:
+        cfg = compose(job)
+        planner, _ = build_planner(cfg, world)
+        if cfg.runner.resume:
+            check_resume(cfg, planner, world.size)
 
 
 register()
@@ -128,9 +151,9 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     try:
-        check_group_overrides(sys.argv[1:])
-    except ConfigError as exc:
-        fail(str(exc))
+        check_inputs(sys.argv[1:], World.from_env())
+    except (ConfigError, OmegaConfBaseException) as exc:
+        fail(str(exc).splitlines()[0])
     main()
 
 

@@ -1,0 +1,187 @@
+"""The runner's own inputs at its front doors: ``runner.train``'s runner keys and ``runner.compare``'s run dirs
+and options. A bad value is one ``error:`` line and exit code 2, before anything is written.
+
+The shared groups (model, cluster, workload, cost, layout) are ``sim.config``'s and tested in tests/sim.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pinned import PINNED_PROFILE
+from runner import compare
+from runner.dist import World
+from runner.train import check_inputs
+from sim.core import ConfigError, compose_config
+from sim.run import simulate
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERRIDES = [
+    "cost=roofline", "cost.block_size=32", "cluster.gpus_per_node=1", "layout.micro_batches=2",
+    "model.hidden=32", "model.layers=1", "model.heads=2", "model.kv_heads=1", "model.head_dim=16",
+    "model.ffn=64", "model.vocab=128", "model.max_context=512", "workload.global_batch=4",
+    "workload.min_len=64", "workload.max_len=512", "workload.median=128", "seed=5", "policy=baseline",
+    "runner.task.n_keys=16", "runner.task.n_values=16", "runner.task.max_pairs=4", "steps=3",
+]
+ONE_RANK = World(rank=0, size=1, local_rank=0)
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's answer")
+
+
+# ---------------------------------------------------------------------- runner.train
+@pytest.mark.parametrize("override, message", [
+    ("runner.lr=-1", "runner.lr=-1.0 is out of range; allowed: > 0"),
+    ("runner.lr=nan", "runner.lr=nan is not allowed; it must be a finite number"),
+    ("runner.lr=fast", "Value 'fast' of type 'str' could not be converted to Float"),
+    ("runner.weight_decay=-0.1", "runner.weight_decay=-0.1 is out of range; allowed: >= 0"),
+    ("runner.timeout_s=0", "runner.timeout_s=0.0 is out of range; allowed: in (0, 604800]"),
+    ("runner.timeout_s=1e6", "runner.timeout_s=1000000.0 is out of range; allowed: in (0, 604800]"),
+    ("runner.checkpoint_every=-1", "runner.checkpoint_every=-1 is out of range; allowed: >= 0"),
+    ("runner.task.n_keys=0", "runner.task.n_keys=0 is out of range; allowed: >= 1"),
+    ("runner.task.n_queries=0", "runner.task.n_queries=0 is out of range; allowed: >= 1"),
+    ("runner.task.max_pairs=17", "runner.task.max_pairs=17 exceeds runner.task.n_keys=16; allowed: max_pairs <= n_keys"),
+    ("model.vocab=40", "model.vocab=40 is too small for the retrieval task; allowed: >= 41"),
+    ("workload.min_len=16", "workload.min_len=16 is too short for the retrieval task; allowed: >= 25 tokens"),
+    ("runner.attention=flash", "runner.attention='flash' is unknown; allowed: kernel, triton, naive"),
+    ("runner.device=tpu", "runner.device='tpu' is unknown; allowed: auto, cuda, cpu"),
+    ("runner.no_such_key=1", "Key 'no_such_key' not in 'RunnerSettings'"),
+    ("runner.resume=/no/such/checkpoint.pt", "runner.resume=/no/such/checkpoint.pt: no such file"),
+    pytest.param("runner.device=cuda", "runner.device=cuda but no CUDA device is visible", marks=NO_CUDA),
+    pytest.param("runner.attention=triton", "runner.attention='triton' on the CPU runs only under TRITON_INTERPRET=1",
+                 marks=NO_CUDA),
+])
+def test_a_bad_runner_value_is_one_line(override, message):
+    with pytest.raises(ConfigError) as exc:
+        check_inputs([*OVERRIDES, override], ONE_RANK)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_sweep_is_checked_job_by_job_before_any_runs():
+    with pytest.raises(ConfigError, match=r"runner.lr=-1.0 is out of range"):
+        check_inputs(["-m", *OVERRIDES, "runner.lr=1e-3,-1"], ONE_RANK)
+
+
+def test_good_runner_values_pass():
+    check_inputs([*OVERRIDES, "runner.checkpoint_every=0", "runner.weight_decay=0", "runner.device=cpu"], ONE_RANK)
+
+
+def test_the_cli_answers_a_bad_runner_value_in_one_line_and_makes_no_run_dir(tmp_path):
+    cmd = [sys.executable, "-m", "runner.train", f"hydra.run.dir={tmp_path / 'run'}", *OVERRIDES, "runner.timeout_s=0"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: runner.timeout_s=0.0 is out of range; allowed: in (0, 604800]"]
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------- runner.compare
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """The files ``runner.train`` writes, made without training: the simulator's Results for the same config,
+    a kept fraction per planned sequence and the summary keys of a training run."""
+    import runner.config
+
+    runner.config.register()
+    cfg = compose_config(OVERRIDES, config_name="runner")
+    out = simulate(cfg)
+    path = tmp_path_factory.mktemp("compare") / "run"
+    out.results.write(path, {**out.summary, "final_loss": 4.0, "final_accuracy": 0.1})
+    (path / ".hydra").mkdir()
+    OmegaConf.save(cfg, path / ".hydra" / "config.yaml")
+    plans = [json.loads(line) for line in (path / "plans.jsonl").read_text().splitlines()]
+    rows = [{"step": p["step"], "seq_id": a["seq_id"], "kept_fraction": 0.5} for p in plans for a in p["assignments"]]
+    pd.DataFrame(rows).to_csv(path / "sequences.csv", index=False)
+    return path
+
+
+@pytest.fixture
+def run(run_dir, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def rewrite(name: str, text: str):
+    return lambda run: (run / name).write_text(text)
+
+
+def drop_column(name: str, column: str):
+    return lambda run: pd.read_csv(run / name).drop(columns=column).to_csv(run / name, index=False)
+
+
+def set_config(key: str, value):
+    def edit(run: Path) -> None:
+        cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+        OmegaConf.update(cfg, key, value)
+        OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+    return edit
+
+
+BAD_RUNS = {
+    "no summary": (lambda run: (run / "summary.json").unlink(), "is not a complete runner run dir: missing"),
+    "a summary that is not JSON": (rewrite("summary.json", "{"), "summary.json is not JSON"),
+    "a summary without the training keys": (rewrite("summary.json", "{}"), "needs the keys mean_coverage"),
+    "a plan line that is not JSON": (rewrite("plans.jsonl", "garbage\n"), "plans.jsonl line 1 is not a Plan"),
+    "a plan without assignments": (rewrite("plans.jsonl", '{"step": 0}\n'), "KeyError: 'assignments'"),
+    "an empty steps.csv": (rewrite("steps.csv", ""), "steps.csv is not a CSV table"),
+    "steps.csv without step_ms": (drop_column("steps.csv", "step_ms"), "missing ['step_ms']"),
+    "a step that is not a number": (rewrite("steps.csv", "step,step_ms\nx,1.0\n"), "needs the numeric columns step"),
+    "sequences.csv of another run": (rewrite("sequences.csv", "step,seq_id,kept_fraction\n9,9,0.5\n"),
+                                     "has no row for step 0"),
+    "a config that is not YAML": (rewrite(".hydra/config.yaml", ": : :\n"), "is not a runner config"),
+    "a config that is a list": (rewrite(".hydra/config.yaml", "[1, 2]\n"), "is not a runner config"),
+    "a config value of the wrong type": (set_config("model.hidden", "wide"), "could not be converted to Integer"),
+    "a config value out of range": (set_config("model.hidden", -3), "model.hidden=-3 is out of range"),
+}
+
+
+def refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        compare.main(argv)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_a_good_run_dir_is_compared(run):
+    assert compare.main([str(run), "--profile", str(PINNED_PROFILE)]) == 0
+    assert len(pd.read_csv(run / "compare.csv")) == 3
+
+
+@pytest.mark.parametrize("name", BAD_RUNS)
+def test_a_bad_run_dir_is_one_line_and_nothing_is_written(run, capsys, name):
+    spoil, message = BAD_RUNS[name]
+    spoil(run)
+    assert message in refused([str(run), "--profile", str(PINNED_PROFILE)], capsys)
+    assert not list(run.glob("compare.*"))
+
+
+def test_a_bad_run_dir_after_a_good_one_leaves_the_good_one_untouched(run_dir, run, tmp_path, capsys):
+    good = tmp_path / "good"
+    shutil.copytree(run_dir, good)
+    BAD_RUNS["no summary"][0](run)
+    refused([str(good), str(run), "--profile", str(PINNED_PROFILE), "--out", str(tmp_path / "all.csv")], capsys)
+    assert not list(good.glob("compare.*")) and not (tmp_path / "all.csv").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--skip", "abc"], "error: argument --skip: invalid int value: 'abc'"),
+    (["--skip", "-1"], "error: --skip -1: must be >= 0"),
+    (["--skip", "3"], "error: --skip 3 leaves none of the run's 3 steps to compare"),
+    (["--out", "/no/such/dir/all.csv"], "error: --out /no/such/dir/all.csv: no directory /no/such/dir"),
+    (["--profile", "/no/such/profile.json"], "no such file"),
+    (["--no-such-option"], "error: unrecognized arguments: --no-such-option"),
+])
+def test_a_bad_option_is_one_line_and_nothing_is_written(run, capsys, args, message):
+    line = refused([str(run), "--profile", str(PINNED_PROFILE), *args], capsys)
+    assert line.startswith(message) or message in line
+    assert not list(run.glob("compare.*"))
