@@ -9,9 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pinned import PROFILE_OVERRIDE
-from viz.calibration import (DEFAULT_PROFILE, benchmark_vs_profile, calibration_frame, plot_calibration,
-                             plot_residuals, read_profile)
+from pinned import PINNED_PROFILE, PROFILE_OVERRIDE
+from viz.calibration import (benchmark_vs_profile, calibration_frame, plot_calibration, plot_residuals,
+                             read_profile)
 from viz.cli import main
 from viz.fidelity import fidelity_frame, plot_step_fidelity
 from viz.figures import profile_figures, results_figures
@@ -188,8 +188,8 @@ def test_calibration_figures_from_a_fitted_profile(fitted_profile, tmp_path):
 
 
 def test_provisional_profile_says_how_to_measure(tmp_path):
-    # The committed default is measured now; a provisional copy of it has no measurements to show.
-    profile = json.loads((ROOT / "calibrate" / "profiles" / "h200.json").read_text()) | {"provisional": True}
+    # The pinned profile is measured; a provisional copy of it has no measurements to show.
+    profile = json.loads(PINNED_PROFILE.read_text()) | {"provisional": True}
     path = tmp_path / "h200.json"
     path.write_text(json.dumps(profile))
     with pytest.raises(PlotError, match=r"no measurements to compare with .*python -m calibrate.run"):
@@ -219,11 +219,11 @@ def test_benchmark_with_foreign_columns_is_refused(tmp_path):
 
 
 def test_benchmark_checks_the_profile_on_our_kernel(bench_csv):
-    frame = benchmark_vs_profile(read_benchmark(bench_csv), DEFAULT_PROFILE)
+    frame = benchmark_vs_profile(read_benchmark(bench_csv), PINNED_PROFILE)
     assert set(frame["term"]) == {"attn_fwd", "attn_fwd+bwd"}
     assert sorted(frame["budget"].unique()) == [0.1, 1.0]  # nominal budgets group the realised fractions
     assert (frame["predicted_ms"] > 0).all()
-    profile = read_profile(DEFAULT_PROFILE)
+    profile = read_profile(PINNED_PROFILE)
     assert_legible(plot_calibration(frame, profile, source="benchmark"))
     assert_legible(plot_residuals(frame, profile))
 
