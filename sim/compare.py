@@ -36,6 +36,7 @@ FIGURES = {  # table column -> summary key
     "step_ms": "step_ms", "bubble_%": "bubble_fraction", "mean_cov": "mean_coverage",
     "tok_cov": "token_coverage", "attn_cov": "attention_coverage", "long_cov": "long_coverage",
     "min_cov": "min_coverage",
+    "peak_GB": "peak_memory_gb",  # the most any GPU holds in any step (sim.memory)
 }
 
 
@@ -105,7 +106,7 @@ def seed_statistics(runs: pd.DataFrame, with_std: bool) -> pd.DataFrame:
 
 def formatted(table: pd.DataFrame) -> pd.DataFrame:
     """The table as printed: ``mean +- std`` where there is a spread."""
-    digits = {"step_ms": 1, "bubble_%": 1, "speedup": 3, "vs_best": 3}
+    digits = {"step_ms": 1, "bubble_%": 1, "speedup": 3, "vs_best": 3, "peak_GB": 1}
     out = pd.DataFrame({"policy": table["policy"]})
     for col in [c for c in table.columns if c != "policy" and not c.endswith("_std")]:
         places = digits.get(col, 4)
