@@ -137,6 +137,8 @@ def naming(path: Path):
 
 
 def _read(path: Path):
+    if path.is_dir():
+        raise Invalid("a directory; allowed: a checkpoint file (<run dir>/checkpoint.pt)")
     if not path.is_file():
         raise Invalid("no such file")
     try:

@@ -138,10 +138,10 @@ def main(cfg: DictConfig) -> None:
     try:
         run_dir = Path(comm.broadcast(HydraConfig.get().runtime.output_dir))
         try:
-            trainer = Trainer(cfg, planner, cluster, comm, device, run_dir)
-        except ConfigError as exc:  # a checkpoint this run cannot continue
+            # A checkpoint that changed since check_inputs read it, or a batch no Plan fits (plan_step).
+            Trainer(cfg, planner, cluster, comm, device, run_dir).train()
+        except ConfigError as exc:
             fail(str(exc))
-        trainer.train()
         comm.close()
     except RankFailure as exc:
         # No orderly shutdown: the process group may wait on the rank that failed.

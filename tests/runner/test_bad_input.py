@@ -54,6 +54,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
     ("runner.device=tpu", "runner.device='tpu' is unknown; allowed: auto, cuda, cpu"),
     ("runner.no_such_key=1", "Key 'no_such_key' not in 'RunnerSettings'"),
     ("runner.resume=/no/such/checkpoint.pt", "runner.resume=/no/such/checkpoint.pt: no such file"),
+    (f"runner.resume={ROOT / 'runner'}", f"runner.resume={ROOT / 'runner'}: a directory; allowed: a checkpoint file"),
     pytest.param("runner.device=cuda", "runner.device=cuda but no CUDA device is visible", marks=NO_CUDA),
     pytest.param("runner.attention=triton", "runner.attention='triton' on the CPU runs only under TRITON_INTERPRET=1",
                  marks=NO_CUDA),
