@@ -138,7 +138,8 @@ def profile_problem(profile) -> str | None:
             terms = entry.get("modes", {}).get(mode)
             if not isinstance(terms, dict) or set(terms) != set(TERMS):
                 return f"shapes.{name}.modes.{mode} must have the keys {', '.join(TERMS)}"
-            bad = [t for t in TERMS if not isinstance(terms[t], (int, float)) or not math.isfinite(terms[t]) or terms[t] < 0]
+            bad = [t for t in TERMS
+                   if not isinstance(terms[t], (int, float)) or not math.isfinite(terms[t]) or terms[t] < 0]
             if bad:
                 return f"shapes.{name}.modes.{mode}.{bad[0]}={terms[bad[0]]!r}; allowed: a finite number >= 0"
     return None
@@ -203,15 +204,20 @@ class MemoryModel:
     """Bytes per (DP rank, micro-batch, stage) of a plan: the memory of that stage while that micro-batch's
     backward runs, static bytes included."""
 
-    def __init__(self, cfg: MemoryConfig, model: ModelConfig, layout: Layout, hbm_gb: float, block_size: int) -> None:
+    def __init__(self, cfg: MemoryConfig, model: ModelConfig, layout: Layout, hbm_gb: float, block_size: int,
+                 terms: TokenTerms | None = None) -> None:
+        """``terms``: the activation terms of the config's storage mode, instead of the profile's or the
+        config's own (calibrate.memory evaluates fitted terms through this)."""
         if cfg.margin_gb >= hbm_gb:
             raise ConfigError(f"memory.margin_gb={cfg.margin_gb:g} leaves nothing of cluster.hbm_gb={hbm_gb:g}; "
                               f"allowed: margin_gb < {hbm_gb:g}")
         self.cfg, self.model, self.layout, self.block_size = cfg, model, layout, block_size
         self.hbm_gb = hbm_gb
         self.available_bytes = (hbm_gb - cfg.margin_gb) * GB
-        terms = load_profile_terms(cfg.profile, model) if cfg.profile else first_principles_terms(cfg, model)
-        self.terms = terms["checkpointed" if cfg.activation_checkpointing else "full"]
+        if terms is None:
+            by_mode = load_profile_terms(cfg.profile, model) if cfg.profile else first_principles_terms(cfg, model)
+            terms = by_mode["checkpointed" if cfg.activation_checkpointing else "full"]
+        self.terms = terms
         self.static = static_bytes(cfg, model, layout)
         self.layers = model.layers // layout.pp
         pp, m = layout.pp, layout.micro_batches
