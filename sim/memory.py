@@ -212,7 +212,7 @@ class MemoryModel:
             raise ConfigError(f"memory.margin_gb={cfg.margin_gb:g} leaves nothing of cluster.hbm_gb={hbm_gb:g}; "
                               f"allowed: margin_gb < {hbm_gb:g}")
         self.cfg, self.model, self.layout, self.block_size = cfg, model, layout, block_size
-        self.hbm_gb = hbm_gb
+        self.hbm_gb, self.overflow = hbm_gb, Overflow(cfg.overflow)
         self.available_bytes = (hbm_gb - cfg.margin_gb) * GB
         if terms is None:
             by_mode = load_profile_terms(cfg.profile, model) if cfg.profile else first_principles_terms(cfg, model)
@@ -277,7 +277,10 @@ class MemoryModel:
 
     # --- checks
     def check_batch(self, batch: list[Sequence]) -> None:
-        """Fail, naming the sequence, when one sequence alone in a micro-batch (dense) exceeds a stage."""
+        """Fail, naming the sequence, when one sequence alone in a micro-batch (dense) exceeds a stage; nothing
+        under ``overflow=allow``."""
+        if self.overflow is Overflow.allow:
+            return
         lengths = np.fromiter((s.length for s in batch), dtype=np.float64, count=len(batch))
         held, transient = self.micro_batch_bytes(lengths, np.ones(lengths.size), np.arange(lengths.size), lengths.size)
         alone = self.static[None, :] + held + transient
@@ -294,29 +297,28 @@ class MemoryModel:
     def fitted(self, plan: Plan, batching, cost: CostModel) -> Plan:
         """The batching policy's plan if it fits; else, under ``overflow=repair``, the policy's repair of it
         (its ``fit_memory(plan, memory, cost)``, or ``repack``); an error when it still does not fit."""
-        if Overflow(self.cfg.overflow) is Overflow.allow:
+        if self.overflow is Overflow.allow:
             return plan
-        over = self.overfull(self.plan_bytes(plan, cost))
-        if over is not None and Overflow(self.cfg.overflow) is Overflow.repair:
+        over, who = self.overfull(self.plan_bytes(plan, cost)), repr(getattr(batching, "name", type(batching).__name__))
+        if over is not None and self.overflow is Overflow.repair:
             repair = getattr(batching, "fit_memory", None)
             plan = repair(plan, self, cost) if repair is not None else repack(plan, self, cost)
-            over = self.overfull(self.plan_bytes(plan, cost))
+            over, who = self.overfull(self.plan_bytes(plan, cost)), f"{who} after its repair"
         if over is not None:
-            self._reject(plan, over, getattr(batching, "name", type(batching).__name__))
+            self._reject(plan, over, who)
         return plan
 
     def check(self, plan: Plan, cost: CostModel, who: str) -> None:
         """Fail when a plan (e.g. after its budgets were tuned) does not fit; nothing under ``overflow=allow``."""
-        if Overflow(self.cfg.overflow) is Overflow.allow:
+        if self.overflow is Overflow.allow:
             return
         over = self.overfull(self.plan_bytes(plan, cost))
         if over is not None:
-            self._reject(plan, over, who)
+            self._reject(plan, over, repr(who))
 
     def _reject(self, plan: Plan, over: Overfull, who: str) -> None:
-        tried = " after its repair" if Overflow(self.cfg.overflow) is Overflow.repair else ""
         raise MemoryLimitError(
-            f"step {plan.step}: the plan of {who!r}{tried} needs {over.need_bytes / GB:.1f} GB on DP rank {over.rank}, "
+            f"step {plan.step}: the plan of {who} needs {over.need_bytes / GB:.1f} GB on DP rank {over.rank}, "
             f"pipeline stage {over.stage} (during micro-batch {over.micro_batch}'s backward), above the "
             f"{self._available()}; allowed: {self._remedies('more micro-batches (layout.micro_batches)')}")
 
@@ -332,9 +334,6 @@ class MemoryModel:
             options.append("memory.sharding=fsdp")
         options.append("more pipeline stages or context parallelism (layout.pp, layout.cp)")
         return ", ".join(options)
-
-    def peak_gb(self, nbytes: np.ndarray) -> float:
-        return float(nbytes.max(initial=0.0)) / GB
 
 
 # ----------------------------------------------------------------------------- plans

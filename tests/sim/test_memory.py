@@ -176,6 +176,14 @@ def test_overfull_plan_is_rejected_in_one_line():
 def test_allow_only_reports():
     memory, cost = qwen_memory(Overflow.allow, [8192] * 2, [8192] * 3)
     assert memory.fitted(over_plan(), object(), cost) == over_plan()
+    memory.check_batch([Sequence(0, 32768, 0.5)])
+
+
+def test_a_batch_too_big_for_every_plan_is_rejected_after_the_repair():
+    memory, cost = qwen_memory(Overflow.repair, [8192] * 2, [8192] * 3)  # room for 2 x 2 x 2 of them, not 10
+    batch = [Sequence(i, 8192, 0.5) for i in range(10)]
+    with pytest.raises(MemoryLimitError, match=r"^step 4: the plan of 'sequential' after its repair needs "):
+        plan_step(make_batching("sequential", {}), make_sparsity("fixed", {}), batch, memory.layout, cost, 4, memory)
 
 
 def test_plan_step_repairs_through_the_shared_planning_step():
@@ -214,7 +222,8 @@ def test_unfittable_sequence_through_sim_run_is_one_line_and_leaves_nothing(tmp_
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     assert lines[0].startswith("error: sequence ") and " tokens) needs " in lines[0]
-    assert "it fits under no plan; allowed: shorter sequences (workload.max_len), memory.activation_checkpointing=true" in lines[0]
+    assert ("it fits under no plan; allowed: shorter sequences (workload.max_len), "
+            "memory.activation_checkpointing=true") in lines[0]
     assert list(tmp_path.iterdir()) == []
 
 
