@@ -15,7 +15,7 @@ import time
 from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.cost import make_cost
-from sim.run import load_policy
+from sim.compare import policy_variant
 from sim.core import compose_config
 from sim.workload import Workload
 
@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--dp", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=1024)
+    parser.add_argument("--policy", default="sparsebalance",
+                        help="a policy of conf/policy/, optionally with overrides: sparsebalance:batching.params.refine=true")
     args = parser.parse_args()
     micro_batches = args.global_batch // args.dp // 2
     cfg = compose_config(["workload=longqa", f"workload.global_batch={args.global_batch}",
@@ -35,7 +37,7 @@ def main() -> None:
     cost = make_cost(cfg.cost, cfg.model, cluster)
     layout = Layout(dp=args.dp, micro_batches=micro_batches, gpus=Cluster.gpus(cfg.cluster))
     workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
-    policy = load_policy("sparsebalance")
+    policy = policy_variant(args.policy)
     batching = make_batching(policy.batching.name, policy.batching.params)
     sparsity = make_sparsity(policy.sparsity.name, policy.sparsity.params)
     batches = [workload.batch(step) for step in range(args.steps)]
@@ -46,7 +48,7 @@ def main() -> None:
         wall.append((time.perf_counter() - start) * 1e3)
         cpu.append((time.process_time() - start_cpu) * 1e3)
     wall, cpu = wall[1:], cpu[1:]  # the first step also pays one-off imports and caches
-    print(f"sparsebalance planning, {args.global_batch} sequences, DP{args.dp} x {micro_batches} micro-batches, "
+    print(f"{args.policy} planning, {args.global_batch} sequences, DP{args.dp} x {micro_batches} micro-batches, "
           f"{len(wall)} steps, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for name, times in (("wall", wall), ("cpu", cpu)):
         median = statistics.median(times)

@@ -28,6 +28,7 @@ class PipelineOrder(str, Enum):
     packed = "packed"  # as the partition returned them
     verl = "verl"  # by cost, the lighter micro-batches at both ends (verl's dynamic-batch rule)
     search = "search"  # the order with the shortest 1F1B time at the policy's own expected costs
+    fit = "fit"  # search, then sequences moved between micro-batches and ranks for it (policies/pipeline_fit.py)
 
 
 MAX_ORDERED = 6  # micro-batches per rank up to which ``search`` tries every order (6! = 720)
@@ -71,7 +72,7 @@ class PartitionPolicy(ABC):
         The plan lists assignments by (rank, micro-batch), in that order.
         """
 
-    def rank_partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
+    def rank_partition(self, costs: np.ndarray, k: int, layout: Layout) -> list[list[int]]:
         """One rank's share over its k micro-batches (the DP-level cut, unless a policy cuts ranks otherwise)."""
         return self.partition(costs, k)
 
@@ -85,7 +86,7 @@ class PartitionPolicy(ABC):
         assignments = []
         ranks = self.partition(costs, layout.dp)
         for rank, (members, count) in enumerate(zip(ranks, self.micro_batch_counts(batch, ranks, layout))):
-            for mb, sub in enumerate(self.rank_partition(costs[members], count)):
+            for mb, sub in enumerate(self.rank_partition(costs[members], count, layout)):
                 for i in sub:
                     seq = batch[members[i]]
                     assignments.append(Assignment(seq.id, seq.length, seq.sensitivity, rank, mb))
@@ -102,7 +103,14 @@ class PartitionPolicy(ABC):
             for a in plan.assignments:
                 loads[a.dp_rank, a.micro_batch] += by_id[a.seq_id]
             return reorder(plan, np.array([verl_order(row) for row in loads]))
-        return reorder(plan, self.searched_orders(plan, layout, cost))
+        plan = reorder(plan, self.searched_orders(plan, layout, cost))
+        if order is PipelineOrder.fit:
+            from policies.pipeline_fit import fitted  # here: it imports policies.dst, which imports this module
+
+            lengths = np.array([a.length for a in plan.assignments], dtype=np.int64)
+            sens = np.array([a.sensitivity for a in plan.assignments])
+            plan = fitted(plan, layout, cost, self.expected_kept(lengths, sens, cost))
+        return plan
 
     def searched_orders(self, plan: Plan, layout: Layout, cost: CostModel) -> np.ndarray:
         """Per rank the micro-batch order with the shortest 1F1B time at the expected kept fractions:

@@ -28,6 +28,7 @@ import numpy as np
 
 from policies.base import PartitionParams, PartitionPolicy
 
+from sim.cluster import Layout
 from sim.policy import register_batching
 from policies.lpt import lpt_partition
 
@@ -81,6 +82,10 @@ class KarmarkarKarp(PartitionPolicy):
 
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
         return kk_partition(costs, k, self.params.equal_count, self.params.refine)
+
+    def rank_partition(self, costs: np.ndarray, k: int, layout: Layout) -> list[list[int]]:
+        # With pp = 1 a rank's time is the sum of its micro-batches however they are cut: no refinement.
+        return kk_partition(costs, k, self.params.equal_count, self.params.refine and layout.pp > 1)
 
 
 def makespan(costs: np.ndarray, parts: list[list[int]]) -> float:
@@ -168,23 +173,27 @@ def refined_small(costs: list[float], parts: list[list[int]], equal_count: bool)
         below both parts' current larger load."""
         give = bundles(parts[a], costs)
         found = None
+        size_a = len(parts[a])
         for b in others:
             limit = max(loads[a], loads[b]) * (1 - 1e-12)
             if found is not None:
                 limit = min(limit, found[0])
+            take, size_b, load_a, load_b = bundles(parts[b], costs), len(parts[b]), loads[a], loads[b]
             for out, out_v in give:
-                for back, back_v in bundles(parts[b], costs):
+                for back, back_v in take:
                     shift = len(out) - len(back)
-                    if not (out or back) or equal_count and not (
-                            low <= len(parts[a]) - shift <= high and low <= len(parts[b]) + shift <= high):
+                    if equal_count and not (low <= size_a - shift <= high and low <= size_b + shift <= high):
                         continue
-                    worse = max(loads[a] - out_v + back_v, loads[b] + out_v - back_v)
-                    if worse < limit:
+                    worse = max(load_a - out_v + back_v, load_b + out_v - back_v)
+                    if worse < limit and (out or back):
                         limit, found = worse, (worse, (a, b, out, back, out_v - back_v))
         return found
 
+    even = sum(loads) / k * (1 + 1e-12)  # no makespan below the even spread: stop there
     for _ in range(MAX_EXCHANGES_PER_ITEM * n):
         heavy = max(range(k), key=loads.__getitem__)
+        if loads[heavy] <= even:
+            break
         found = best_exchange(heavy, [b for b in range(k) if b != heavy])
         for a in sorted(range(k), key=loads.__getitem__, reverse=True)[1:] if found is None else ():
             found = best_exchange(a, [b for b in range(k) if b != heavy and loads[b] < loads[a]])

@@ -26,6 +26,7 @@ import numpy as np
 
 from policies.base import PartitionParams, PartitionPolicy, PipelineOrder
 from policies.karmarkar_karp import kk_partition
+from sim.cluster import Layout
 from sim.cost import CostModel
 from sim.plan import Plan
 from sim.policy import register_batching
@@ -64,6 +65,10 @@ class SparsityAwareBatching(PartitionPolicy):
 
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
         return kk_partition(costs, k, self.params.equal_count, self.params.refine)
+
+    def rank_partition(self, costs: np.ndarray, k: int, layout: Layout) -> list[list[int]]:
+        # With pp = 1 a rank's time is the sum of its micro-batches however they are cut: no refinement.
+        return kk_partition(costs, k, self.params.equal_count, self.params.refine and layout.pp > 1)
 
     def observe(self, tuned: Plan) -> None:
         """Fold one step's budgets into the per-bucket EMA."""

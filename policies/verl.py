@@ -8,7 +8,8 @@
 * order: verl's rule by default (``pipeline_order: verl``): heaviest first, then every other micro-batch
   reversed followed by the rest, so the lighter ones run at both ends of the pipeline.
 
-Plain LDM at both levels, as verl runs it; ``refine: true`` adds this project's local search.
+Plain LDM at both levels, as verl runs it; ``refine: true`` adds this project's local search (within a
+rank only with pp > 1: with pp = 1 a rank's time is the sum of its micro-batches, however they are cut).
 """
 from __future__ import annotations
 
@@ -42,11 +43,12 @@ class Verl(PartitionPolicy):
         return verl_workload(batch_arrays(batch)[0])
 
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
-        return self.cut(costs, k, equal_count=True)
+        return self.cut(costs, k, equal_count=True, refine=self.params.refine)
 
-    def rank_partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
-        return self.cut(costs, k, equal_count=False)
+    def rank_partition(self, costs: np.ndarray, k: int, layout: Layout) -> list[list[int]]:
+        return self.cut(costs, k, equal_count=False, refine=self.params.refine and layout.pp > 1)
 
-    def cut(self, costs: np.ndarray, k: int, equal_count: bool) -> list[list[int]]:
+    @staticmethod
+    def cut(costs: np.ndarray, k: int, equal_count: bool, refine: bool) -> list[list[int]]:
         parts = ldm_partition(costs, k, equal_count)
-        return refined_partition(costs, parts, equal_count) if self.params.refine else parts
+        return refined_partition(costs, parts, equal_count) if refine else parts

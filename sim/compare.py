@@ -5,10 +5,15 @@ over ``--seeds`` consecutive seeds from ``seed``, and prints per policy the mean
 the standard deviation) over seeds of: step time; speedup over the first policy (``speedup``) and over the
 fastest of the ``--baselines`` on the same seed (``vs_best``); bubble; and coverage: the plain mean over
 sequences, weighted by tokens (``tok_cov``) and by attention work, length ** 2 (``attn_cov``), the longest
-quarter's (``long_cov``) and the minimum. ``--bounds`` adds rows for the step time at perfect balance: the
-work of a policy's own plans (its budgets, its micro-batch overheads) spread exactly evenly over DP ranks
-and micro-batches (``even: <policy>``). ``experiment=<name>`` selects a preset from ``conf/experiment/``;
-other arguments are Hydra overrides (``steps=100``, ``workload.sigma=1.2``). Nothing is written to disk.
+quarter's (``long_cov``) and the minimum. ``--bounds`` adds two rows per named policy: ``even: <policy>``,
+the step time with the work of the policy's own plans (its budgets, its micro-batch overheads) spread
+exactly evenly over DP ranks and micro-batches; and ``bound: <policy>``, per step the larger of that and
+the time the plan's longest sequence alone takes through the pipeline (its forward across every stage,
+then its backward), which no placement of that work can beat. ``--ablation`` compares the mechanisms one
+by one (ABLATION). A policy is named as in ``conf/policy/``, optionally with overrides of its own config:
+``sparsebalance:sparsity.params.coverage_weight=sequence``. ``experiment=<name>`` selects a preset from
+``conf/experiment/``; other arguments are Hydra overrides (``steps=100``, ``workload.sigma=1.2``). Nothing
+is written to disk.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sim.cluster import Cluster, Layout
-from sim.config import register
+from sim.config import PolicyConfig, register
 from sim.core import ConfigError, compose_config, fail
 from sim.cost import make_cost
 from sim.engine import Engine, PlanArrays, run_pipeline
@@ -32,6 +37,11 @@ from sim.run import load_policy, simulate
 BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap")
 POLICIES = (*BASELINES, "sab", "dst", "verl_dst", "sparsebalance")
 BOUNDS = ("baseline", "sparsebalance")
+FIT, SEARCH = "batching.params.pipeline_order=fit", "batching.params.pipeline_order=search"
+ABLATION = (  # the strongest baseline, then one mechanism at a time
+    "verl", f"verl:{SEARCH}", f"verl:{FIT}", "sab", f"sab:{FIT}", "verl_dst", f"sparsebalance:{SEARCH}",
+    "sparsebalance", "sparsebalance:sparsity.params.floor=0.7", "sparsebalance:sparsity.params.coverage_weight=sequence",
+)
 FIGURES = {  # table column -> summary key
     "step_ms": "step_ms", "bubble_%": "bubble_fraction", "mean_cov": "mean_coverage",
     "tok_cov": "token_coverage", "attn_cov": "attention_coverage", "long_cov": "long_coverage",
@@ -56,11 +66,14 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
               bounds: tuple[str, ...]) -> pd.DataFrame:
     """One seed: a row per policy and per bound, with speedups over the first policy and the best baseline."""
     cfg = OmegaConf.merge(base, {"seed": seed, "write_plans": True})
-    outputs = {name: simulate(cfg, load_policy(name)) for name in dict.fromkeys((*policies, *baselines, *bounds))}
-    rows = [{"policy": name, **{col: outputs[name].summary[key] for col, key in FIGURES.items()}} for name in policies]
+    outputs = {name: simulate(cfg, policy_variant(name)) for name in dict.fromkeys((*policies, *baselines, *bounds))}
+    rows = [{"policy": label(name), **{col: outputs[name].summary[key] for col, key in FIGURES.items()}}
+            for name in policies]
     for name in bounds:
-        rows.append({"policy": f"even: {name}", **{col: outputs[name].summary[key] for col, key in FIGURES.items()},
-                     "step_ms": even_step_ms(cfg, outputs[name].results.plans), "bubble_%": np.nan})
+        even, bound = balance_bounds(cfg, outputs[name].results.plans)
+        figures = {col: outputs[name].summary[key] for col, key in FIGURES.items()}
+        rows.append({"policy": f"even: {name}", **figures, "step_ms": even, "bubble_%": np.nan})
+        rows.append({"policy": f"bound: {name}", **figures, "step_ms": bound, "bubble_%": np.nan})
     frame = pd.DataFrame(rows)
     frame["bubble_%"] *= 100
     frame["speedup"] = outputs[policies[0]].summary["step_ms"] / frame["step_ms"]
@@ -69,18 +82,35 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
     return frame
 
 
-def even_step_ms(cfg: DictConfig, plans: list[str]) -> float:
-    """Mean step time with each plan's total forward and backward work (at its own kept fractions) and
-    hand-offs spread exactly evenly over the DP ranks and micro-batches: what a perfect balancer reaches
-    with that work. With pp > 1 it is not a lower bound of every plan: micro-batches that are lighter at
-    both ends of the 1F1B pipeline can beat equal ones."""
+def policy_variant(spec: str) -> PolicyConfig:
+    """``name`` or ``name:key=value:...``: a policy of conf/policy/ with overrides of its own config."""
+    name, *overrides = spec.split(":")
+    policy = load_policy(name)
+    try:
+        return OmegaConf.merge(policy, OmegaConf.from_dotlist(overrides))
+    except (OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(f"--policies {spec!r}: {str(exc).splitlines()[0]}") from None
+
+
+def label(spec: str) -> str:
+    """A policy spec as a row name: overrides shown by their last key (``sab:pipeline_order=fit``)."""
+    name, *overrides = spec.split(":")
+    return ":".join([name, *(o.split("=")[0].rsplit(".", 1)[-1] + "=" + o.partition("=")[2] for o in overrides)])
+
+
+def balance_bounds(cfg: DictConfig, plans: list[str]) -> tuple[float, float]:
+    """Mean step times over the plans: ``even`` with each plan's total forward and backward work (at its own
+    kept fractions) and hand-offs spread exactly evenly over the DP ranks and micro-batches, what a perfect
+    balancer reaches with that work; and ``bound``, per plan the larger of that and the pipeline time of
+    its longest sequence alone (at its own kept fraction). With pp > 1 ``even`` bounds no plan from below:
+    micro-batches lighter at both ends of the 1F1B pipeline can beat equal ones; ``bound`` still holds."""
     typed = OmegaConf.to_object(cfg)
     cluster = Cluster.from_config(typed.cluster)
     layout = Layout.from_config(typed.layout, Cluster.gpus(typed.cluster))
     cost = make_cost(typed.cost, typed.model, cluster)
     engine = Engine(layout, cost, cluster)
     slots = layout.dp * layout.micro_batches
-    times = []
+    evens, bounds = [], []
     for text in plans:
         arrays = PlanArrays.from_plan(Plan.from_json(text))
         kept = cost.kept_fractions(arrays.length, arrays.sensitivity, arrays.p, arrays.fixed_kf)
@@ -88,9 +118,18 @@ def even_step_ms(cfg: DictConfig, plans: list[str]) -> float:
         mb = cost.micro_batch_costs(arrays.length, kept, group, slots, layout)
         even = np.full((1, layout.micro_batches), 1.0 / slots)
         p2p = cost.hand_off_ms(mb.tokens, layout).sum() * even
-        timeline = run_pipeline(mb.fwd_ms.sum() * even, mb.bwd_ms.sum() * even, p2p, layout.pp)
-        times.append(float(timeline.finish_ms.max()) + engine.allreduce_ms)
-    return float(np.mean(times))
+        evens.append(pipeline_time(mb.fwd_ms.sum() * even, mb.bwd_ms.sum() * even, p2p, layout.pp) + engine.allreduce_ms)
+        longest = int(np.argmax(arrays.length))
+        alone = cost.micro_batch_costs(arrays.length[[longest]], kept[[longest]], np.zeros(1, dtype=np.int64), 1, layout)
+        latency = pipeline_time(alone.fwd_ms[None], alone.bwd_ms[None],
+                                cost.hand_off_ms(alone.tokens, layout)[None], layout.pp)
+        bounds.append(max(evens[-1], latency + engine.allreduce_ms))
+    return float(np.mean(evens)), float(np.mean(bounds))
+
+
+def pipeline_time(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int) -> float:
+    """Finish time of one rank's 1F1B pipeline ([1, m] busy times per stage), as the engine runs it."""
+    return float(run_pipeline(fwd, bwd, p2p, pp).finish_ms.max())
 
 
 def seed_statistics(runs: pd.DataFrame, with_std: bool) -> pd.DataFrame:
@@ -134,10 +173,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="consecutive seeds from `seed` (mean +- std)")
     parser.add_argument("--bounds", nargs="?", const=",".join(BOUNDS), default="",
                         help=f"perfect-balance rows for these policies' plans (alone: {','.join(BOUNDS)})")
+    parser.add_argument("--ablation", action="store_true", help="the mechanisms one by one instead of --policies")
     args = parser.parse_args()
     register()
+    policies = ABLATION if args.ablation else names(args.policies)
     try:
-        table = compare(hydra_overrides(args.overrides), names(args.policies), args.seeds, names(args.baselines),
+        table = compare(hydra_overrides(args.overrides), policies, args.seeds, names(args.baselines),
                         names(args.bounds))
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         fail(str(exc).splitlines()[0])

@@ -38,3 +38,14 @@ def test_compare_reports_seed_spread_and_weighted_coverage(two_seeds):
 def test_even_spread_beats_verl_at_the_same_budgets_on_the_paper_preset(two_seeds):
     assert two_seeds.loc["even: baseline", "step_ms"] < two_seeds.loc["verl", "step_ms"]
     assert two_seeds.loc["even: baseline", "attn_cov"] == two_seeds.loc["baseline", "attn_cov"]
+
+
+def test_policy_variants_override_a_policy_config():
+    from sim.compare import label, policy_variant
+    from sim.core import ConfigError
+
+    variant = policy_variant("sparsebalance:sparsity.params.floor=0.7:batching.params.pipeline_order=search")
+    assert variant.sparsity.params.floor == 0.7 and variant.batching.params.pipeline_order == "search"
+    assert label("sparsebalance:sparsity.params.floor=0.7") == "sparsebalance:floor=0.7"
+    with pytest.raises(ConfigError, match="is not a policy"):
+        policy_variant("nope:sparsity.params.floor=0.7")

@@ -71,14 +71,19 @@ def partition_policies():
 @pytest.mark.parametrize("name", partition_policies())
 @pytest.mark.parametrize("order", [o.value for o in PipelineOrder])
 def test_every_balancer_takes_the_pipeline_order(world, name, order):
-    """Ordering moves whole micro-batches (never sequences between them), and the searched order is never
-    slower on any rank than the packed one."""
+    """Ordering moves whole micro-batches (never sequences between them; ``fit`` moves sequences but keeps
+    each rank's count), and the searched order is never slower on any rank than the packed one."""
     workload, cost, cluster = world
     layout = Layout(dp=2, pp=4, micro_batches=4)
     batch = workload.batch(3)
     packed = make_batching(name, {"pipeline_order": "packed"}).plan(batch, layout, cost, 3)
     ordered = make_batching(name, {"pipeline_order": order}).plan(batch, layout, cost, 3)
-    assert micro_batch_sets(ordered) == micro_batch_sets(packed)
+    assert sorted(a.seq_id for a in ordered.assignments) == sorted(s.id for s in batch)
+    if order == "fit":
+        assert np.bincount([a.dp_rank for a in ordered.assignments], minlength=2).tolist() == \
+            np.bincount([a.dp_rank for a in packed.assignments], minlength=2).tolist()
+    else:
+        assert micro_batch_sets(ordered) == micro_batch_sets(packed)
     if order == "search":
         engine = Engine(layout, cost, cluster)
         finish = [engine.step(p).timeline.finish_ms.max(axis=1) for p in (packed, ordered)]
@@ -142,3 +147,33 @@ def test_token_cap_counts_a_cp_group_as_cp_gpus(world):
 def test_token_cap_rejects_bad_params(params):
     with pytest.raises(ConfigError):
         make_batching("token_cap", params)
+
+
+@pytest.mark.parametrize("step", range(4))
+def test_pipeline_fit_never_slows_the_step_and_keeps_rank_counts(world, step):
+    """Dense budgets, so the policy's expected kept fractions are the ones the engine runs at."""
+    workload, cost, cluster = world
+    layout = Layout(dp=2, pp=4, micro_batches=4)
+    engine = Engine(layout, cost, cluster)
+    batch = workload.batch(step)
+    searched, fitted = (make_batching("karmarkar_karp", {"pipeline_order": o}).plan(batch, layout, cost, step)
+                        for o in ("search", "fit"))
+    finish = [engine.step(p).timeline.finish_ms.max(axis=1) for p in (searched, fitted)]
+    assert finish[1].max() <= finish[0].max() * (1 + 1e-9)
+    counts = [np.bincount([a.dp_rank for a in p.assignments], minlength=2) for p in (searched, fitted)]
+    assert (counts[0] == counts[1]).all()
+    assert sorted(a.seq_id for a in fitted.assignments) == sorted(s.id for s in batch)
+
+
+def test_pipeline_fit_isolates_a_long_sequence(world):
+    """One long sequence among short ones, two per micro-batch: the searched order still pairs it with a
+    short one; the fit runs it alone (the short ones fill the other micro-batches) and is faster."""
+    _, cost, cluster = world
+    layout = Layout(dp=1, pp=4, micro_batches=4)
+    batch = [Sequence(0, 16384, 0.5)] + [Sequence(i, 2048, 0.5) for i in range(1, 8)]
+    searched, fitted = (make_batching("karmarkar_karp", {"pipeline_order": o}).plan(batch, layout, cost, 0)
+                        for o in ("search", "fit"))
+    long_mb = next(a.micro_batch for a in fitted.assignments if a.seq_id == 0)
+    assert [a.seq_id for a in fitted.assignments if a.micro_batch == long_mb] == [0]
+    engine = Engine(layout, cost, cluster)
+    assert engine.step(fitted).record.step_ms < 0.95 * engine.step(searched).record.step_ms
