@@ -1,4 +1,4 @@
-"""Kernel benchmark figure: our block-sparse kernel vs FlexAttention vs dense cuDNN (benchmarks/attention.py)."""
+"""Kernel benchmark figure: our block-sparse kernel vs FlexAttention vs dense cuDNN (python -m benchmarks.attention)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,10 +17,10 @@ IMPLS = {"triton_sparse": ("our Triton block-sparse kernel", OKABE_ITO[1], "o"),
 
 
 def read_benchmark(path: str | Path) -> pd.DataFrame:
-    """Rows of benchmarks/attention.py's CSV that carry a time (failed configs are dropped, and counted)."""
+    """Rows of the CSV of python -m benchmarks.attention that carry a time (failed configs are dropped, and counted)."""
     path = Path(path)
     if not path.is_file():
-        raise PlotError(f"{path}: no such benchmark CSV (made by `python benchmarks/attention.py --csv {path}`)")
+        raise PlotError(f"{path}: no such benchmark CSV (made by `python -m benchmarks.attention --csv {path}`)")
     frame = pd.read_csv(path)
     missing = [c for c in BENCH_COLUMNS if c not in frame.columns]
     if missing:
