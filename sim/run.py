@@ -138,6 +138,9 @@ def summary_table(rows: list[dict], baseline_ms: float | None) -> pd.DataFrame:
         "tokens/s": frame["tokens_per_s"].round(0).astype(int),
         "MFU_%": (100 * frame["mfu"]).round(2),
         "mean_cov": frame["mean_coverage"].round(4),
+        "tok_cov": frame["token_coverage"].astype(float).round(4),  # weighted by length
+        "attn_cov": frame["attention_coverage"].astype(float).round(4),  # weighted by length ** 2
+        "long_cov": frame["long_coverage"].astype(float).round(4),  # the longest quarter's
         "min_cov": frame["min_coverage"].round(4),
         "peak_GB": frame["peak_memory_gb"].astype(float).round(1),
     })
