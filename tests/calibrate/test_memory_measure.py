@@ -109,3 +109,32 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+GPU_BOX = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):  # what the GPU machines lack
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("hydra", "omegaconf", "simpy", "scipy"):
+            raise ImportError(f"{name} is not installed on the GPU machine")
+sys.meta_path.insert(0, Absent())
+import torch
+import calibrate.memory as m
+from calibrate.run import machine_facts
+from runner.attention import make_attention
+from sim.shapes import ModelShape
+tiny = ModelShape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100, max_context=4096)
+class Probe:
+    sync = reset_peak = lambda self: None
+    allocated = peak = lambda self: 0
+measurer = m.Measurer([tiny], make_attention("kernel", 16), Probe(), "cpu", torch.float32, 16)
+m.measure_all(m.build_points(["tiny"], (64,)), measurer, __import__("pathlib").Path(sys.argv[1]), 1e9)
+machine_facts("cpu")
+print("ok")
+"""
+
+
+def test_the_measuring_side_needs_no_hydra_omegaconf_simpy_or_scipy(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", GPU_BOX, str(tmp_path / "rows.csv")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
