@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 6's H200 experiment: one GPU (world size 1), 4 micro-batches per step, the real Triton kernel in
+# The H200 fidelity experiment: one GPU (world size 1), 4 micro-batches per step, the real Triton kernel in
 # bf16, `baseline` (arrival order, fixed p=0.9) and `sparsebalance`, STEPS steps each. Run dirs are tarred
-# into $OUT/h200_runs.tgz (the device tool returns few files); `python -m runner.compare <run dir>` then
+# into $OUT/h200_runs.tgz (one archive is easier to copy back than many files); `python -m runner.compare <run dir>` then
 # replays them through the simulator on any machine. Extra arguments are Hydra overrides for both runs.
 #
 # Model: qwen2.5-3b's layer shape (the calibrated one) with 8 of its 36 layers so that a step takes about a
