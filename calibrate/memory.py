@@ -133,6 +133,7 @@ class Measurer:
         cu = torch.cat([ends.new_zeros(1), ends])  # on the host, as the runner passes it
         n = len(point.lengths)
         budgets = (torch.ones(n), None if point.kept_fraction >= 1 else torch.full((n,), point.kept_fraction))
+        self._release_dense_selection()
         gc.collect()
         probe.sync()
         probe.reset_peak()
@@ -156,6 +157,15 @@ class Measurer:
             "tokens": point.tokens, "base_bytes": base, "held_bytes": after - base + edge,
             "peak_bytes": peak - base + edge, "forward_peak_bytes": forward_peak - base + edge,
         }
+
+    def _release_dense_selection(self) -> None:
+        """The kernel keeps its last dense selection for the next call (the other layers of a micro-batch) and
+        drops it when it builds another: a one-block one built here drops the previous point's before this
+        point is measured, instead of inside it."""
+        from kernels.sparse_attention import select_blocks
+
+        qk = self.torch.zeros(16, 1, 16, device=self.device, dtype=self.dtype)  # 16 tokens, one head of 16
+        select_blocks(qk, qk, self.torch.tensor([0, 16], dtype=self.torch.int32), block_size=16)
 
     def _forward(self, blocks, x, rotary, cu, budgets, checkpointing: bool):
         from torch.utils.checkpoint import checkpoint

@@ -258,9 +258,9 @@ class MemoryConfig:
     # Extra while one layer's backward runs: the incoming and the norm's gradient (hidden 4), the MLP's
     # gradients alive beside its not yet freed activations (ffn 4).
     backward: TokenBytes = field(default_factory=lambda: TokenBytes(hidden=4.0, ffn=4.0))
-    # Per token per micro-batch and stage, not per layer: fp32 RoPE cos/sin (head_dim 4), int64 positions and
-    # the kernel's token -> block map (const 16).
-    micro_batch: TokenBytes = field(default_factory=lambda: TokenBytes(head_dim=4.0, const=16.0))
+    # Per token per micro-batch and stage, not per layer: fp32 RoPE cos/sin (head_dim 4) and the kernel's int64
+    # token -> block map, cached with the block layout (const 8).
+    micro_batch: TokenBytes = field(default_factory=lambda: TokenBytes(head_dim=4.0, const=8.0))
     profile: Optional[str] = None  # measured terms, e.g. calibrate/profiles/h200_memory.json; null: first principles
 
 

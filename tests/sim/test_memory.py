@@ -43,7 +43,7 @@ def test_held_activations_per_token_per_layer_count_the_layer_by_hand():
     assert terms["checkpointed"].held_layer == 2 * h  # only the layer input
     assert terms["checkpointed"].transient == by_hand + 4 * h + 4 * f  # one layer recomputed, then its gradients
     assert terms["full"].transient_bytes == 2 * (2 * h * f)  # bf16 gradient of the fused gate/up matrix
-    assert terms["full"].held_micro_batch == 4 * 128 + 16  # fp32 cos/sin, int64 positions and token -> block
+    assert terms["full"].held_micro_batch == 4 * 128 + 8  # fp32 cos/sin, int64 token -> block map
 
 
 def test_static_bytes_per_stage_by_hand_for_each_sharding():
