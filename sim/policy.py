@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Any, Mapping, Protocol, runtime_checkable
 
@@ -29,6 +30,7 @@ from sim.plan import Plan
 from sim.workload import Sequence
 
 ENTRY_POINT_GROUP = "sparsebalance.policies"
+BUILTIN_PACKAGE = "policies"  # what this project's pyproject.toml names in that group
 
 
 @dataclass(frozen=True)
@@ -101,16 +103,15 @@ def make_sparsity(name: str, params: Mapping[str, Any]) -> SparsityPolicy:
 
 @cache
 def load_policy_packages() -> tuple[str, ...]:
-    """Import every package that registers policies (once per process); their names."""
+    """Import every package that registers policies (once per process); their module names.
+
+    A checkout used without installing it (only on ``PYTHONPATH``) has no entry points: then the project's
+    own package, named in BUILTIN_PACKAGE, is the one loaded."""
     found = entry_points(group=ENTRY_POINT_GROUP)
-    if not found:
-        raise ConfigError(
-            f"no policy package is installed (entry point group {ENTRY_POINT_GROUP!r}); "
-            "install the project first: pip install -e ."
-        )
-    for entry in found:
-        entry.load()
-    return tuple(sorted(entry.name for entry in found))
+    modules = sorted({entry.value for entry in found}) or [BUILTIN_PACKAGE]
+    for module in modules:
+        import_module(module)
+    return tuple(modules)
 
 
 def _make(registry: dict, kind: str, name: str, params: Mapping[str, Any]):
