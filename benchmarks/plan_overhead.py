@@ -34,7 +34,7 @@ def main() -> None:
     cfg = compose_config(["workload=longqa", f"workload.global_batch={args.global_batch}",
                           f"cluster.nodes={args.dp // 8}"])
     cluster = Cluster.from_config(cfg.cluster)
-    cost = make_cost(cfg.cost, cfg.model, cluster)
+    cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
     layout = Layout(dp=args.dp, micro_batches=micro_batches, gpus=Cluster.gpus(cfg.cluster))
     workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
     policy = policy_variant(args.policy)

@@ -111,7 +111,7 @@ def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, dict]:
     cfg.cost.name, cfg.cost.profile = "calibrated", profile
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
-    cost = make_cost(cfg.cost, cfg.model, cluster)
+    cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
     engine = Engine(layout, cost, cluster)
     kept = sequences.set_index(["step", "seq_id"])["kept_fraction"]
 

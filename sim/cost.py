@@ -171,6 +171,10 @@ class MicroBatchCosts:
 class CostModel(ABC):
     """Shared decomposition; subclasses say how a term's per-layer time follows from its features."""
 
+    # Activation checkpointing: the backward recomputes the layers' forward (attention and the other work, not
+    # the selection, whose block lists are kept), so it is charged to the backward.
+    recompute: bool = False
+
     def __init__(self, model: ModelConfig, cluster: Cluster, block_size: int) -> None:
         if block_size < 1:
             raise ConfigError(f"cost.block_size={block_size} must be a positive integer")
@@ -229,9 +233,10 @@ class CostModel(ABC):
         sel = self.term_ms("select", select)
         o_f, o_b = self.term_ms("layer_fwd", layer), self.term_ms("layer_bwd", layer)
         n_layers = self.model.layers / layout.pp
+        recomputed = np.maximum(a_f, comm_f) + o_f if self.recompute else 0.0
         return MicroBatchCosts(
             fwd_ms=n_layers * (np.maximum(a_f, comm_f) + sel + o_f),
-            bwd_ms=n_layers * (np.maximum(a_b, comm_b) + o_b),
+            bwd_ms=n_layers * (np.maximum(a_b, comm_b) + o_b + recomputed),
             attn_fwd_ms=n_layers * a_f,
             attn_bwd_ms=n_layers * a_b,
             select_ms=n_layers * sel,
@@ -323,10 +328,14 @@ class CalibratedCost(CostModel):
 COST_MODELS: dict[str, type[CostModel]] = {"roofline": RooflineCost, "calibrated": CalibratedCost}
 
 
-def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster) -> CostModel:
+def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster, *, recompute: bool) -> CostModel:
+    """The cost model a config names. ``recompute``: activation checkpointing is on (``memory.
+    activation_checkpointing``), so every backward also runs its layers' forward again."""
     if cfg.name not in COST_MODELS:
         raise ConfigError(f"cost.name={cfg.name!r} is unknown; allowed: {', '.join(sorted(COST_MODELS))}")
-    return COST_MODELS[cfg.name](model, cluster, cfg)
+    cost = COST_MODELS[cfg.name](model, cluster, cfg)
+    cost.recompute = recompute
+    return cost
 
 
 # ----------------------------------------------------------------------------- profiles

@@ -63,7 +63,7 @@ def prepare(cfg: RunConfig) -> Setup:
     validate(cfg)
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
-    cost = make_cost(cfg.cost, cfg.model, cluster)
+    cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
     memory = MemoryModel.from_config(cfg, layout, cost.block_size)
     return Setup(cluster, layout, cost, Workload(cfg.workload, cfg.model.max_context, cfg.seed), memory)
 

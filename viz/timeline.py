@@ -59,7 +59,8 @@ def replay_step(run: Run, step: int = 0, label: str | None = None) -> StepTrace:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(config))
         cluster = Cluster.from_config(cfg.cluster)
         layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
-        engine = Engine(layout, make_cost(cfg.cost, cfg.model, cluster), cluster)
+        cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
+        engine = Engine(layout, cost, cluster)
     except (ConfigError, OmegaConfBaseException) as exc:
         raise PlotError(f"{config}: cannot rebuild the run ({str(exc).splitlines()[0]})") from None
     outcome = engine.step(Plan.from_json(_plan_line(run, step)), trace=True)

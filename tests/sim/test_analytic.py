@@ -11,14 +11,17 @@ from sim.engine import Engine, run_pipeline
 from sim.core import compose_config
 
 # 2 GPUs on one node: DP=2 with the roofline cost.
-OVERRIDES = ["cost=roofline", "cluster.nodes=1", "cluster.gpus_per_node=2", "layout.dp=2", "layout.micro_batches=1"]
+# Without activation checkpointing, so that the backward is exactly the hand-written one (see the recompute test).
+OVERRIDES = ["cost=roofline", "cluster.nodes=1", "cluster.gpus_per_node=2", "layout.dp=2", "layout.micro_batches=1",
+             "memory.activation_checkpointing=false"]
 
 
 def engine_for(overrides):
     cfg = compose_config(overrides)
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
-    return cfg, Engine(layout, make_cost(cfg.cost, cfg.model, cluster), cluster)
+    cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
+    return cfg, Engine(layout, cost, cluster)
 
 
 def hand_seq_ms(length, cfg):
@@ -112,3 +115,14 @@ def test_pipeline_layout_runs_end_to_end():
     assert 0 < outcome.record.bubble_fraction < 1
     # Each stage runs every micro-batch once, forward and backward.
     assert len(outcome.rows["stage"]) == engine.layout.dp * 8 * 4
+
+
+def test_activation_checkpointing_adds_the_recomputed_forward_to_the_backward():
+    _, plain = engine_for(OVERRIDES)
+    _, checkpointed = engine_for([*OVERRIDES[:-1], "memory.activation_checkpointing=true"])
+    layout = plain.layout
+    lengths, kept = np.array([3000, 17000]), np.array([1.0, 0.3])
+    off = plain.cost.micro_batch_costs(lengths, kept, np.arange(2), 2, layout)
+    on = checkpointed.cost.micro_batch_costs(lengths, kept, np.arange(2), 2, layout)
+    recomputed = off.attn_fwd_ms + off.other_fwd_ms  # no CP: the ring transfer is zero
+    assert np.allclose(on.fwd_ms, off.fwd_ms) and np.allclose(on.bwd_ms, off.bwd_ms + recomputed)

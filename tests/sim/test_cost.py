@@ -10,7 +10,8 @@ from sim.workload import Sequence
 
 def cost_for(*overrides):
     cfg = compose_config(list(overrides))
-    return make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster))
+    cluster = Cluster.from_config(cfg.cluster)
+    return make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
 
 
 def test_provisional_profile_reproduces_roofline_when_compute_bound(tmp_path):
