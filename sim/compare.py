@@ -7,9 +7,11 @@ fastest of the ``--baselines`` on the same seed (``vs_best``); bubble; and cover
 sequences, weighted by tokens (``tok_cov``) and by attention work, length ** 2 (``attn_cov``), the longest
 quarter's (``long_cov``) and the minimum. ``--bounds`` adds two rows per named policy: ``even: <policy>``,
 the step time with the work of the policy's own plans (its budgets, its micro-batch overheads) spread
-exactly evenly over DP ranks and micro-batches; and ``bound: <policy>``, per step the larger of that and
-the time the plan's longest sequence alone takes through the pipeline (its forward across every stage,
-then its backward), which no placement of that work can beat. ``--ablation`` compares the mechanisms one
+exactly evenly over DP ranks and micro-batches (equal micro-batches: with pp > 1 the 1F1B bubble stays, and
+a plan with lighter micro-batches at the pipeline's ends can beat it); and ``bound: <policy>``, per step the
+larger of that work spread over the DP ranks with no bubble at all and the time the plan's longest sequence
+alone takes through the pipeline (its forward across every stage, then its backward): a lower bound for
+any placement of that work. ``--ablation`` compares the mechanisms one
 by one (ABLATION). A policy is named as in ``conf/policy/``, optionally with overrides of its own config:
 ``sparsebalance:sparsity.params.coverage_weight=sequence``. ``experiment=<name>`` selects a preset from
 ``conf/experiment/``; other arguments are Hydra overrides (``steps=100``, ``workload.sigma=1.2``). Nothing
@@ -71,9 +73,11 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
             for name in policies]
     for name in bounds:
         even, bound = balance_bounds(cfg, outputs[name].results.plans)
+        # The plan's coverage; no bubble or memory figure, since no plan is simulated for these rows.
         figures = {col: outputs[name].summary[key] for col, key in FIGURES.items()}
-        rows.append({"policy": f"even: {name}", **figures, "step_ms": even, "bubble_%": np.nan})
-        rows.append({"policy": f"bound: {name}", **figures, "step_ms": bound, "bubble_%": np.nan})
+        figures.update({col: np.nan for col in ("bubble_%", "peak_GB") if col in figures})
+        rows.append({"policy": f"even: {name}", **figures, "step_ms": even})
+        rows.append({"policy": f"bound: {name}", **figures, "step_ms": bound})
     frame = pd.DataFrame(rows)
     frame["bubble_%"] *= 100
     frame["speedup"] = outputs[policies[0]].summary["step_ms"] / frame["step_ms"]
@@ -101,13 +105,13 @@ def label(spec: str) -> str:
 def balance_bounds(cfg: DictConfig, plans: list[str]) -> tuple[float, float]:
     """Mean step times over the plans: ``even`` with each plan's total forward and backward work (at its own
     kept fractions) and hand-offs spread exactly evenly over the DP ranks and micro-batches, what a perfect
-    balancer reaches with that work; and ``bound``, per plan the larger of that and the pipeline time of
-    its longest sequence alone (at its own kept fraction). With pp > 1 ``even`` bounds no plan from below:
-    micro-batches lighter at both ends of the 1F1B pipeline can beat equal ones; ``bound`` still holds."""
+    balancer with equal micro-batches reaches with that work; and ``bound``, per plan the larger of that
+    work over the DP ranks without any bubble (a stage's share, back to back) and the pipeline time of the
+    longest sequence alone (at its own kept fraction), which no placement can beat."""
     typed = OmegaConf.to_object(cfg)
     cluster = Cluster.from_config(typed.cluster)
     layout = Layout.from_config(typed.layout, Cluster.gpus(typed.cluster))
-    cost = make_cost(typed.cost, typed.model, cluster)
+    cost = make_cost(typed.cost, typed.model, cluster, recompute=typed.memory.activation_checkpointing)
     engine = Engine(layout, cost, cluster)
     slots = layout.dp * layout.micro_batches
     evens, bounds = [], []
@@ -123,7 +127,8 @@ def balance_bounds(cfg: DictConfig, plans: list[str]) -> tuple[float, float]:
         alone = cost.micro_batch_costs(arrays.length[[longest]], kept[[longest]], np.zeros(1, dtype=np.int64), 1, layout)
         latency = pipeline_time(alone.fwd_ms[None], alone.bwd_ms[None],
                                 cost.hand_off_ms(alone.tokens, layout)[None], layout.pp)
-        bounds.append(max(evens[-1], latency + engine.allreduce_ms))
+        no_bubble = float(mb.fwd_ms.sum() + mb.bwd_ms.sum()) / layout.dp
+        bounds.append(max(no_bubble, latency) + engine.allreduce_ms)
     return float(np.mean(evens)), float(np.mean(bounds))
 
 

@@ -49,3 +49,9 @@ def test_policy_variants_override_a_policy_config():
     assert label("sparsebalance:sparsity.params.floor=0.7") == "sparsebalance:floor=0.7"
     with pytest.raises(ConfigError, match="is not a policy"):
         policy_variant("nope:sparsity.params.floor=0.7")
+
+
+def test_bound_is_below_every_plan_at_those_budgets(two_seeds):
+    """The bound of the baseline's work (p = 0.9 everywhere) is below any balancer's step at p = 0.9."""
+    assert two_seeds.loc["bound: baseline", "step_ms"] <= two_seeds.loc["verl", "step_ms"]
+    assert two_seeds.loc["bound: baseline", "step_ms"] <= two_seeds.loc["even: baseline", "step_ms"]

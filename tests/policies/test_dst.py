@@ -21,7 +21,7 @@ from pinned import pinned
 def world():
     cfg = compose_config(pinned(["cluster.nodes=2"]))  # the calibrated (default) cost model
     cluster = Cluster.from_config(cfg.cluster)
-    return cluster, make_cost(cfg.cost, cfg.model, cluster)
+    return cluster, make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
 
 
 def plan_for(lengths, sens, layout, cost, batching="sequential"):

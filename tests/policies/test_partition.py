@@ -61,7 +61,8 @@ def test_refinement_never_raises_the_makespan_on_large_inputs(costs):
 def world():
     cfg = compose_config(pinned(["+experiment=paper"]))
     cluster = Cluster.from_config(cfg.cluster)
-    return Workload(cfg.workload, cfg.model.max_context, 0), make_cost(cfg.cost, cfg.model, cluster), cluster
+    cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
+    return Workload(cfg.workload, cfg.model.max_context, 0), cost, cluster
 
 
 def partition_policies():

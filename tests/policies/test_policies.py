@@ -30,7 +30,8 @@ def setup():
     cfg = compose_config(["cost=roofline", "cluster.nodes=2"])
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout(dp=16, micro_batches=4, gpus=16)
-    return Workload(cfg.workload, cfg.model.max_context, 0), layout, make_cost(cfg.cost, cfg.model, cluster)
+    cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
+    return Workload(cfg.workload, cfg.model.max_context, 0), layout, cost
 
 
 @pytest.mark.parametrize("name", sorted(BATCHING))

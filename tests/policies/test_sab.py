@@ -21,7 +21,8 @@ DST = ("dst", {"p": 0.9, "floor": 0.8})
 @pytest.fixture(scope="module")
 def cost():
     cfg = compose_config(pinned(["cluster.nodes=2"]))
-    return make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster))
+    cluster = Cluster.from_config(cfg.cluster)
+    return make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
 
 
 def placement(plan):

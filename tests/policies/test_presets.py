@@ -1,0 +1,35 @@
+"""The comparison presets: what each one holds, and that every policy of the table plans them."""
+import pytest
+
+from sim.compare import hydra_overrides
+from sim.core import compose_config
+from sim.cluster import Cluster, Layout
+from pinned import pinned
+
+
+def layout_of(experiment):
+    cfg = compose_config(pinned(hydra_overrides([f"experiment={experiment}"])))
+    return cfg, Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
+
+
+def test_bubble_light_preset_is_the_paper_with_sixteen_micro_batches():
+    cfg, layout = layout_of("paper_bubble_light")
+    assert (layout.dp, layout.cp, layout.pp, layout.micro_batches) == (2, 1, 4, 16)
+    assert cfg.workload.global_batch == 2 * layout.dp * layout.micro_batches  # micro-batch size 2 as `paper`
+
+
+def test_64_node_preset_uses_context_parallelism_inside_a_node():
+    cfg, layout = layout_of("paper_64nodes_cp")
+    assert layout.gpus == 512 and layout.cp == cfg.cluster.gpus_per_node == 8
+    assert cfg.workload.max_len <= cfg.model.max_context and cfg.workload.max_len > 32768
+    assert cfg.workload.global_batch == 2 * layout.dp * layout.micro_batches
+
+
+@pytest.mark.parametrize("experiment", ["paper_bubble_light", "paper_64nodes_cp"])
+def test_sparsebalance_beats_the_strongest_baseline_on_the_preset(experiment):
+    from sim.compare import compare
+
+    table = compare(pinned(hydra_overrides([f"experiment={experiment}", "steps=2"])),
+                    ("baseline", "lbb_ordered", "verl", "sparsebalance")).set_index("policy")
+    assert table.loc["sparsebalance", "vs_best"] > 1.0
+    assert table.loc["sparsebalance", "attn_cov"] >= table.loc["baseline", "attn_cov"] - 1e-9
