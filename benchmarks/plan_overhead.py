@@ -1,6 +1,6 @@
 """Planning overhead of ``sparsebalance``: one 1024-sequence global batch for 128 DP ranks.
 
-``python benchmarks/plan_overhead.py`` prints the median and worst time of one planning step
+``python -m benchmarks.plan_overhead`` prints the median and worst time of one planning step
 (``plan_step``: SAB's plan, DST's tune, SAB observing the tuned budgets) per step (16 nodes x 8 H200, DP128, 4 micro-batches of 2 sequences per rank, the longqa workload) and
 whether the median meets the 20 ms target. Both wall and CPU time of this process are printed: the
 machine is shared (the load average is printed too), and CPU time is what the planner itself costs.

@@ -5,7 +5,7 @@ time covers everything a step does: drawing the batch, planning (batching + spar
 the event loop and the Results rows. Targets on the 2-core dev machine: >= 50,000 GPU-steps/s at 512 GPUs,
 cost growing no faster than linearly in GPUs, the 7 x 3 x 100 sweep under 60 s.
 
-    python benchmarks/sim_speed.py [--policies baseline,lpt,kk] [--steps 20] [--seqs-per-micro-batch 2] [--repeat 3]
+    python -m benchmarks.sim_speed [--policies baseline,lpt,kk] [--steps 20] [--seqs-per-micro-batch 2] [--repeat 3]
 """
 from __future__ import annotations
 

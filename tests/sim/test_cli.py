@@ -43,7 +43,7 @@ def test_different_seed_changes_results(tmp_path):
     (["--policies", "baseline,nope"], "--policies: unknown nope; allowed: "),
 ], ids=["steps", "policy"])
 def test_sim_speed_benchmark_bad_arguments_are_one_line(args, message):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_speed.py"), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sim_speed", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert message in proc.stderr.splitlines()[-1]
