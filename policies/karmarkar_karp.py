@@ -33,6 +33,11 @@ from sim.policy import register_batching
 from policies.lpt import lpt_partition
 
 MAX_EXCHANGES_PER_ITEM = 4  # bounds the local search; every exchange strictly lowers the heaviest load
+# Many items: stop within this share above the even spread, a lower bound of the optimum (on many items
+# the search gets there, one near-heaviest part per exchange, and the last exchanges buy almost nothing).
+CLOSE_ENOUGH = 1e-3
+LIGHT_PARTS = 16  # many parts: the heaviest exchanges with the lightest of them only
+MAX_SWEEPS = 32  # paired sweeps before the heaviest part's exchanges (each sweep strictly lowers a pair)
 BUNDLE_ITEMS = 32  # up to this many items exchanges may also take two items from a part at once
 
 
@@ -108,12 +113,13 @@ def refined_partition(costs: np.ndarray, parts: list[list[int]], equal_count: bo
 
 
 def refined(costs: np.ndarray, parts: list[list[int]], equal_count: bool) -> list[list[int]]:
-    """Local search from ``parts``: exchanges between the heaviest part and the others.
+    """Local search from ``parts``: exchanges between the heaviest part and the ``LIGHT_PARTS`` lightest.
 
-    Each step takes the exchange (one item of the heaviest part for one item of another part, or with a
-    free count one item of the heaviest part moved to another) that minimises the larger of the two new
-    loads, if that is below the heaviest load; so the sorted load vector falls lexicographically and the
-    search ends. Parts keep their sizes under ``equal_count``; execution order inside a part is by index.
+    Each step takes the exchange (one item of the heaviest part for one item of another part, or one item
+    of the heaviest part moved to another: with a free count, or under ``equal_count`` to a part with fewer
+    items) that minimises the larger of the two new loads, if that is below the heaviest load; so the
+    sorted load vector falls lexicographically and the search ends (at the latest within ``CLOSE_ENOUGH``
+    of the even spread). Execution order inside a part is by index.
     """
     k, n = len(parts), costs.size
     if k < 2 or n < 2:
@@ -121,20 +127,28 @@ def refined(costs: np.ndarray, parts: list[list[int]], equal_count: bool) -> lis
     part_of = np.empty(n, dtype=np.int64)
     for j, members in enumerate(parts):
         part_of[members] = j
-    loads = np.bincount(part_of, weights=costs, minlength=k)
+    loads = paired_sweeps(costs, part_of, k, equal_count)
+    good_enough = loads.sum() / k * (1 + CLOSE_ENOUGH)
     for _ in range(MAX_EXCHANGES_PER_ITEM * n):
         heavy = int(np.argmax(loads))
         top = loads[heavy]
-        mine, rest = np.flatnonzero(part_of == heavy), np.flatnonzero(part_of != heavy)
+        if top <= good_enough:
+            break
+        partners = np.zeros(k, dtype=bool)  # the lightest parts: where an exchange has room
+        lighter = np.argsort(loads, kind="stable")[: LIGHT_PARTS + 1]
+        partners[lighter[lighter != heavy][:LIGHT_PARTS]] = True
+        mine, rest = np.flatnonzero(part_of == heavy), np.flatnonzero(partners[part_of])
         gain, best, move = 0.0, None, None
         if rest.size:
             delta = costs[mine][:, None] - costs[rest][None, :]  # load the heavy part sheds in a swap
             swap = np.maximum(top - delta, loads[part_of[rest]][None, :] + delta)
             best, gain = np.unravel_index(np.argmin(swap), swap.shape), top - swap.min()
-        if not equal_count:
+        counts = np.bincount(part_of, minlength=k)
+        open_parts = partners & (counts < counts[heavy] if equal_count else True)  # counts stay within one
+        if open_parts.any():
             sizes = costs[mine][:, None]
             moved = np.maximum(top - sizes, loads[None, :] + sizes)
-            moved[:, heavy] = np.inf
+            moved[:, ~open_parts] = np.inf
             if top - moved.min() > gain:
                 move = np.unravel_index(np.argmin(moved), moved.shape)
                 gain = top - moved.min()
@@ -154,6 +168,45 @@ def refined(costs: np.ndarray, parts: list[list[int]], equal_count: bool) -> lis
             part_of[item], part_of[other] = target, heavy
     return [np.flatnonzero(part_of == j).tolist() for j in range(k)]
 
+
+
+def paired_sweeps(costs: np.ndarray, part_of: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
+    """Sweeps that pair the parts heaviest with lightest, second heaviest with second lightest and so on,
+    and make in every pair at once its best single swap (or, free count, move from the heavier part) if
+    that lowers the pair's larger load; until a sweep changes nothing. Cheap on many parts (one numpy
+    pass per sweep), it leaves the exchanges with the heaviest part little to do. Updates ``part_of`` in
+    place; returns the loads."""
+    loads = np.bincount(part_of, weights=costs, minlength=k)
+    for _ in range(MAX_SWEEPS):
+        order = np.argsort(loads, kind="stable")
+        heavy, light = order[::-1][: k // 2], order[: k // 2]
+        members = padded_members(part_of, k)
+        pad_heavy = np.where(members[heavy] >= 0, costs[members[heavy]], -np.inf)  # padding gives nothing
+        pad_light = np.where(members[light] >= 0, costs[members[light]], np.inf if equal_count else 0.0)
+        delta = pad_heavy[:, :, None] - pad_light[:, None, :]  # [pairs, slot of heavy, slot of light]
+        worse = np.maximum(loads[heavy][:, None, None] - delta, loads[light][:, None, None] + delta)
+        flat = worse.reshape(len(heavy), -1)
+        pick = np.argmin(flat, axis=1)
+        better = flat[np.arange(len(heavy)), pick] < loads[heavy] * (1 - 1e-12)
+        if not better.any():
+            break
+        out, back = np.unravel_index(pick[better], worse.shape[1:])
+        given, taken = members[heavy[better], out], members[light[better], back]
+        part_of[given] = light[better]
+        part_of[taken[taken >= 0]] = heavy[better][taken >= 0]
+        loads = np.bincount(part_of, weights=costs, minlength=k)
+    return loads
+
+
+def padded_members(part_of: np.ndarray, k: int) -> np.ndarray:
+    """[k, largest part + 1] item indices per part, -1 padded (one free slot at least: room for a move)."""
+    order = np.argsort(part_of, kind="stable")
+    counts = np.bincount(part_of, minlength=k)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    slot = np.arange(part_of.size) - np.repeat(starts, counts)
+    members = np.full((k, counts.max() + 1), -1, dtype=np.int64)
+    members[part_of[order], slot] = order
+    return members
 
 
 def refined_small(costs: list[float], parts: list[list[int]], equal_count: bool) -> list[list[int]]:
