@@ -71,8 +71,11 @@ class Timeline:
 
 
 def run_pipeline(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, trace: bool = False) -> Timeline:
-    """Simulate one step. fwd/bwd: [dp, m] busy ms of a micro-batch on any one stage; p2p: [dp, m] hand-off ms."""
-    dp, m = fwd.shape
+    """Simulate one step. fwd/bwd: busy ms of a micro-batch, [dp, m] (the same on every stage, as the cost
+    model's stages are alike) or [dp, m, pp] (per stage: measured times, runner.replay); p2p: [dp, m] hand-off ms."""
+    dp, m = fwd.shape[:2]
+    if fwd.ndim == 2:
+        fwd, bwd = np.repeat(fwd[..., None], pp, axis=2), np.repeat(bwd[..., None], pp, axis=2)
     env = simpy.Environment()
     idle = np.zeros((dp, m, pp))
     finish = np.zeros((dp, pp))
@@ -88,7 +91,7 @@ def run_pipeline(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, tra
     def accumulate(rank: int) -> simpy.events.Process:
         # pp = 1: nothing can interrupt a micro-batch between its forward and its backward, so one
         # timeout covers both (half the events; the trace still has both phases at exact times).
-        f, b = fwd_l[rank], bwd_l[rank]
+        f, b = [t[0] for t in fwd_l[rank]], [t[0] for t in bwd_l[rank]]
         for mb in range(m):
             if trace:
                 events.append((env.now, env.now + f[mb], rank, 0, "F", mb))
@@ -104,7 +107,7 @@ def run_pipeline(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, tra
                 start = env.now
                 yield waits_on
                 idle[rank, mb, stage] += env.now - start
-            busy = f[mb] if is_fwd else b[mb]
+            busy = f[mb][stage] if is_fwd else b[mb][stage]
             if trace:
                 events.append((env.now, env.now + busy, rank, stage, "F" if is_fwd else "B", mb))
             yield env.timeout(busy)
@@ -149,7 +152,9 @@ class Engine:
         self.memory = memory  # None: no memory figures (NaN in the records)
         self.allreduce_ms = cluster.grad_allreduce_ms(total_params(cost.model) / layout.pp, layout)
 
-    def step(self, plan: Plan, trace: bool = False) -> StepOutcome:
+    def step(self, plan: Plan, trace: bool = False, busy_ms: tuple[np.ndarray, np.ndarray] | None = None) -> StepOutcome:
+        """``busy_ms``: (fwd, bwd) ms per [dp, m, pp] in place of the cost model's compute times (measured ones,
+        runner.replay); hand-offs, the all-reduce, memory and coverage stay modelled."""
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
         arrays = PlanArrays.from_plan(plan)
@@ -159,9 +164,8 @@ class Engine:
         mb_cost = cost.micro_batch_costs(arrays.length, kept, group, dp * m, layout)
         p2p = cost.hand_off_ms(mb_cost.tokens, layout)
 
-        timeline = run_pipeline(
-            mb_cost.fwd_ms.reshape(dp, m), mb_cost.bwd_ms.reshape(dp, m), p2p.reshape(dp, m), pp, trace
-        )
+        fwd, bwd = busy_ms if busy_ms is not None else (mb_cost.fwd_ms.reshape(dp, m), mb_cost.bwd_ms.reshape(dp, m))
+        timeline = run_pipeline(fwd, bwd, p2p.reshape(dp, m), pp, trace)
         barrier = float(timeline.finish_ms.max(initial=0.0))
         step_ms = barrier + self.allreduce_ms
         tokens = int(arrays.length.sum())
@@ -180,11 +184,12 @@ class Engine:
             **coverage_fields(arrays.length, coverage),
             peak_memory_gb=float(memory_gb.max(initial=0.0)) if memory_gb is not None else float("nan"),
         )
-        rows = self._rows(plan.step, group, kept, coverage, mb_cost, p2p, timeline)
+        compute = np.broadcast_to((fwd + bwd).reshape(dp, m, -1), (dp, m, pp)).reshape(-1)
+        rows = self._rows(plan.step, group, kept, coverage, mb_cost, compute, p2p, timeline)
         rows["peak_memory_gb"] = memory_gb.reshape(-1) if memory_gb is not None else np.full(rows["step"].size, np.nan)
         return StepOutcome(record, rows, timeline)
 
-    def _rows(self, step, group, kept, coverage, mb_cost, p2p, timeline) -> dict[str, np.ndarray]:
+    def _rows(self, step, group, kept, coverage, mb_cost, compute, p2p, timeline) -> dict[str, np.ndarray]:
         """MicroBatchRecord columns, ordered (dp_rank, micro_batch, stage)."""
         dp, m, pp = self.layout.dp, self.layout.micro_batches, self.layout.pp
         n = dp * m
@@ -199,7 +204,7 @@ class Engine:
             "dp_rank": np.repeat(np.arange(dp), m * pp),
             "micro_batch": np.tile(np.repeat(np.arange(m), pp), dp),
             "stage": np.tile(np.arange(pp), n),
-            "compute_ms": np.repeat(mb_cost.fwd_ms + mb_cost.bwd_ms, pp),
+            "compute_ms": compute,
             "comm_ms": np.repeat(mb_cost.cp_comm_ms, pp) + np.outer(p2p, hops).ravel(),
             "idle_ms": timeline.idle_ms.reshape(-1),
             "tokens": np.repeat(mb_cost.tokens, pp),
