@@ -3,14 +3,15 @@
 # simulator's Plans run one after another on the one device, timed with CUDA events after a warm-up run each,
 # and every step is composed by the simulator's schedule (1F1B, hand-offs, gradient all-reduce); the
 # communication is modelled, not run. Two layouts of the paper preset (8 GPUs), POLICIES on each in one process:
+#   dp2xpp4  the preset itself: DP2 x PP4, global batch 16, 4 micro-batches of 2 per rank;
 #   dp8      layout.dp=8 layout.pp=1, global batch 64: 8 sequences per rank in 4 micro-batches of 2 (the
-#            preset's micro-batch size);
-#   dp2xpp4  the preset itself: DP2 x PP4, global batch 16, 4 micro-batches of 2 per rank.
+#            preset's micro-batch size), about five times the work per step.
 # Model: qwen2.5-3b's layer shape with LAYERS of its 36 layers and the vocabulary scaled by LAYERS/36, as
 # runner/h200_experiment.sh does: sim.cost spreads the LM head's FLOPs over the layers, so the per-layer features
 # (and the calibrated per-layer times) stay qwen2.5-3b's, and the Plans, the simulated and the replayed steps
-# all describe the same LAYERS-layer model (LAYERS/pp layers per stage). Each layout's replay starts no step
-# round that would end after DEADLINE_S, so the two together hold the GPU for about 2 x DEADLINE_S plus start-up.
+# all describe the same LAYERS-layer model (LAYERS/pp layers per stage). A replay starts no step round that
+# would end after its deadline (DEADLINE_S for dp2xpp4, DP8_DEADLINE_S for dp8; the first round also compiles
+# the kernels), so the two hold the GPU for about DEADLINE_S + DP8_DEADLINE_S plus start-up (~3.5 minutes).
 #
 # Writes under $OUT: <layout>/ (per policy a Results dir with replay.csv; comparison.csv and .json) and
 # <layout>.log (the printed table). Needs torch with CUDA and Triton, numpy, pandas, PyYAML; Hydra, OmegaConf,
@@ -21,7 +22,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/replay}
 STEPS=${STEPS:-3}
 LAYERS=${LAYERS:-4}
-DEADLINE_S=${DEADLINE_S:-90}
+DEADLINE_S=${DEADLINE_S:-70}
+DP8_DEADLINE_S=${DP8_DEADLINE_S:-120}
 WARMUP=${WARMUP:-1}
 POLICIES=${POLICIES:-baseline,lbb,verl,sparsebalance}
 mkdir -p "$OUT"
@@ -38,12 +40,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 COMMON=(+experiment=paper "model.layers=$LAYERS" "model.vocab=$((151936 * LAYERS / 36))" "steps=$STEPS")
 status=0
 replay() {
-  local name=$1
-  shift
+  local name=$1 deadline=$2
+  shift 2
   # The outer timeout only guards against a hang; the deadline ends the replay well before it.
-  timeout "$((DEADLINE_S + 180))" python3 -m runner.replay "${COMMON[@]}" "$@" --policies "$POLICIES" \
-    --warmup "$WARMUP" --deadline-s "$DEADLINE_S" --out "$OUT/$name" 2>&1 | tee "$OUT/$name.log" || status=1
+  timeout "$((deadline + 180))" python3 -m runner.replay "${COMMON[@]}" "$@" --policies "$POLICIES" \
+    --warmup "$WARMUP" --deadline-s "$deadline" --out "$OUT/$name" 2>&1 | tee "$OUT/$name.log" || status=1
 }
-replay dp8 layout.dp=8 layout.pp=1 workload.global_batch=64 "$@"
-replay dp2xpp4 "$@"
+replay dp2xpp4 "$DEADLINE_S" "$@"
+replay dp8 "$DP8_DEADLINE_S" layout.dp=8 layout.pp=1 workload.global_batch=64 "$@"
 exit $status
