@@ -57,10 +57,13 @@ def signature(fn, consts: dict, box: list | None = None) -> dict:
     return sig
 
 
-def divisible_by_16(sig: dict) -> dict:
-    """Specialisation attributes: tensors, index arrays and the (token, head) strides are 16-divisible."""
+def divisible_by_16(fn, sig: dict) -> dict:
+    """Specialisation attributes: tensors, index arrays and the (token, head) strides are 16-divisible, as
+    the launcher finds them, except the arguments the kernel never specialises (``do_not_specialize``,
+    ``do_not_specialize_on_alignment``)."""
+    unspecialised = set(fn.do_not_specialize) | set(fn.do_not_specialize_on_alignment)
     return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-            if ty.startswith("*") or re.fullmatch(r"s[a-z]{1,3}[th]", name)}
+            if (ty.startswith("*") or re.fullmatch(r"s[a-z]{1,3}[th]", name)) and name not in unspecialised}
 
 
 def resources(cubin: bytes) -> str:
@@ -111,7 +114,7 @@ def compile_ptx(fn, consts: dict, warps: int, stages: int | None, box: list | No
     """(PTX instructions, register/stack usage) of one kernel compiled for sm_90."""
     sig = signature(fn, consts, box)
     src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
-                    attrs=divisible_by_16(sig))
+                    attrs=divisible_by_16(fn, sig))
     options = dict(num_warps=warps) if stages is None else dict(num_warps=warps, num_stages=stages)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return instructions(compiled.asm["ptx"]), resources(compiled.asm["cubin"])

@@ -13,6 +13,8 @@ Usage::
     o = sparse_attention(q, k, v, cu, selection=sel)        # reuse a selection (calibration, tests)
     o, sel = sparse_attention(q, k, v, cu, p=p_per_seq, return_selection=True)
     sel.kept_fraction, sel.coverage                         # [n] per-sequence stats
+    docs = VarlenBatch.from_cu_seqlens(cu)                  # once per micro-batch, for every layer's calls
+    compile_count()                                         # Triton variants compiled so far (per step: 0)
 
 Backends: ``backend="triton"`` runs the Triton kernels (GPU; on CPU only under ``TRITON_INTERPRET=1``, slow,
 for tests); ``backend="naive"`` is the pure-PyTorch reference (:mod:`.naive`), differentiable by autograd,
@@ -21,7 +23,8 @@ CPU tensors. Both take the same selection and agree to the tolerances in ``tests
 (:class:`KernelOptions`) carries per-call settings: tile overrides, NaN-poisoned outputs, a sink for the
 compiled kernels, the selection path.
 
-Modules: :mod:`.interface` (these entry points and their input checks), :mod:`.selection` (block selection),
+Modules: :mod:`.interface` (these entry points and their input checks), :mod:`.batch` (a micro-batch's
+checked documents), :mod:`.compilation` (compile counts), :mod:`.selection` (block selection),
 :mod:`.layout` (per-document blocks), :mod:`.naive` (PyTorch reference), and the Triton side,
 :mod:`.forward`, :mod:`.backward`, :mod:`.select_kernels` (kernels and launchers), :mod:`.launch` (tile tables
 and launch rules), :mod:`.tiles` (the program -> tile mapping), :mod:`.function` (the autograd Function),
@@ -29,6 +32,8 @@ imported only when used: ``TRITON_INTERPRET`` must be set before Triton is.
 """
 from __future__ import annotations
 
+from .batch import VarlenBatch
+from .compilation import compile_count, compiled_variants
 from .interface import select_blocks, sparse_attention, validate_inputs
 from .layout import BlockLayout, block_layout
 from .naive import dense_causal_varlen, select_blocks_naive, sparse_attention_naive
@@ -37,4 +42,5 @@ from .selection import BlockSelection, SelectionFallbackWarning, selection_from_
 
 __all__ = ["sparse_attention", "select_blocks", "BlockSelection", "BlockLayout", "block_layout",
            "selection_from_mask", "sparse_attention_naive", "dense_causal_varlen", "select_blocks_naive",
-           "validate_inputs", "KernelOptions", "SelectionFallbackWarning"]
+           "validate_inputs", "KernelOptions", "SelectionFallbackWarning", "VarlenBatch", "compile_count",
+           "compiled_variants"]

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (LOG2E, descriptors, dkdv_programs, empty, get_config, grid, kept_pairs, overlap_pays,
-                     pipeline_stages, precision, record)
+from .launch import (LOG2E, dkdv_programs, empty, grid, kept_pairs, launch, overlap_pays, pipeline_stages,
+                     precision, record, row_class_launches, tensor_descriptors, tile_variants, tma_able, use_tma)
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .tiles import program_tile
 
@@ -34,7 +34,8 @@ def _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, n0, m0, offs_n, offs_m, km
     return tl.dot(ds.to(kk.dtype), kk, dq, input_precision=PREC)
 
 
-@triton.jit
+# data-dependent integers are never specialised (see forward._fwd_kernel)
+@triton.jit(do_not_specialize=["T", "NB", "WK"])
 def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                    qk_scale, sm_scale, T, NB, WK,
                    sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sdqt, sdqh,
@@ -95,7 +96,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q
                  mask=mmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _delta_kernel(O, DO, DELTA, T, sot, soh, sdot, sdoh, BT: tl.constexpr, D: tl.constexpr):
     """delta = rowsum(dO * O) ``[Hq, T]`` float32, for the dQ and dK/dV kernels."""
     t0 = tl.program_id(0) * BT
@@ -141,7 +142,7 @@ def _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, col, LSEh, DELh, q0, qlen, kv0,
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NB"])
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, QD, DOD, blk_start, blk_end, k2q_ptr, k2q_start, k2q_end,
                      k_order, qk_scale, sm_scale, T, NB,
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sdkt, sdkh, sdvt, sdvh,
@@ -210,11 +211,17 @@ DELTA_TOKENS = 64  # tokens per program of the delta pre-pass
 
 def sparse_attn_bwd_delta(o, do, options: KernelOptions = DEFAULT_OPTIONS):
     """delta = rowsum(dO * O) ``[Hq, T]`` float32 (one pass over O and dO, before both backward kernels)."""
-    T, Hq, D = o.shape
+    T, Hq, _ = o.shape
     delta = empty((Hq, T), o, options, torch.float32)
-    _delta_kernel[(triton.cdiv(T, DELTA_TOKENS), Hq)](o, do, delta, T, o.stride(0), o.stride(1), do.stride(0),
-                                                       do.stride(1), BT=DELTA_TOKENS, D=D)
+    kernel, args, kwargs = delta_arguments(o, do, delta)
+    kernel[(triton.cdiv(T, DELTA_TOKENS), Hq)](*args, **kwargs)
     return delta
+
+
+def delta_arguments(o, do, delta):
+    """(kernel, args, kwargs) of the delta pre-pass into ``delta``."""
+    return _delta_kernel, (o, do, delta, o.shape[0], o.stride(0), o.stride(1), do.stride(0), do.stride(1)), dict(
+        BT=DELTA_TOKENS, D=o.shape[2])
 
 
 def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None,
@@ -228,18 +235,32 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None,
     store = delta is None
     delta = empty((Hq, T), q, options, torch.float32) if store else delta
     dq = empty(q.shape, q, options) if dq is None else dq
-    cfg = get_config("dq", B, D, row_blocks=sel.row_blocks, options=options)
-    kd, vd = descriptors(cfg, cfg["BN"], kept_pairs(q, k, sel), k, v)
-    compiled = _bwd_dq_kernel[grid(cfg, Hq, NB * (B // cfg["BM"]))](
-        q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt,
-        sel.q_order,
-        sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=precision(q.dtype),
-        HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, TMA=kd is not None, num_warps=cfg["num_warps"],
-        num_stages=pipeline_stages(cfg, kd is not None))
-    record(options, "dq", compiled)
+    pairs = kept_pairs(q, k, sel)
+
+    def arguments(cfg, ends, tma, store):
+        kd, vd = tensor_descriptors(cfg["BN"], k, v) if tma else (None, None)
+        args = (q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, ends, sel.q2k_start, sel.q2k_cnt,
+                sel.q_order, sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
+                o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1))
+        return args, dict(G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=precision(q.dtype),
+                          HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, TMA=tma, num_warps=cfg["num_warps"],
+                          num_stages=pipeline_stages(cfg, tma))
+
+    def variants():
+        # a delta from the pre-pass comes with the overlapped backward only, which keeps TMA_MIN_PAIRS or more
+        # (OVERLAP_MIN_PAIRS): with TMA wherever it can run
+        return [(c, t, st) for c, t in tile_variants("dq", B, D, options, k, v)
+                for st in (True, False) if st or t == tma_able(c, k, v)]
+
+    for name, cfg, ends in row_class_launches("dq", sel, D, options):
+        tma = use_tma(cfg, pairs, k, v)
+        siblings = lambda ends=ends, cfg=cfg, tma=tma: [  # noqa: E731
+            (_bwd_dq_kernel, *arguments(c, ends, t, st)) for c, t, st in variants() if (c, t, st) != (cfg, tma, store)
+        ] + [delta_arguments(o, do, delta)]  # the overlapped backward's pre-pass, which some batch may take
+        compiled = launch(_bwd_dq_kernel, grid(cfg, Hq, NB * (B // cfg["BM"])), *arguments(cfg, ends, tma, store),
+                          siblings if options.precompile else tuple)
+        record(options, name, compiled)
     return dq, delta
 
 
@@ -251,19 +272,27 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale, options: Kernel
     B, NB = lay.block_size, lay.num_blocks
     dk = empty(k.shape, k, options)
     dv = empty(v.shape, v, options)
+    pairs = kept_pairs(q, k, sel)
+
+    def arguments(cfg, ends, tma):
+        qd, dod = tensor_descriptors(cfg["BM"], q, do) if tma else (None, None)
+        args = (q, k, v, do, dk, dv, lse, delta, qd, dod, lay.block_start, ends, sel.k2q_ptr, sel.k2q_start,
+                sel.k2q_end, sel.k_order, sm_scale * LOG2E, sm_scale, T, NB,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
+        return args, dict(G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=precision(q.dtype),
+                          HEAD_OUTER=cfg["HEAD_OUTER"], TMA=tma, num_warps=cfg["num_warps"],
+                          num_stages=pipeline_stages(cfg, tma))
+
     # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
-    cfg = get_config("dkdv", B, D, row_blocks=sel.row_blocks, options=options)
-    qd, dod = descriptors(cfg, cfg["BM"], kept_pairs(q, k, sel), q, do)
-    compiled = _bwd_dkdv_kernel[grid(cfg, Hkv, NB * (B // cfg["BN"]))](
-        q, k, v, do, dk, dv, lse, delta, qd, dod, lay.block_start, lay.block_end, sel.k2q_ptr, sel.k2q_start,
-        sel.k2q_end, sel.k_order,
-        sm_scale * LOG2E, sm_scale, T, NB,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=precision(q.dtype),
-        HEAD_OUTER=cfg["HEAD_OUTER"], TMA=qd is not None, num_warps=cfg["num_warps"],
-        num_stages=pipeline_stages(cfg, qd is not None))
-    record(options, "dkdv", compiled)
+    for name, cfg, ends in row_class_launches("dkdv", sel, D, options):
+        tma = use_tma(cfg, pairs, q, do)
+        siblings = lambda ends=ends, cfg=cfg, tma=tma: (  # noqa: E731
+            (_bwd_dkdv_kernel, *arguments(c, ends, t)) for c, t in tile_variants("dkdv", B, D, options, q, do)
+            if (c, t) != (cfg, tma))
+        compiled = launch(_bwd_dkdv_kernel, grid(cfg, Hkv, NB * (B // cfg["BN"])), *arguments(cfg, ends, tma),
+                          siblings if options.precompile else tuple)
+        record(options, name, compiled)
     return dk, dv
 
 

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LOG2E, descriptors, empty, get_config, grid, kept_pairs, pipeline_stages, precision, record
+from .launch import (LOG2E, empty, grid, kept_pairs, launch, pipeline_stages, precision, record, row_class_launches,
+                     tensor_descriptors, tile_variants, use_tma)
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .tiles import program_tile
 
@@ -43,7 +44,9 @@ def _fwd_step(q, kT, Vh, VD, kb, vcol, svt, v_off, m_i, l_i, acc, qk_scale, n0, 
     return m_new, l_i, acc
 
 
-@triton.jit
+# data-dependent integers: never specialised (on a value of 1 or divisibility by 16), so that a new batch
+# never compiles a new variant
+@triton.jit(do_not_specialize=["T", "NB", "WK"])
 def _fwd_kernel(Q, K, V, O, LSE, KD, VD, blk_start, blk_end, q2k_start, q2k_cnt, q_order,
                 qk_scale, T, NB, WK,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
@@ -99,19 +102,28 @@ def _fwd_kernel(Q, K, V, O, LSE, KD, VD, blk_start, blk_end, q2k_start, q2k_cnt,
 def sparse_attn_fwd(q, k, v, sel, sm_scale, options: KernelOptions = DEFAULT_OPTIONS):
     """O ``[T, Hq, D]`` and LSE ``[Hq, T]`` float32 (log2 domain) of q, k, v over the selection."""
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
     lay = sel.layout
     B, NB = lay.block_size, lay.num_blocks
-    cfg = get_config("fwd", B, D, row_blocks=sel.row_blocks, options=options)
     o = empty((T, Hq, D), q, options)
     lse = empty((Hq, T), q, options, torch.float32)
-    kd, vd = descriptors(cfg, cfg["BN"], kept_pairs(q, k, sel), k, v)
-    compiled = _fwd_kernel[grid(cfg, Hq, NB * (B // cfg["BM"]))](
-        q, k, v, o, lse, kd, vd, lay.block_start, lay.block_end, sel.q2k_start, sel.q2k_cnt, sel.q_order,
-        sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        G=Hq // Hkv, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=precision(q.dtype),
-        HEAD_OUTER=cfg["HEAD_OUTER"], TMA=kd is not None, WS=kd is not None and cfg.get("WS", False),
-        num_warps=cfg["num_warps"], num_stages=pipeline_stages(cfg, kd is not None))
-    record(options, "fwd", compiled)
+    pairs = kept_pairs(q, k, sel)
+
+    def arguments(cfg, ends, tma):
+        kd, vd = tensor_descriptors(cfg["BN"], k, v) if tma else (None, None)
+        args = (q, k, v, o, lse, kd, vd, lay.block_start, ends, sel.q2k_start, sel.q2k_cnt, sel.q_order,
+                sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
+                o.stride(1))
+        return args, dict(G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=precision(q.dtype),
+                          HEAD_OUTER=cfg["HEAD_OUTER"], TMA=tma, WS=tma and cfg.get("WS", False),
+                          num_warps=cfg["num_warps"], num_stages=pipeline_stages(cfg, tma))
+
+    for name, cfg, ends in row_class_launches("fwd", sel, D, options):
+        tma = use_tma(cfg, pairs, k, v)
+        siblings = lambda ends=ends, cfg=cfg, tma=tma: (  # noqa: E731
+            (_fwd_kernel, *arguments(c, ends, t)) for c, t in tile_variants("fwd", B, D, options, k, v)
+            if (c, t) != (cfg, tma))
+        compiled = launch(_fwd_kernel, grid(cfg, Hq, NB * (B // cfg["BM"])), *arguments(cfg, ends, tma),
+                          siblings if options.precompile else tuple)
+        record(options, name, compiled)
     return o, lse

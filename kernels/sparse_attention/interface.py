@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from .batch import VarlenBatch, check_cu_type
 from .naive import sparse_attention_naive
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .selection import BlockSelection, select_blocks as _select_blocks
@@ -41,8 +42,10 @@ def _check_budget(name, value):
 
 
 def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=64, check_cu_values=True):
-    """Raise a one-line ValueError naming the first bad input. ``check_cu_values=False`` skips the
-    device->host copy of cu_seqlens (when a prebuilt selection already fixes the documents)."""
+    """Raise a one-line ValueError naming the first bad input; return the documents as a
+    :class:`VarlenBatch`. ``cu_seqlens`` may be one already (checked when it was built: no offsets are read
+    here). ``check_cu_values=False`` skips the device->host copy of a ``cu_seqlens`` tensor's values and
+    the budgets' checks (when a prebuilt selection already fixes the documents) and returns None."""
     _check_tensor("q", q)
     _check_tensor("k", k)
     if v is not None:
@@ -62,36 +65,30 @@ def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={k.shape[1]}")
     if block_size not in _SIZES:
         raise ValueError(f"block_size={block_size} not supported, use one of {_SIZES}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be an int32 tensor, got "
-                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with n+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if not isinstance(cu_seqlens, VarlenBatch):
+        check_cu_type(cu_seqlens)
     if q.device != k.device or (v is not None and v.device != q.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, "
                          f"{v.device if v is not None else None}")
     if p is not None and kept_fraction is not None:
         raise ValueError("give p or kept_fraction, not both")
+    if isinstance(cu_seqlens, VarlenBatch):
+        docs = cu_seqlens
+    elif check_cu_values:
+        docs = VarlenBatch.from_cu_seqlens(cu_seqlens)
+    else:
+        return None
+    if docs.total_tokens != T:
+        raise ValueError(f"cu_seqlens must end at T={T}, got {docs.total_tokens}")
     if not check_cu_values:
-        return
-    cu = cu_seqlens.detach().cpu().long()
-    # plain Python over the host list: a few torch ops on tiny CPU tensors cost more host time (per call)
-    vals = cu.tolist()
-    if vals[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {vals[0]}")
-    for i, (a, b) in enumerate(zip(vals, vals[1:])):
-        if b <= a:
-            raise ValueError(f"cu_seqlens must be strictly increasing, got cu_seqlens[{i}]={a} >= "
-                             f"cu_seqlens[{i + 1}]={b}")
-    if vals[-1] != T:
-        raise ValueError(f"cu_seqlens must end at T={T}, got {vals[-1]}")
+        return docs
     _check_budget("p", p)
     _check_budget("kept_fraction", kept_fraction)
-    n = cu.numel() - 1
+    n = docs.num_docs
     for name, val in (("p", p), ("kept_fraction", kept_fraction)):
         if isinstance(val, torch.Tensor) and val.numel() not in (1, n):
             raise ValueError(f"{name} has {val.numel()} entries, expected one per sequence ({n})")
-    return cu
+    return docs
 
 
 def _checked(options) -> KernelOptions:
@@ -103,8 +100,8 @@ def _checked(options) -> KernelOptions:
 def select_blocks(q, k, cu_seqlens, p=None, kept_fraction=None, block_size: int = 64,
                   softmax_scale=None, *, options: KernelOptions = DEFAULT_OPTIONS) -> BlockSelection:
     """Validated block selection; see :mod:`.selection`. Neither ``p`` nor ``kept_fraction``: dense."""
-    cu_host = validate_inputs(q, k, None, cu_seqlens, p, kept_fraction, block_size)
-    return _select_blocks(q, k, cu_host, p=p, kept_fraction=kept_fraction, block_size=block_size,
+    docs = validate_inputs(q, k, None, cu_seqlens, p, kept_fraction, block_size)
+    return _select_blocks(q, k, docs, p=p, kept_fraction=kept_fraction, block_size=block_size,
                           softmax_scale=softmax_scale, options=_checked(options))
 
 
@@ -121,11 +118,11 @@ def sparse_attention(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size
     if selection is not None and not isinstance(selection, BlockSelection):
         raise ValueError(f"selection must be a BlockSelection, got {type(selection).__name__}")
     # with a prebuilt selection the documents come from its layout: no device->host copy of cu_seqlens here
-    cu_host = validate_inputs(q, k, v, cu_seqlens, p, kept_fraction,
-                              block_size if selection is None else selection.block_size,
-                              check_cu_values=selection is None)
+    docs = validate_inputs(q, k, v, cu_seqlens, p, kept_fraction,
+                           block_size if selection is None else selection.block_size,
+                           check_cu_values=selection is None)
     if selection is None:
-        selection = _select_blocks(q, k, cu_host, p=p, kept_fraction=kept_fraction, block_size=block_size,
+        selection = _select_blocks(q, k, docs, p=p, kept_fraction=kept_fraction, block_size=block_size,
                                    softmax_scale=softmax_scale, options=options)
     else:
         _check_selection(selection, q, k, cu_seqlens, p, kept_fraction)
@@ -139,9 +136,10 @@ def _check_selection(selection: BlockSelection, q, k, cu_seqlens, p, kept_fracti
     if p is not None or kept_fraction is not None:
         raise ValueError("give a selection or a budget (p / kept_fraction), not both")
     lay = selection.layout
-    if lay.total_tokens != q.shape[0] or lay.num_docs != cu_seqlens.numel() - 1:
+    n = cu_seqlens.num_docs if isinstance(cu_seqlens, VarlenBatch) else cu_seqlens.numel() - 1
+    if lay.total_tokens != q.shape[0] or lay.num_docs != n:
         raise ValueError(f"selection was built for T={lay.total_tokens}, n={lay.num_docs}; got "
-                         f"T={q.shape[0]}, n={cu_seqlens.numel() - 1}")
+                         f"T={q.shape[0]}, n={n}")
     if selection.num_kv_heads != k.shape[1]:
         raise ValueError(f"selection has {selection.num_kv_heads} KV heads, k has {k.shape[1]}")
 

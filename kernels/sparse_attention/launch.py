@@ -120,21 +120,86 @@ def _tma_view(x: torch.Tensor) -> bool:
             and x.stride(0) * x.element_size() % 16 == 0)
 
 
-def descriptors(cfg: dict, rows: int, pairs: int, *xs):
-    """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[rows, D]`` boxes when the
-    config asks for TMA, the launch keeps at least TMA_MIN_PAIRS token ``pairs``, and TMA can run: Hopper or
-    later with 16-bit inputs and D 64 or 128 (the sizes ``benchmarks.attention --check`` validates on the
-    GPU), or the interpreter, on tensors with such a view. Otherwise Nones (pointer tiles)."""
+def tma_able(cfg: dict, *xs) -> bool:
+    """Whether a launch of ``cfg`` over the ``[T, H, D]`` tensors ``xs`` can take TMA tiles: the config asks
+    for them, and Hopper or later with 16-bit inputs and D 64 or 128 (the sizes ``benchmarks.attention
+    --check`` validates on the GPU), or the interpreter, on tensors with a ``[T, H*D]`` view."""
     x0 = xs[0]
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    able = cfg.get("TMA") and pairs >= TMA_MIN_PAIRS and (interpret or (
-        x0.is_cuda and x0.element_size() == 2 and x0.shape[2] in (64, 128) and _has_tma(x0.device)))
-    if not able or not all(_tma_view(x) for x in xs):
-        return (None,) * len(xs)
-    if not interpret:
-        _bind_context(x0.device)
+    able = cfg.get("TMA") and (_interpret() or (x0.is_cuda and x0.element_size() == 2 and x0.shape[2] in (64, 128)
+                                                and _has_tma(x0.device)))
+    return bool(able) and all(_tma_view(x) for x in xs)
+
+
+def use_tma(cfg: dict, pairs: int, *xs) -> bool:
+    """TMA tiles where they can run (:func:`tma_able`) and the launch keeps at least TMA_MIN_PAIRS token
+    ``pairs``."""
+    return pairs >= TMA_MIN_PAIRS and tma_able(cfg, *xs)
+
+
+def descriptors(cfg: dict, rows: int, pairs: int, *xs):
+    """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[rows, D]`` boxes where the
+    launch takes TMA tiles (:func:`use_tma`), otherwise Nones (pointer tiles)."""
+    return tensor_descriptors(rows, *xs) if use_tma(cfg, pairs, *xs) else (None,) * len(xs)
+
+
+def tensor_descriptors(rows: int, *xs):
+    """Tensor descriptors of each ``[T, H, D]`` tensor's ``[T, H*D]`` view with ``[rows, D]`` boxes."""
+    if not _interpret():
+        _bind_context(xs[0].device)
     return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [rows, x.shape[2]])
                  for x in xs)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def tile_variants(kind: str, block: int, D: int, options: KernelOptions, *xs) -> list[tuple[dict, bool]]:
+    """Every (config, TMA) a launch of ``kind`` over the tensors ``xs`` (its TMA operands) can take for some
+    batch: the configs of both row classes, each with TMA tiles where they can run and with pointer tiles."""
+    configs = []
+    for rows in (0, None):  # a short row, and no row count (the long-row config)
+        cfg = get_config(kind, block, D, rows, options)
+        if cfg not in configs:
+            configs.append(cfg)
+    return [(cfg, tma) for cfg in configs for tma in ((False, True) if tma_able(cfg, *xs) else (False,))]
+
+
+def row_class_launches(kind: str, sel, D: int, options: KernelOptions) -> list[tuple[str, dict, torch.Tensor]]:
+    """The launches of one kernel over a selection, as (name, config, block ends): where the host knows the
+    widest row (``sel.row_blocks``), one, with its row class's config (named ``kind``). Otherwise one per row
+    class (``kind + "_short"`` and ``kind``), each with ``sel.row_class_end``'s block ends, which are zeros
+    (every program of that launch returns at once) unless the device's widest row is of its class; or a
+    single launch where both classes share one config. Programs past a block's end do nothing, so the
+    kernels need no flag of their own, and no launch waits for the host to learn the widest row."""
+    B = sel.block_size
+    if sel.row_blocks is not None:
+        return [(kind, get_config(kind, B, D, sel.row_blocks, options), sel.layout.block_end)]
+    short, long_ = get_config(kind, B, D, 0, options), get_config(kind, B, D, None, options)
+    if short == long_:
+        return [(kind, long_, sel.layout.block_end)]
+    return [(kind + "_short", short, sel.row_class_end[0]), (kind, long_, sel.row_class_end[1])]
+
+
+def cached_variants(kernel) -> int:
+    """Compiled variants of one JIT kernel in this process (Triton's in-memory cache, over devices; one
+    loaded from Triton's disk cache counts too); 0 under the interpreter, which compiles nothing."""
+    caches = getattr(kernel, "device_caches", None)
+    return 0 if caches is None else sum(len(cache[0]) for cache in caches.values())
+
+
+def launch(kernel, grid, args: tuple, kwargs: dict, siblings=tuple):
+    """``kernel[grid](*args, **kwargs)``. Where that launch compiled a variant (the first launch of these
+    argument types in this process), also compile, without launching, the variants that a later batch of the
+    same shapes may take instead: ``siblings()`` gives them as (kernel, args, kwargs). A training run then
+    compiles all of them in its first step rather than in whichever later step first needs one (seconds
+    each)."""
+    before = cached_variants(kernel)
+    compiled = kernel[grid](*args, **kwargs)
+    if cached_variants(kernel) > before:
+        for sib_kernel, sib_args, sib_kwargs in siblings():
+            sib_kernel.warmup(*sib_args, grid=grid, **sib_kwargs)
+    return compiled
 
 
 _THREAD = threading.local()

@@ -31,6 +31,10 @@ class KernelOptions:
     (tests, GPU checks).
     ``compiled``: a dict that each launch records its compiled kernel in, by kind (``"fwd"``, ``"dq"``,
     ``"dkdv"``): registers, spills and PTX for diagnostics.
+    ``precompile``: a kernel's first compile for a set of argument types also compiles, without launching,
+    every variant that another batch of the same shapes may take (the other row class, TMA or pointer tiles,
+    the other selection mode; :func:`launch.launch`), so that a training run compiles in its first step and
+    never again; off (tests, tuning sweeps), only what is launched compiles.
     ``selection``: ``"auto"`` runs the fused Triton selection on CUDA tensors (falling back to the torch
     path, with a warning, where Triton cannot build it for the GPU) and the torch path elsewhere;
     ``"triton"`` forces the fused selection (also on CPU under the interpreter; no fallback); ``"torch"``
@@ -41,6 +45,7 @@ class KernelOptions:
     poison_outputs: bool = False
     compiled: dict | None = None
     selection: str = "auto"
+    precompile: bool = True
 
     def __post_init__(self):
         if self.selection not in SELECTION_PATHS:

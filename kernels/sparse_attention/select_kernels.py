@@ -6,8 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 
-@triton.jit
+
+# data-dependent integers (block and list counts) are never specialised (on a value of 1 or divisibility by
+# 16), so that a new batch never compiles a new variant
+@triton.jit(do_not_specialize=["NB"])
 def _pool_kernel(Q, K, OUT, blk_start, blk_end, sqt, sqh, skt, skh, NB, G: tl.constexpr, BLOCK: tl.constexpr,
                  D: tl.constexpr):
     """Program (b, h, z): mean of block b over the tokens and the G query heads of KV group h (z = 0, into
@@ -39,14 +43,13 @@ def pool_blocks_triton(x, lay, num_kv_heads, k=None):
     planes = 1 if k is None else 2
     k = x if k is None else (k if k.stride(-1) == 1 else k.contiguous())
     out = torch.empty(planes, lay.num_blocks, num_kv_heads, D, dtype=torch.float32, device=x.device)
-    _pool_kernel[(lay.num_blocks, num_kv_heads, planes)](x, k, out, lay.block_start, lay.block_end, x.stride(0),
-                                                         x.stride(1), k.stride(0), k.stride(1), lay.num_blocks,
-                                                         G=H // num_kv_heads, BLOCK=lay.block_size, D=D,
-                                                         num_warps=4)
+    launch(_pool_kernel, (lay.num_blocks, num_kv_heads, planes),
+           (x, k, out, lay.block_start, lay.block_end, x.stride(0), x.stride(1), k.stride(0), k.stride(1),
+            lay.num_blocks), dict(G=H // num_kv_heads, BLOCK=lay.block_size, D=D, num_warps=4))
     return out[0] if planes == 1 else (out[0], out[1])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB", "WOUT", "TOTC"])
 def _select_kernel(QB, KB, block_doc, doc_first, blk_start, row_offset, budget, SCR,
                    OUT_IDX, OUT_START, OUT_CNT, OUT_COV, KCNT,
                    scale, NB, WOUT, TOTC,
@@ -119,13 +122,23 @@ def _select_kernel(QB, KB, block_doc, doc_first, blk_start, row_offset, budget, 
     tl.store(OUT_COV + h * NB + g, tl.sum(tl.where(keep, prob, 0.0), 0))
 
 
-def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: int):
+ROW_TILES = (256, 1024)  # the select kernel's row widths (WP2): a few, so that a new batch rarely needs another
+
+
+def row_tile(blocks: int) -> int:
+    """The select kernel's row width for rows of up to ``blocks`` causal blocks: the first of ROW_TILES that
+    holds them, past those the next power of two (documents of more than 1024 blocks)."""
+    return next((w for w in ROW_TILES if blocks <= w), triton.next_power_of_2(blocks))
+
+
+def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: int, precompile: bool = True):
     """Launch _select_kernel; returns (q2k_idx, q2k_start [Hkv, NB, wout], cnt [Hkv, NB], cov [Hkv, NB],
     kcnt [1 + Hkv * NB + 2]: a zero, the rows keeping each KV block, then the widest row, then a slot for the
-    nonzero count that doc_stats_triton fills; its cumsum over the first 1 + Hkv * NB is the CSR pointer)."""
+    nonzero count that doc_stats_triton fills; its cumsum over the first 1 + Hkv * NB is the CSR pointer).
+    With ``precompile``, its first compile also compiles the other mode's and ROW_TILES' variants
+    (:func:`launch.launch`)."""
     NB, Hkv, D = qbar.shape
     dev = qbar.device
-    wp2 = max(16, triton.next_power_of_2(lay.max_doc_blocks))
     scr = torch.empty(Hkv * lay.total_causal, dtype=torch.float32, device=dev)
     # slots past a row's count are never read (every consumer masks by q2k_cnt): no fill needed
     idx = torch.empty(Hkv, NB, wout, dtype=torch.int32, device=dev)
@@ -133,13 +146,20 @@ def select_rows_triton(qbar, kbar, lay, budget, topp: bool, scale: float, wout: 
     cnt = torch.empty(Hkv, NB, dtype=torch.int32, device=dev)
     cov = torch.empty(Hkv, NB, dtype=torch.float32, device=dev)
     kcnt = torch.zeros(1 + Hkv * NB + 2, dtype=torch.int32, device=dev)
-    _select_kernel[(NB, Hkv)](qbar, kbar, lay.block_doc, lay.doc_first_block_t, lay.block_start, lay.row_offset,
-                              budget, scr, idx, start, cnt, cov, kcnt[1:], scale, NB, wout, lay.total_causal,
-                              HKV=Hkv, TOPP=topp, D=D, CH=64, WP2=wp2, num_warps=4 if wp2 <= 512 else 8)
+    args = (qbar, kbar, lay.block_doc, lay.doc_first_block_t, lay.block_start, lay.row_offset, budget, scr, idx,
+            start, cnt, cov, kcnt[1:], scale, NB, wout, lay.total_causal)
+
+    def constants(topp, wp2):
+        return dict(HKV=Hkv, TOPP=topp, D=D, CH=64, WP2=wp2, num_warps=4 if wp2 <= 512 else 8)
+
+    wp2 = row_tile(lay.max_doc_blocks)
+    siblings = lambda: ((_select_kernel, args, constants(m, w)) for m in (False, True) for w in ROW_TILES  # noqa: E731
+                        if (m, w) != (topp, wp2))
+    launch(_select_kernel, (NB, Hkv), args, constants(topp, wp2), siblings if precompile else tuple)
     return idx, start, cnt, cov, kcnt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB", "W", "NSTEP"])
 def _reverse_kernel(Q2K_IDX, Q2K_CNT, block_doc, doc_first, blk_start, blk_end, K2Q_PTR,
                     OUT_IDX, OUT_START, OUT_END, NB, W, NSTEP, CH: tl.constexpr):
     """One program per (KV block c, KV head h): the query blocks whose (ascending) forward list holds c,
@@ -175,12 +195,14 @@ def reverse_lists_triton(q2k_idx, q2k_cnt, k2q_ptr, nnz: int, lay):
     Hkv, NB, W = q2k_idx.shape
     dev = q2k_idx.device
     out = [torch.empty(max(nnz, 1), dtype=torch.int32, device=dev) for _ in range(3)]
-    _reverse_kernel[(NB, Hkv)](q2k_idx, q2k_cnt, lay.block_doc, lay.doc_first_block_t, lay.block_start,
-                               lay.block_end, k2q_ptr, *out, NB, W, max(1, W.bit_length()), CH=64, num_warps=2)
+    launch(_reverse_kernel, (NB, Hkv), (q2k_idx, q2k_cnt, lay.block_doc, lay.doc_first_block_t, lay.block_start,
+                                        lay.block_end, k2q_ptr, *out, NB, W, max(1, W.bit_length())),
+           dict(CH=64, num_warps=2))
     return out
 
 
-@triton.jit
+# NNZ sits past the per-row counts in one buffer, so its alignment changes with NB
+@triton.jit(do_not_specialize=["NB"], do_not_specialize_on_alignment=["NNZ"])
 def _doc_stats_kernel(CNT, COV, doc_first, doc_causal, OUT_KEPT, OUT_COV, NNZ, KCNT, PTR, NB, HKV,
                       CH: tl.constexpr, SCH: tl.constexpr):
     """One program per document: kept blocks / causal blocks and mean coverage over its (KV head, query
@@ -220,7 +242,8 @@ def doc_stats_triton(cnt, cov, lay, kcnt):
     kept = torch.empty(lay.num_docs, dtype=torch.float32, device=cnt.device)
     cv = torch.empty_like(kept)
     ptr = torch.empty(Hkv * NB + 1, dtype=torch.int32, device=cnt.device)
-    _doc_stats_kernel[(lay.num_docs,)](cnt, cov, lay.doc_first_block_t, lay.doc_causal_t, kept, cv,
-                                       kcnt[Hkv * NB + 2:], kcnt, ptr, NB, Hkv, CH=64, SCH=1024, num_warps=4)
+    launch(_doc_stats_kernel, (lay.num_docs,), (cnt, cov, lay.doc_first_block_t, lay.doc_causal_t, kept, cv,
+                                                 kcnt[Hkv * NB + 2:], kcnt, ptr, NB, Hkv),
+           dict(CH=64, SCH=1024, num_warps=4))
     return kept, cv, ptr
 

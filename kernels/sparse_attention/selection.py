@@ -11,12 +11,14 @@ the causal blocks ``c <= g`` of the same document, softmax-normalised per query 
 
 In both modes the diagonal block is always kept. Budgets are per document (float or ``[n]`` tensor).
 
-Storage (all plain tensors, memory O(NB x max kept), never O(T^2)):
+Storage (all plain tensors, never O(T^2)):
   ``q2k_idx [Hkv, NB, W]`` int32 selected KV blocks of each query block, ascending (the diagonal is last;
-  W >= ``row_blocks``, the most any row keeps),
+  W >= ``row_blocks``, the most any row keeps; a fused top-p selection, which never waits for the GPU to
+  learn its widest row, takes W = the longest document's blocks),
   ``q2k_cnt [Hkv, NB]`` int32 how many of the W slots are used,
   ``k2q_ptr [Hkv*NB+1]`` / ``k2q_idx`` int32: reverse lists (CSR, ascending; the diagonal is first), used by
-  the dK/dV backward; built by one sort (torch path) or by a Triton binary-search kernel (fused path),
+  the dK/dV backward; built by one sort (torch path) or by a Triton binary-search kernel (fused path; sized
+  for the kept entries' host bound: top-k from the budgets, top-p every causal block),
   ``q_order`` / ``k_order`` int32: longest rows first (scheduling; from the layout).
 The score matrix is built per bucket of similar-length documents and in row chunks of at most
 ``_CHUNK_ELEMS`` entries, so a 128K-token document costs a few MB at a time.
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch import VarlenBatch
 from .layout import BlockLayout, block_layout
 from .options import DEFAULT_OPTIONS, KernelOptions
 
@@ -59,15 +62,20 @@ class BlockSelection:
     k2q_start: torch.Tensor = None  # int32 like k2q_idx
     k2q_end: torch.Tensor = None  # int32 like k2q_idx (query blocks may be partial)
     # host: the most blocks any row keeps (<= W; picks the kernels' tile configs); for a top-k selection
-    # without a host sync, the budget's count (rows keep more only on exact score ties)
+    # with host budgets, the budget's count (rows keep more only on exact score ties); None where only the
+    # device knows it (the fused top-p selection), which then gives ``row_class_end``
     row_blocks: int = None
     # host: kept (KV head, query block, KV block) entries, exact or (host-sized top-k) estimated from the
     # budgets; None where only the device knows it. Sizes the backward's work (the overlap rule)
     kept_entries: int = None
+    # device, where the host does not know ``row_blocks``: the block ends int32 [NB] for the short-row and
+    # for the long-row launches, each the layout's ends where the widest row is of that class and zeros
+    # (every program of that launch has nothing to do) where it is not (launch.row_class_launches)
+    row_class_end: tuple = None
 
     def __post_init__(self):
         lay = self.layout
-        if self.row_blocks is None:
+        if self.row_blocks is None and self.row_class_end is None:
             self.row_blocks = self.q2k_idx.shape[-1]
         if self.q2k_start is None:
             self.q2k_start = lay.block_start[self.q2k_idx.long()].contiguous()
@@ -108,6 +116,13 @@ class BlockSelection:
         diag = self.q2k_idx.long() == g[None, :, None]
         pairs = torch.where(diag, qlen[None, :, None] * (qlen[None, :, None] + 1) // 2, qlen[None, :, None] * klen)
         return int(torch.where(valid, pairs, 0).sum())
+
+
+def layout_of(cu_seqlens, block_size: int, device) -> BlockLayout:
+    """The block layout of a :class:`VarlenBatch` (kept by it) or of a ``cu_seqlens`` tensor (cached)."""
+    if isinstance(cu_seqlens, VarlenBatch):
+        return cu_seqlens.layout(block_size, device)
+    return block_layout(cu_seqlens, block_size, device)
 
 
 def pool_blocks(x: torch.Tensor, lay: BlockLayout, num_kv_heads: int, fused: bool | None = None) -> torch.Tensor:
@@ -199,32 +214,35 @@ def _topk_host_bounds(lay: BlockLayout, kfs: list[float]) -> tuple[int, int, int
     return kmax, wout, bound, est
 
 
-def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, scale: float, kf_host):
-    """Fused selection: four Triton launches. Top-p (and top-k with budgets only on the device) syncs once
-    with the host for the list width and the nonzero count; top-k with host budgets (``kf_host``: one float
-    per document) sizes its lists from those and never syncs."""
+def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, scale: float, kf_host,
+                   options: KernelOptions):
+    """Fused selection: four Triton launches, never waiting for the GPU. Top-k with host budgets
+    (``kf_host``: one float per document) sizes its lists from those; top-p (and top-k with budgets only on
+    the device) sizes them for the longest document's rows and every causal block, the host's bounds, and
+    leaves the widest row on the device (``row_class_end``)."""
     from .select_kernels import doc_stats_triton, reverse_lists_triton, select_rows_triton
 
-    if topp:
-        wout = lay.max_doc_blocks
+    if kf_host is None:
+        wout, nnz = lay.max_doc_blocks, Hkv * lay.total_causal
     else:
-        kmax, wout, bound, est = _topk_host_bounds(lay, kf_host if kf_host is not None else budget.tolist())
-    idx, start, cnt, cov, kcnt = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout)
+        kmax, wout, bound, est = _topk_host_bounds(lay, kf_host)
+        nnz = Hkv * bound
+    idx, start, cnt, cov, kcnt = select_rows_triton(qbar, kbar, lay, budget, topp, scale, wout, options.precompile)
     kept_fraction, coverage, k2q_ptr = doc_stats_triton(cnt, cov, lay, kcnt)
-    HN = Hkv * lay.num_blocks
-    if topp:
-        w, nnz = kcnt[HN + 1:].tolist()  # the one host sync: list width and nonzero count
-        w = max(1, w)
-        # rows are sized for the longest document: trim them
-        if w < wout - 16:
-            idx, start = idx[..., :w].contiguous(), start[..., :w].contiguous()
-        kept = nnz
-    else:
-        w, nnz, kept = kmax, Hkv * bound, Hkv * est
     k2q_idx, k2q_start, k2q_end = reverse_lists_triton(idx, cnt, k2q_ptr, nnz, lay)
+    sizes = (dict(row_class_end=_row_class_end(lay, kcnt[Hkv * lay.num_blocks + 1])) if kf_host is None
+             else dict(row_blocks=kmax, kept_entries=Hkv * est))
     return BlockSelection(lay, Hkv, idx, cnt, k2q_ptr, k2q_idx, lay.q_order, lay.k_order, kept_fraction,
-                          coverage, q2k_start=start, k2q_start=k2q_start, k2q_end=k2q_end, row_blocks=w,
-                          kept_entries=kept)
+                          coverage, q2k_start=start, k2q_start=k2q_start, k2q_end=k2q_end, **sizes)
+
+
+def _row_class_end(lay: BlockLayout, widest: torch.Tensor) -> tuple:
+    """(short-row launches' block ends, long-row launches') from the widest row on the device (no sync)."""
+    from .launch import SHORT_ROW_TOKENS
+
+    short = widest * lay.block_size < SHORT_ROW_TOKENS
+    zero = torch.zeros((), dtype=lay.block_end.dtype, device=lay.block_end.device)
+    return torch.where(short, lay.block_end, zero), torch.where(short, zero, lay.block_end)
 
 
 def _host_budgets(value, n: int) -> list[float] | None:
@@ -274,14 +292,15 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
     """Select KV blocks per (KV head, query block). See the module docstring.
 
     q ``[T, Hq, D]``, k ``[T, Hkv, D]``, cu_seqlens int32 ``[n+1]`` (on any device: only its values are
-    used, through the cached block layout; a host tensor saves a device->host copy). Exactly one of ``p``
-    (top-p coverage target) and ``kept_fraction`` may be given (float or ``[n]`` tensor, in (0, 1]); neither
-    means dense. ``options.selection`` picks the fused Triton or the torch path (see :class:`KernelOptions`).
+    used, through the cached block layout; a host tensor saves a device->host copy) or a
+    :class:`VarlenBatch`. Exactly one of ``p`` (top-p coverage target) and ``kept_fraction`` may be given
+    (float or ``[n]`` tensor, in (0, 1]); neither means dense. ``options.selection`` picks the fused Triton
+    or the torch path (see :class:`KernelOptions`).
     """
     if p is not None and kept_fraction is not None:
         raise ValueError("give p or kept_fraction, not both")
     Hkv = k.shape[1]
-    lay = block_layout(cu_seqlens, block_size, q.device)
+    lay = layout_of(cu_seqlens, block_size, q.device)
     topp = kept_fraction is None
     value = p if topp else kept_fraction
     budget = _per_doc(1.0 if value is None else value, lay.num_docs, "p" if topp else "kept_fraction", q.device)
@@ -292,21 +311,22 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=
         return _select_torch(q, k, lay, budget, topp, scale)
     kf_host = None if topp else _host_budgets(kept_fraction, lay.num_docs)
     if options.selection == "triton":
-        return _select_fused(q, k, lay, budget, topp, scale, kf_host)
-    sel = _select_fused_where_it_builds(q, k, lay, budget, topp, scale, kf_host)
+        return _select_fused(q, k, lay, budget, topp, scale, kf_host, options)
+    sel = _select_fused_where_it_builds(q, k, lay, budget, topp, scale, kf_host, options)
     return sel if sel is not None else _select_torch(q, k, lay, budget, topp, scale, fused_pool=False)
 
 
-def _select_fused(q, k, lay: BlockLayout, budget, topp: bool, scale: float, kf_host) -> BlockSelection:
+def _select_fused(q, k, lay: BlockLayout, budget, topp: bool, scale: float, kf_host,
+                  options: KernelOptions = DEFAULT_OPTIONS) -> BlockSelection:
     from .select_kernels import pool_blocks_triton
 
     Hkv = k.shape[1]
     qbar, kbar = pool_blocks_triton(q, lay, Hkv, k=k)  # [NB, Hkv, D] each
-    return _select_triton(lay, Hkv, qbar, kbar, budget, topp, scale, kf_host)
+    return _select_triton(lay, Hkv, qbar, kbar, budget, topp, scale, kf_host, options)
 
 
-def _select_fused_where_it_builds(q, k, lay: BlockLayout, budget, topp: bool, scale: float,
-                                  kf_host) -> BlockSelection | None:
+def _select_fused_where_it_builds(q, k, lay: BlockLayout, budget, topp: bool, scale: float, kf_host,
+                                  options: KernelOptions = DEFAULT_OPTIONS) -> BlockSelection | None:
     """The fused selection, or None (with a :class:`SelectionFallbackWarning` naming the reason) where Triton
     cannot build its kernels for this GPU: their row tiles need more shared memory or registers than it has
     (``OutOfResources``: the widest row grows with the longest document), or ptxas rejects the code for its
@@ -314,7 +334,7 @@ def _select_fused_where_it_builds(q, k, lay: BlockLayout, budget, topp: bool, sc
     from triton.runtime.errors import OutOfResources, PTXASError
 
     try:
-        return _select_fused(q, k, lay, budget, topp, scale, kf_host)
+        return _select_fused(q, k, lay, budget, topp, scale, kf_host, options)
     except (OutOfResources, PTXASError) as e:
         reason = (str(e).splitlines() or [""])[0][:200]
         warnings.warn(f"the fused Triton selection cannot run on this GPU ({type(e).__name__}: {reason}); this "
@@ -438,7 +458,7 @@ def selection_from_mask(block_mask: torch.Tensor, cu_seqlens: torch.Tensor, bloc
         raise ValueError(f"block_mask must be a [Hkv, NB, NB] bool tensor, got {tuple(block_mask.shape)} "
                          f"{block_mask.dtype}")
     dev = block_mask.device
-    lay = block_layout(cu_seqlens, block_size, dev)
+    lay = layout_of(cu_seqlens, block_size, dev)
     NB = lay.num_blocks
     if block_mask.shape[1:] != (NB, NB):
         raise ValueError(f"block_mask is {tuple(block_mask.shape)}, the layout has {NB} blocks")

@@ -19,22 +19,23 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from triton.runtime.errors import OutOfResources
 
-from kernels.sparse_attention import (BlockSelection, KernelOptions, SelectionFallbackWarning, dense_causal_varlen,
-                                      select_blocks, select_blocks_naive, selection_from_mask, sparse_attention,
-                                      sparse_attention_naive)
+from kernels.sparse_attention import (BlockSelection, KernelOptions, SelectionFallbackWarning, VarlenBatch,
+                                      dense_causal_varlen, select_blocks, select_blocks_naive, selection_from_mask,
+                                      sparse_attention, sparse_attention_naive)
 from kernels.sparse_attention import backward, forward, launch, selection
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 2e-5, torch.float16: 5e-3}
-# kernel outputs start as NaN: a row or head the kernel forgets to write fails the comparison
-POISON = KernelOptions(poison_outputs=True)
-TORCH_SELECTION = KernelOptions(selection="torch")
-TRITON_SELECTION = KernelOptions(selection="triton")
+# kernel outputs start as NaN: a row or head the kernel forgets to write fails the comparison; each test
+# compiles only what it launches (precompile=False), test_compilation the variants of a whole training run
+POISON = KernelOptions(poison_outputs=True, precompile=False)
+TORCH_SELECTION = KernelOptions(selection="torch", precompile=False)
+TRITON_SELECTION = KernelOptions(selection="triton", precompile=False)
 
 
 def poisoned(tiles=None) -> KernelOptions:
     """Poisoned outputs with the launch-config overrides ``tiles`` ({(block, D): {kind: {...}}})."""
-    return KernelOptions(tiles=tiles or {}, poison_outputs=True)
+    return KernelOptions(tiles=tiles or {}, poison_outputs=True, precompile=False)
 
 
 @pytest.fixture(autouse=True)
@@ -424,8 +425,12 @@ def test_fused_triton_selection_equals_torch_selection(lens, budget):
     a = select_blocks(q, k, cu, block_size=16, **budget, options=TORCH_SELECTION)
     b = select_blocks(q, k, cu, block_size=16, **budget, options=TRITON_SELECTION)
     assert torch.equal(a.q2k_cnt, b.q2k_cnt)
-    assert a.row_blocks == b.row_blocks == int(a.q2k_cnt.max())
-    w = a.row_blocks  # slots past a row's count are unused (and the fused lists may be wider)
+    w = int(a.q2k_cnt.max())  # slots past a row's count are unused (and the fused lists may be wider)
+    assert a.row_blocks == w
+    if b.row_blocks is None:  # only the device knows the widest row (top-p; top-k budgets on a GPU)
+        assert_row_class(b, w)
+    else:
+        assert b.row_blocks == w
     used = torch.arange(w, device=DEV) < a.q2k_cnt[..., None]
     assert torch.equal(a.q2k_idx[..., :w][used], b.q2k_idx[..., :w][used])
     assert torch.equal(a.q2k_start[..., :w][used], b.q2k_start[..., :w][used])
@@ -435,6 +440,33 @@ def test_fused_triton_selection_equals_torch_selection(lens, budget):
         assert torch.equal(getattr(a, name)[:nnz], getattr(b, name)[:nnz]), name
     torch.testing.assert_close(a.kept_fraction, b.kept_fraction)
     torch.testing.assert_close(a.coverage, b.coverage)
+
+
+def assert_row_class(sel: BlockSelection, widest: int):
+    """A selection whose widest row only the device knows gives the layout's block ends to the launches of
+    that row's class and zeros (nothing to do) to the other class's."""
+    short = widest * sel.block_size < launch.SHORT_ROW_TOKENS
+    ends_short, ends_long = sel.row_class_end
+    active, idle = (ends_short, ends_long) if short else (ends_long, ends_short)
+    assert torch.equal(active, sel.layout.block_end) and not idle.any()
+
+
+@pytest.mark.parametrize("short_row_tokens", [1 << 20, 16], ids=["short-rows", "long-rows"])
+def test_rows_only_the_device_knows_take_their_row_class(monkeypatch, short_row_tokens):
+    """A top-p selection leaves its widest row on the device (no sync): forward and dQ launch both row
+    classes' configs, of which only the one of the widest row's class has work; the results match the
+    reference with either class active."""
+    monkeypatch.setattr(launch, "SHORT_ROW_TOKENS", short_row_tokens)
+    lens = [77, 32, 9]
+    q, k, v = qkv(lens, 4, 2, 16)
+    cu = cu_of(lens)
+    sel = select_blocks(q, k, cu, p=0.9, block_size=16, options=TRITON_SELECTION)
+    assert sel.row_blocks is None
+    assert_row_class(sel, int(sel.q2k_cnt.max()))
+    compiled = {}
+    check_against_naive(q, k, v, cu, sel, ATOL[torch.float32],
+                        KernelOptions(poison_outputs=True, compiled=compiled, precompile=False))
+    assert {"fwd", "fwd_short", "dq", "dq_short", "dkdv"} <= set(compiled)
 
 
 def _fused_raising(exc):
@@ -516,7 +548,8 @@ def test_options_reach_the_launchers(monkeypatch):
     cu = cu_of(lens)
     sel = select_blocks(q, k, cu, kept_fraction=0.5, block_size=32)
     compiled = {}
-    small = KernelOptions(tiles={(32, 16): {"fwd": dict(BM=16, BN=16)}}, poison_outputs=True, compiled=compiled)
+    small = KernelOptions(tiles={(32, 16): {"fwd": dict(BM=16, BN=16)}}, poison_outputs=True, compiled=compiled,
+                          precompile=False)
     o = sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=small)
     assert set(compiled) == {"fwd"}
     o.sum().backward()
@@ -612,24 +645,37 @@ def test_overlapped_backward_matches_sequential(monkeypatch):
         torch.testing.assert_close(a, b, atol=ATOL[torch.float16], rtol=0)
 
 
+SYNC_BUDGETS = [dict(kept_fraction=0.3), dict(kept_fraction=torch.tensor([0.3, 0.6, 1.0])), dict(p=0.9),
+                dict(p=torch.tensor([0.5, 0.9, 1.0])), dict(p=1.0), dict()]
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="device syncs exist on a GPU only")
-@pytest.mark.parametrize("budget", [dict(kept_fraction=0.3), dict(kept_fraction=torch.tensor([0.3, 0.6, 1.0]))],
-                         ids=["float", "host-tensor"])
-def test_topk_with_host_budgets_never_syncs(budget):
-    """Top-k selection with cu_seqlens and budgets on the host, and fwd+bwd over it, never wait for the GPU
-    (the runner calls it so in every layer; a sync per layer would stall the host's run-ahead)."""
-    lens = [300, 129, 1]
-    q, k, v = qkv(lens, 4, 2, 64, torch.float16)
-    cu = cu_of(lens).cpu()
+@pytest.mark.parametrize("budget", SYNC_BUDGETS, ids=["kf-float", "kf-host-tensor", "p-float", "p-host-tensor",
+                                                      "p1-dense", "no-budget"])
+@pytest.mark.parametrize("lens", [[300, 129, 1], [8000, 6000, 2384]], ids=["short-rows", "long-rows"])
+def test_layers_never_sync(budget, lens):
+    """In steady state a micro-batch's layers never wait for the GPU: its documents handed over once (a
+    VarlenBatch, here from a GPU ``cu_seqlens``: its one device->host copy comes before), budgets on the host,
+    then per layer select_blocks + sparse_attention forward and backward, and sparse_attention with the
+    budget itself, under ``torch.cuda.set_sync_debug_mode("error")``. The runner calls it so in every layer; a
+    sync per layer would stall the host's run-ahead. TMA tiles and the overlapped backward join in where
+    their thresholds are met (the long-row case)."""
+    T = sum(lens)
+    q, k, v = qkv(lens, 8, 2, 128, torch.bfloat16)
     do = torch.randn_like(q)
 
-    def step():
-        return torch.autograd.grad(sparse_attention(q, k, v, cu, block_size=64, **budget, options=POISON), (q, k, v),
-                                   do)
+    def layers(docs):
+        for _ in range(2):
+            sel = select_blocks(q, k, docs, block_size=128, **budget)
+            torch.autograd.grad(sparse_attention(q, k, v, docs, selection=sel), (q, k, v), do)
+            torch.autograd.grad(sparse_attention(q, k, v, docs, block_size=128, **budget), (q, k, v), do)
 
-    step()  # compiles the kernels and builds the cached layout
+    layers(VarlenBatch.from_cu_seqlens(cu_of(lens)))  # compiles the kernels
+    shifted = [lens[0] - 1, *lens[1:-1], lens[-1] + 1]  # another micro-batch: a layout never seen
+    docs = VarlenBatch.from_cu_seqlens(cu_of(shifted))
+    assert docs.total_tokens == T
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step()
+        layers(docs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
