@@ -29,7 +29,8 @@ import traceback
 
 import torch
 
-from kernels.sparse_attention import (KernelOptions, select_blocks, sparse_attention, sparse_attention_naive)
+from kernels.sparse_attention import (KernelOptions, VarlenBatch, select_blocks, sparse_attention,
+                                      sparse_attention_naive)
 from kernels.sparse_attention import backward, forward, launch
 
 H, D, B = 16, 128, 128  # the grid's heads, head dim and block size (tuning and --config apply to (B, D))
@@ -527,6 +528,218 @@ def add_speedups(ours: dict, theirs: dict):
             ours["speedup_vs_flex_fwdbwd_graph"] = round(theirs["fwdbwd_graph_ms"] / ours["fwdbwd_graph_ms"], 3)
 
 
+# ---------------------------------------------------------------------------------------------- fair
+# The fair comparison: one packed micro-batch of long-tail documents, MHA (the grid's 16 heads) and GQA 32:4.
+# Flex's blocks are global, ours per document: on documents that do not start at a block boundary, Flex's
+# token-level document mask (create_block_mask) makes blocks straddle documents and computes them all, which
+# is most of our lead on packed batches. Flex's best constructions are measured beside it: documents aligned to
+# the block size with Flex handed exactly our kept blocks (BlockMask.from_kv_blocks, enable_gqa), and the
+# unaligned documents each padded to a whole number of blocks (what a Flex user does, a few % more tokens).
+FAIR_HEADS = {"mha": (16, 16), "gqa": (32, 4)}
+FAIR_SPARSITIES = {"mha": (0.0, 0.75, 0.9, 0.95), "gqa": (0.0, 0.5, 0.9)}
+FAIR_FIELDS = ["case", "heads", "T", "ndocs", "padded_T", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms",
+               "fwd_tflops", "fwdbwd_tflops", "error"]
+# (ours, Flex) rows of each construction: ours on the batch the construction starts from
+FAIR_PAIRS = (("flex_token_mask", "triton_sparse"), ("flex_padded", "triton_sparse"),
+              ("flex_exact", "triton_sparse_aligned"), ("flex_flash_exact", "triton_sparse_aligned"),
+              ("cudnn_varlen_dense", "triton_sparse"))
+
+
+def fair_lengths(total: int = 65536, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(aligned, unaligned) document lengths of one packed batch: the long-tail lengths rounded up to whole
+    blocks and trimmed, largest first, to ``total`` tokens; and the same documents each shorter by 0..B-1
+    tokens (at least one left), so that padding them back to whole blocks gives the aligned batch."""
+    aligned = [-(-n // B) * B for n in long_tail_lengths(total, seed)]
+    while sum(aligned) > total:
+        aligned[aligned.index(max(aligned))] -= B
+    g = torch.Generator().manual_seed(seed + 1)
+    cut = torch.randint(0, B, (len(aligned),), generator=g).tolist()
+    return aligned, [n - min(c, n - 1) for n, c in zip(aligned, cut)]
+
+
+def exact_block_mask(sel, Hq: int, kv_end: torch.Tensor):
+    """BlockMask over a batch whose documents are whole blocks (aligned or padded) from our selection's kept
+    blocks, per query head (each KV head's blocks for its group): kept blocks below the diagonal full, the
+    diagonal partial, masked causally and past each document's real end ``kv_end`` (per token)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dense = sel.to_dense_mask().repeat_interleave(Hq // sel.num_kv_heads, dim=0)[None]  # [1, Hq, NB, NB]
+    eye = torch.eye(dense.shape[-1], dtype=torch.bool, device=dense.device)
+    part_num, part_idx = _dense_to_ordered(dense & eye)
+    full_num, full_idx = _dense_to_ordered(dense & ~eye)
+
+    def mask_mod(b, h, q_idx, kv_idx):  # evaluated on the diagonal blocks only
+        return (q_idx >= kv_idx) & (kv_idx < kv_end[q_idx])
+
+    T = kv_end.numel()
+    return BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=B, mask_mod=mask_mod,
+                                    seq_lengths=(T, T))
+
+
+def padded_positions(lens: list[int], device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """(position of each real token in the padded batch, each padded token's document end in padded
+    coordinates), documents padded to whole blocks."""
+    starts, pos, ends = 0, [], []
+    for n in lens:
+        nb = -(-n // B) * B
+        pos.append(torch.arange(starts, starts + n))
+        ends.append(torch.full((nb,), starts + n))
+        starts += nb
+    return torch.cat(pos).to(device), torch.cat(ends).to(device)
+
+
+def heads_first(*xs):
+    """[T, H, D] -> [1, H, T, D] leaves (what FlexAttention and SDPA take)."""
+    return [x.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for x in xs]
+
+
+def fair_flex_fns(flex, tensors, bm, G: int, backend: str | None = None):
+    """FlexAttention's (fwd, fwd+bwd) on [1, H, T, D] tensors (q, k, v, do) over a BlockMask."""
+    qb, kb, vb, dob = tensors
+    opts = {"kernel_options": {"BACKEND": backend}} if backend else {}
+    fwd = lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=G > 1, **opts)  # noqa: E731
+    return fwd, lambda: torch.autograd.grad(fwd(), (qb, kb, vb), dob)
+
+
+def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
+    """[1, H, T_pad, D] copies of q, k, v, dO with each real token at its padded position, zeros between."""
+    out = []
+    for x in (q, k, v, do):
+        p = torch.zeros(T_pad, *x.shape[1:], device=x.device, dtype=x.dtype)
+        p[pos] = x.detach()
+        out.append(p)
+    return [*heads_first(*out[:3]), out[3].transpose(0, 1).unsqueeze(0).contiguous()]
+
+
+def cudnn_varlen_fns(q, k, v, do, cu):
+    """cuDNN SDPA, dense causal per document, through nested (jagged) tensors: (fwd, fwd+bwd)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    offsets = cu.long()
+    G = q.shape[1] // k.shape[1]
+
+    def fwd():
+        nq, nk, nv = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets).transpose(1, 2) for x in leaves]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(nq, nk, nv, is_causal=True, enable_gqa=G > 1)
+        return o.transpose(1, 2).values()
+
+    return fwd, lambda: torch.autograd.grad(fwd(), leaves, do)
+
+
+class Sticky:
+    """An implementation that failed once (e.g. FlexAttention's FLASH backend without its packages) keeps
+    that error for the rest of the run instead of paying for another try at every point."""
+
+    def __init__(self):
+        self.errors = {}
+
+    def fns(self, name: str, make):
+        if name in self.errors:
+            return self.errors[name]
+        try:
+            return make()
+        except Exception as e:  # noqa: BLE001 (recorded in the implementation's rows)
+            self.errors[name] = e
+            return e
+
+
+def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: dict):
+    """Every implementation at one sparsity of one head configuration, timed in turns; their rows."""
+    Hq, Hkv = FAIR_HEADS[heads]
+    G = Hq // Hkv
+    fns, flops, base = {}, {}, {}
+    for name, key in (("triton_sparse", "unaligned"), ("triton_sparse_aligned", "aligned")):
+        q, k, v, do, cu, lens = batch[key]
+        sel = select_blocks(q, k, cu, kept_fraction=1.0 - sp, block_size=B, options=args.options)
+        weight = torch.tensor(lens, device="cuda").float() ** 2
+        base[name] = dict(case="packed64k", heads=f"{Hq}:{Hkv}", T=sum(lens), ndocs=len(lens), sparsity=sp,
+                          kept_fraction=round(float((sel.kept_fraction * weight).sum() / weight.sum()), 4))
+        flops[name] = 4 * D * G * sel.kept_block_pairs_tokens()
+        fwd = lambda q=q, k=k, v=v, cu=cu, sel=sel: sparse_attention(q, k, v, cu, selection=sel,  # noqa: E731
+                                                                     options=args.options)
+        fns[name] = (fwd, lambda fwd=fwd, q=q, k=k, v=v, do=do: torch.autograd.grad(fwd(), (q, k, v), do))
+        batch[key + "_sel"] = sel
+    un, al = batch["unaligned"], batch["aligned"]
+    if heads == "mha":  # the token-level document mask: the construction of the --bench grid (MHA only)
+        fns["flex_token_mask"] = sticky.fns(f"flex_token_mask_{sp}", lambda: fair_flex_fns(
+            flex, batch["un_heads"], flex_block_mask_packed(batch["unaligned_sel"], Hq, sum(un[5]), B), G))
+    fns["flex_padded"] = sticky.fns(f"flex_padded_{sp}", lambda: fair_flex_fns(
+        flex, batch["padded"], exact_block_mask(batch["unaligned_sel"], Hq, batch["padded_end"]), G))
+    exact = exact_block_mask(batch["aligned_sel"], Hq, batch["aligned_end"])
+    fns["flex_exact"] = fair_flex_fns(flex, batch["al_heads"], exact, G)
+    fns["flex_flash_exact"] = sticky.fns("flash", lambda: probed(fair_flex_fns(flex, batch["al_heads"], exact, G,
+                                                                                "FLASH")))
+    if sp == 0.0:
+        fns["cudnn_varlen_dense"] = sticky.fns(f"cudnn_{heads}", lambda: probed(
+            cudnn_varlen_fns(*un[:4], un[4].cu_seqlens.cuda())))
+    for impl, timed in interleaved_ms({n: f for n, f in fns.items() if not isinstance(f, Exception)},
+                                      args.rounds).items():
+        ours = "triton_sparse_aligned" if impl in ("flex_exact", "flex_flash_exact", "triton_sparse_aligned") \
+            else "triton_sparse"
+        row = dict(base[ours], impl=impl, padded_T=batch["padded_T"] if impl == "flex_padded" else "")
+        emit(dict(row, error=repr(timed)[:300]) if isinstance(timed, Exception) else timed_row(row, *timed,
+                                                                                              flops[ours]))
+    for impl, err in fns.items():
+        if isinstance(err, Exception):
+            emit(dict(base["triton_sparse"], impl=impl, error=f"absent: {err!r:.300}"))
+
+
+def probed(fns):
+    """(fwd, fwd+bwd) after one fwd+bwd, so that an implementation that cannot run here fails at once with its
+    own message: FlexAttention's FLASH backend (FlashAttention-4) without flash-attn-4 and nvidia-cutlass-dsl,
+    cuDNN on nested tensors where torch does not route them to it."""
+    fns[1]()
+    return fns
+
+
+def fair_batch(heads: str) -> dict:
+    """The packed batch of one head configuration: aligned and unaligned documents, their tensors, the
+    unaligned ones padded to whole blocks, and the per-token document ends Flex's masks read."""
+    Hq, Hkv = FAIR_HEADS[heads]
+    aligned, unaligned = fair_lengths()
+    batch = {}
+    for key, lens in (("aligned", aligned), ("unaligned", unaligned)):
+        q, k, v = make_qkv(sum(lens), Hq, Hkv, D, torch.bfloat16, seed=len(key))
+        docs = VarlenBatch.from_cu_seqlens(cu_from_lens(lens))  # once per batch, as the runner hands it over
+        batch[key] = (q, k, v, torch.randn_like(q), docs, lens)
+    pos, padded_end = padded_positions(unaligned)
+    q, k, v, do = batch["unaligned"][:4]
+    batch.update(padded=padded_tensors(pos, padded_end.numel(), q, k, v, do), padded_end=padded_end,
+                 padded_T=padded_end.numel(), aligned_end=padded_positions(aligned)[1],
+                 un_heads=[*heads_first(q, k, v), do.transpose(0, 1).unsqueeze(0).contiguous()],
+                 al_heads=[*heads_first(*batch["aligned"][:3]),
+                           batch["aligned"][3].transpose(0, 1).unsqueeze(0).contiguous()])
+    return batch
+
+
+def run_fair(args):
+    """The fair grid (see FAIR_HEADS): every head configuration's sparsities, into ``args.csv``. Our kernels
+    compile only what they launch here (no precompile: GPU time of the call, not of a training run)."""
+    import triton
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    sticky = Sticky()
+    args = argparse.Namespace(**{**vars(args), "options": dataclasses.replace(args.options, precompile=False)})
+    t_start = time.time()
+    with open(args.csv, "w", newline="") as out:
+        emit = csv_emitter(out, FAIR_FIELDS)
+        log("META", json.dumps(dict(torch=torch.__version__, triton=triton.__version__,
+                                    gpu=torch.cuda.get_device_name(), rounds=args.rounds)))
+        for heads in FAIR_HEADS:
+            batch = fair_batch(heads)
+            for sp in FAIR_SPARSITIES[heads]:
+                if time.time() - t_start > args.deadline_s:
+                    emit(dict(case="packed64k", heads=heads, sparsity=sp, impl="all",
+                              error="skipped: --deadline-s reached"))
+                    continue
+                fair_point(args, emit, flex, sticky, heads, sp, batch)
+            del batch
+            torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------- quick
 def quick(args):
     """Short follow-up: bf16 correctness with the fused selection, selection cost, and our kernel's times at
@@ -663,12 +876,14 @@ def cell(ms: float, speedup: float) -> str:
 
 
 def results_table(path: str) -> str:
-    """Markdown of a grid CSV: our fwd+bwd ms and FlexAttention's time over ours per case and sparsity (by
+    """Markdown of a grid CSV (of a --fair CSV: :func:`fair_table`): our fwd+bwd ms and FlexAttention's time over ours per case and sparsity (by
     ``do_bench``, and by CUDA-graph replay where the grid has it), the dense point against cuDNN, and the
     selection's cost."""
     import pandas as pd
 
     df = pd.read_csv(path)
+    if "heads" in df:
+        return fair_table(df)
     ours, cudnn = df[df.impl == "triton_sparse"], df[df.impl == "cudnn_dense"].set_index("T")
     sparsities = sorted(ours.sparsity.unique())
     lines = ["| fwd+bwd ms (FlexAttention's time / ours) | " + " | ".join(f"sparsity {s:g}" for s in sparsities)
@@ -685,6 +900,37 @@ def results_table(path: str) -> str:
                      and not math.isnan(cudnn.loc[T, ms]) else "-")
             lines.append(f"| {case_label(case, T, ndocs)}{suffix} | " + " | ".join(cells) + f" | {dense} |")
     return "\n".join(lines + selection_lines(df)) + "\n"
+
+
+FAIR_COLUMNS = (("flex_token_mask", "Flex, token-level document mask"), ("flex_padded", "Flex, documents padded"),
+                ("flex_exact", "Flex, aligned, exact blocks"), ("flex_flash_exact", "Flex FLASH, aligned, exact blocks"),
+                ("cudnn_varlen_dense", "cuDNN dense"))
+
+
+def fair_table(df) -> str:
+    """Markdown of a --fair CSV: per head configuration and sparsity, our fwd+bwd ms and effective TFLOP/s on
+    the unaligned and the aligned batch, and each other implementation's ms with its time over ours (above 1:
+    ours is faster) against ours on the batch it starts from (FAIR_PAIRS); then why any is absent."""
+    ours_of = {theirs: ours for theirs, ours in FAIR_PAIRS}
+    lines = ["| heads | sparsity | ours, unaligned: ms (TFLOP/s) | ours, aligned: ms (TFLOP/s) | "
+             + " | ".join(title for _, title in FAIR_COLUMNS) + " |", "| --- " * (4 + len(FAIR_COLUMNS)) + "|"]
+    timed = df[df.fwdbwd_ms.notna()]
+    for (heads, sp), g in timed.groupby(["heads", "sparsity"], sort=False):
+        g = g.set_index("impl")
+
+        def ours(impl):
+            return f"{g.fwdbwd_ms[impl]:.2f} ({g.fwdbwd_tflops[impl]:.0f})" if impl in g.index else "-"
+
+        cells = [f"{g.fwdbwd_ms[i]:.2f} ({g.fwdbwd_ms[i] / g.fwdbwd_ms[ours_of[i]]:.2f}x)"
+                 if i in g.index and ours_of[i] in g.index else "-" for i, _ in FAIR_COLUMNS]
+        lines.append(f"| {heads} | {sp:g} | {ours('triton_sparse')} | {ours('triton_sparse_aligned')} | "
+                     + " | ".join(cells) + " |")
+    absent = df[df.error.fillna("").str.startswith("absent")].drop_duplicates("impl")
+    notes = [f"* {dict(FAIR_COLUMNS).get(r.impl, r.impl)}: {r.error}" for r in absent.itertuples()]
+    padded = df[df.impl == "flex_padded"].dropna(subset=["padded_T"]).head(1)
+    notes += [f"* padded batch: {int(r.padded_T)} tokens for {int(r.T)} ({r.padded_T / r.T - 1:.1%} more), "
+              f"{int(r.ndocs)} documents" for r in padded.itertuples()]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def selection_lines(df) -> list[str]:
@@ -735,6 +981,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--fair", action="store_true",
+                    help="the fair comparison on a packed 64K batch, MHA and GQA 32:4: FlexAttention on the token-level "
+                         "document mask, on whole-block (aligned) documents with exactly our kept blocks, on padded "
+                         "documents, its FLASH backend, cuDNN dense (the README's table: --table of its CSV)")
     ap.add_argument("--quick", action="store_true", help="short follow-up check + a few of our grid points")
     ap.add_argument("--short-vs-long", action="store_true", help="short- vs long-row configs, MHA and GQA")
     ap.add_argument("--selection", action="store_true", help="selection cost vs fwd+bwd at 8K/32K/128K, 3 repeats")
@@ -790,7 +1040,11 @@ def main(argv=None):
     if args.quick:
         args.csv = args.csv or "attention_quick.csv"
         quick(args)
-    if args.bench or not (args.check or args.tune or args.quick or args.selection or args.short_vs_long):
+    if args.fair:
+        args.csv = args.csv or "attention_fair.csv"
+        run_fair(args)
+    if args.bench or not (args.check or args.tune or args.quick or args.selection or args.short_vs_long
+                          or args.fair):
         if args.csv is None:
             args.csv = "attention_bench.csv"
         run_bench(args)

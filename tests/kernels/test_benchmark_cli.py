@@ -98,6 +98,29 @@ def test_results_table_from_a_grid_csv(tmp_path):
     ]
 
 
+FAIR_CSV = """case,heads,T,ndocs,padded_T,sparsity,kept_fraction,impl,fwd_ms,fwdbwd_ms,fwd_tflops,fwdbwd_tflops,error
+packed64k,16:16,62567,49,,0.9,0.1,triton_sparse,0.5,2.0,100,250,
+packed64k,16:16,62567,49,,0.9,0.1,flex_token_mask,1.5,8.0,40,60,
+packed64k,16:16,62567,49,65536,0.9,0.1,flex_padded,0.6,2.2,90,220,
+packed64k,16:16,65536,49,,0.9,0.1,triton_sparse_aligned,0.5,2.1,100,240,
+packed64k,16:16,65536,49,,0.9,0.1,flex_exact,0.55,2.1,95,240,
+packed64k,16:16,62567,49,,0.9,0.1,flex_flash_exact,,,,,"absent: ModuleNotFoundError('flash_attn')"
+"""
+
+
+def test_fair_table_from_a_fair_csv(tmp_path):
+    """The fair grid's table: ours on each batch, every Flex construction (and cuDNN) against ours on the
+    batch it starts from, why an implementation is absent, the padded batch's size."""
+    path = tmp_path / "fair.csv"
+    path.write_text(FAIR_CSV)
+    out = run_module("--table", str(path))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[2] == "| 16:16 | 0.9 | 2.00 (250) | 2.10 (240) | 8.00 (4.00x) | 2.20 (1.10x) | 2.10 (1.00x) | - | - |"
+    assert lines[4:] == ["* Flex FLASH, aligned, exact blocks: absent: ModuleNotFoundError('flash_attn')",
+                         "* padded batch: 65536 tokens for 62567 (4.7% more), 49 documents"]
+
+
 def test_missing_table_csv_is_one_line(tmp_path):
     out = run_module("--table", str(tmp_path / "none.csv"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -111,3 +134,42 @@ def test_kernel_ptx_names_a_missing_reference_directory_in_one_line(tmp_path):
     assert out.stderr.splitlines()[-1].endswith("is not a directory (write one first: python -m "
                                                 "benchmarks.kernel_ptx REF_DIR)")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("gqa", [1, 2], ids=["mha", "gqa2"])
+def test_fair_flex_constructions_attend_exactly_our_kept_blocks(gqa):
+    """The fair grid's Flex inputs compute what our kernel computes: on whole-block documents Flex given our
+    kept blocks (exact_block_mask), and on the unaligned documents padded to whole blocks (padded_tensors),
+    match the reference at every real token. Eager FlexAttention (on the CPU) reads only the mask_mod, which
+    the fused kernel evaluates on partial (diagonal) blocks only: here it also reads the BlockMask's blocks."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    from kernels.sparse_attention import select_blocks, sparse_attention_naive
+
+    aligned = [256, 128, 384]
+    for lens in (aligned, [200, 100, 379]):
+        T, Hkv = sum(lens), 2
+        g = torch.Generator().manual_seed(len(lens) + sum(lens))
+        q, k, v = [torch.randn(T, h, 16, generator=g) for h in (Hkv * gqa, Hkv, Hkv)]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        sel = select_blocks(q, k, cu, kept_fraction=0.5, block_size=bm.B)
+        ref = sparse_attention_naive(q, k, v, cu, sel)
+        pos, ends = bm.padded_positions(lens, "cpu")
+        qb, kb, vb, _ = bm.padded_tensors(pos, ends.numel(), q, k, v, q)
+        mask = bm.exact_block_mask(sel, q.shape[1], ends)
+        blocks = mask.to_dense()[0].bool()  # [Hq, NB, NB]: partial and full blocks
+        assert torch.equal(blocks, sel.to_dense_mask().repeat_interleave(gqa, dim=0))
+        eager = BlockMask.from_kv_blocks(
+            mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, BLOCK_SIZE=bm.B,
+            mask_mod=lambda b, h, qi, ki: mask.mask_mod(b, h, qi, ki) & blocks[h, qi // bm.B, ki // bm.B],
+            seq_lengths=mask.seq_lengths)
+        qb, kb, vb = [x.detach() for x in (qb, kb, vb)]  # no Flex backward on a CPU
+        o = flex_attention(qb, kb, vb, block_mask=eager, enable_gqa=gqa > 1)[0].transpose(0, 1)[pos]
+        torch.testing.assert_close(o, ref, atol=1e-5, rtol=0)
+
+
+def test_fair_lengths_pad_back_to_the_aligned_batch():
+    aligned, unaligned = bm.fair_lengths()
+    assert sum(aligned) == 65536 and all(n % bm.B == 0 for n in aligned)
+    assert all(0 < u <= a < u + bm.B for a, u in zip(aligned, unaligned))
+    assert bm.padded_positions(unaligned, "cpu")[1].numel() == 65536
