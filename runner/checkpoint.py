@@ -1,6 +1,10 @@
 """Checkpoint and resume: model, optimiser, data position (the next step), every rank's RNG state,
 and the Results rows so far, so that a resumed run writes one continuous loss curve.
 
+Weights and optimiser state are the whole model's, keyed by parameter name, whole tensors: every pipeline
+stage's (gathered from sharded replicas under FSDP) merged on rank 0, and each stage takes its own share
+on resume.
+
 Data needs no iterator state: the batch of step ``s`` is a pure function of (seed, s).
 
 A checkpoint is data, never code: everything in it is a tensor, a number, a string, a list or a dict
@@ -27,7 +31,8 @@ from sim.core import ConfigError, atomic_path
 from sim.results import MicroBatchRecord, StepRecord
 
 FORMAT = "sparsebalance-runner-checkpoint"
-VERSION = 1
+# 2: weights and optimiser state keyed by parameter name, whole tensors, whatever the layout that wrote them
+VERSION = 2
 KEYS = ("format", "version", "model", "optimizer", "next_step", "rng", "history", "config")
 HISTORY_KEYS = ("steps", "micro_batches", "plans", "train", "sequences")
 # The record each history row was made from (and is made into again when the Results are next written).
@@ -95,13 +100,13 @@ def _check_rng(state, where: str) -> None:
 
 
 # ---------------------------------------------------------------------- save
-def save(path: Path, *, model, optimizer, next_step: int, rng_states: list[dict], history: dict,
-         config: dict) -> None:
+def save(path: Path, *, model_state: dict, optimizer_state: dict, next_step: int, rng_states: list[dict],
+         history: dict, config: dict) -> None:
     """Write durably and atomically (``sim.core.atomic_path``: a temp file beside ``path``, fsynced, renamed
     over it, the directory fsynced): a crash at any point leaves the old checkpoint or the new one."""
     content = {
         "format": FORMAT, "version": VERSION,
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "next_step": next_step,
+        "model": model_state, "optimizer": optimizer_state, "next_step": next_step,
         "rng": rng_states, "history": history, "config": config,
     }
     with atomic_path(path) as tmp:
@@ -202,10 +207,12 @@ def _check_optimizer(value) -> None:
     for i, group in enumerate(value["param_groups"]):
         _expect(group, dict, f"optimizer.param_groups[{i}]", "a dict")
         _expect_keys(group, ("params",), f"optimizer.param_groups[{i}]")
-        _expect(group["params"], list, f"optimizer.param_groups[{i}].params", "a list of parameter indices")
-    for index, state in value["state"].items():
-        _expect(index, int, "an optimizer.state key", "a parameter index")
-        _check_tensor_dict(state, f"optimizer.state[{index}]")
+        _expect(group["params"], list, f"optimizer.param_groups[{i}].params", "a list of parameter names")
+        for name in group["params"]:
+            _expect(name, str, f"a name in optimizer.param_groups[{i}].params", "a parameter name")
+    for name, state in value["state"].items():
+        _expect(name, str, "an optimizer.state key", "a parameter name")
+        _check_tensor_dict(state, f"optimizer.state[{name!r}]")
 
 
 def _check_history(history, next_step: int) -> None:
@@ -254,18 +261,20 @@ def check_compatible(ckpt: dict, model: torch.nn.Module, optimizer: torch.optim.
     for key, tensor in expected.items():
         if saved[key].shape != tensor.shape:
             raise Invalid(f"model[{key!r}] has shape {tuple(saved[key].shape)}; this model's is {tuple(tensor.shape)}")
-    shapes = [p.shape for group in optimizer.param_groups for p in group["params"]]
     groups = ckpt["optimizer"]["param_groups"]
     fresh = optimizer.state_dict()["param_groups"]
-    if [g["params"] for g in groups] != [g["params"] for g in fresh] or [set(g) for g in groups] != [set(g) for g in fresh]:
+    if [set(g) for g in groups] != [set(g) for g in fresh]:
         raise Invalid("optimizer.param_groups do not describe this model's parameters")
-    for index, state in ckpt["optimizer"]["state"].items():
-        if not 0 <= index < len(shapes):
-            raise Invalid(f"optimizer.state[{index}] names no parameter of this model")
-        for name, tensor in state.items():
-            if tensor.dim() != 0 and tensor.shape != shapes[index]:
-                raise Invalid(f"optimizer.state[{index}][{name!r}] has shape {tuple(tensor.shape)}; "
-                              f"its parameter's is {tuple(shapes[index])}")
+    unknown = [name for g in groups for name in g["params"] if name not in expected]
+    if unknown:
+        raise Invalid(f"optimizer.param_groups name {unknown[0]!r}, no parameter of this model")
+    for name, state in ckpt["optimizer"]["state"].items():
+        if name not in expected:
+            raise Invalid(f"optimizer.state[{name!r}] names no parameter of this model")
+        for key, tensor in state.items():
+            if tensor.dim() != 0 and tensor.shape != expected[name].shape:
+                raise Invalid(f"optimizer.state[{name!r}][{key!r}] has shape {tuple(tensor.shape)}; "
+                              f"its parameter's is {tuple(expected[name].shape)}")
 
 
 # ---------------------------------------------------------------------- helpers

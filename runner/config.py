@@ -41,9 +41,10 @@ class TaskSettings:
 class RunnerSettings:
     device: str = "auto"  # auto: cuda when available, else cpu
     attention: str = "kernel"  # runner.attention.BACKENDS
+    data_parallel: str = "ddp"  # runner.parallel.DATA_PARALLEL: ddp (DistributedDataParallel) | fsdp (FSDP2 fully_shard)
     lr: float = bounded(1e-3, POSITIVE)
     weight_decay: float = bounded(0.0, NON_NEGATIVE)
-    # dist init, every collective, and the monitored step barrier
+    # dist init, every collective and transfer, and the barrier that names missing ranks after a failure
     timeout_s: float = bounded(300.0, Bound(0, MAX_TIMEOUT_S, lo_open=True))
     checkpoint_every: int = bounded(0, NON_NEGATIVE)  # steps between checkpoints (and one at the end); 0: none
     resume: Optional[str] = None  # a checkpoint.pt to continue from

@@ -133,6 +133,19 @@ def pack(assignments: tuple[Assignment, ...], task: TaskConfig, vocab_size: int,
     )
 
 
+def placeholder(device: torch.device) -> MicroBatch:
+    """A one-token micro-batch that stands in for an empty one (its loss weighs nothing), so that every
+    replica runs the same forwards, backwards and collectives."""
+    return MicroBatch(
+        tokens=torch.tensor([BOS], device=device),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+        target_positions=torch.tensor([0], device=device),
+        targets=torch.tensor([PAD], device=device),
+        p=torch.tensor([1.0]),
+        kept_fraction=None,
+    )
+
+
 def n_answers(assignments, task: TaskConfig) -> int:
     """Scored tokens of a set of assignments; every rank computes the global count from the Plan."""
     return sum(task.queries(a.sensitivity) for a in assignments)

@@ -1,24 +1,35 @@
-"""torch.distributed plumbing: world checks, timeouts, a monitored barrier, gradient all-reduce.
+"""torch.distributed plumbing: world checks, the layout's process groups, timeouts and failure reports.
 
-A rank that dies or hangs must end the job with a clear error rather than a silent hang: every
-collective runs under the configured timeout, and each step begins with a gloo ``monitored_barrier``
-(on a side group, also when the training backend is NCCL) that names the ranks that did not arrive.
+Ranks follow the simulator's placement (``sim.cluster``: ``rank = cp_rank + cp * (dp_rank + dp * stage)``),
+which is a row-major ``DeviceMesh`` of shape (pp, dp, cp). A stage's gradients are reduced over its
+replicas (the mesh's ``dp`` dimension); activations pass between neighbouring stages of one replica.
+
+A rank that dies or hangs must end the job with a clear error rather than a silent hang: every collective
+and transfer runs under the configured timeout, and a step whose communication fails asks a gloo
+``monitored_barrier`` (on a side group, also when the training backend is NCCL) which ranks are missing.
+Nothing waits on other ranks in a healthy step beyond the gradient reduction itself.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import time
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import init_device_mesh
 
+from sim.cluster import Layout
 
 # NVLink multicast (NVLS) is kept off on every launch: the lent multi-GPU machines must not use it, and the
 # gradient all-reduce does not need it. A user's explicit setting wins.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# The diagnosis after a failed step waits longer than one timeout: a healthy rank may itself be waiting out a
+# timeout on the failed collective before it arrives.
+DIAGNOSIS_TIMEOUTS = 2
+GLOO_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
 
 
 class RankFailure(RuntimeError):
@@ -46,16 +57,16 @@ def check_world(world: World, dp: int, cp: int, pp: int) -> None:
         raise ValueError(
             f"world size {world.size} does not match the layout dp*cp*pp = {dp}*{cp}*{pp} = {dp * cp * pp}"
         )
-    if cp != 1 or pp != 1:
-        raise ValueError(f"the runner implements data parallelism only (got cp={cp}, pp={pp}; need 1 and 1)")
+    if cp != 1:
+        raise ValueError(f"layout.cp={cp}: the runner implements data and pipeline parallelism; allowed: cp=1 "
+                         "(context parallelism exists in the simulator only)")
 
 
 class Comm:
-    """The process group of one run, with timing of the two things the Results record:
-    the wait at the step barrier (idle) and the gradient all-reduce (comm)."""
+    """The process groups of one run and this rank's place in the layout."""
 
-    def __init__(self, world: World, device: torch.device, timeout_s: float) -> None:
-        self.world, self.device = world, device
+    def __init__(self, world: World, device: torch.device, timeout_s: float, layout: Layout) -> None:
+        self.world, self.device, self.layout = world, device, layout
         self.timeout = timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -67,13 +78,58 @@ class Comm:
                 rank=world.rank, world_size=world.size, timeout=self.timeout,
                 device_id=device if device.type == "cuda" else None,
             )
-        # monitored_barrier exists only for gloo; NCCL runs keep a gloo side group for it.
-        self.monitor = dist.group.WORLD if device.type == "cpu" else dist.new_group(backend="gloo", timeout=self.timeout)
+        # monitored_barrier exists only for gloo; a group of its own still answers after the training
+        # group's connections closed on a timeout.
+        self.monitor = dist.new_group(backend="gloo", timeout=self.timeout)
+        self.mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.cp), mesh_dim_names=("pp", "dp", "cp"))
+        self.stage, self.dp_rank, self.cp_rank = self.mesh.get_coordinate()
+        self.replicas = self.mesh["dp"]  # the ranks holding this stage's weights (cp = 1)
+        stride = layout.dp * layout.cp
+        self.prev = world.rank - stride if self.stage > 0 else None
+        self.next = world.rank + stride if self.stage < layout.pp - 1 else None
+        self.ends = self._ends_group(stride)
 
-    def barrier(self, what: str) -> float:
-        """Wait for every rank, naming the missing ones after the timeout; returns the wait in ms."""
+    def _ends_group(self, stride: int):
+        """The first and the last stage of this rank's replica (the two holders of a tied embedding), or None.
+        Every rank takes part in creating every group."""
+        if self.layout.pp == 1:
+            return None
+        mine = None
+        for offset in range(stride):
+            ranks = [offset, offset + stride * (self.layout.pp - 1)]
+            group = dist.new_group(ranks, timeout=self.timeout)
+            if self.world.rank in ranks:
+                mine = group
+        return mine
+
+    @contextlib.contextmanager
+    def guard(self, what: str):
+        """Communication of ``what``: when it fails (a timeout, a closed connection), a RankFailure that names
+        the ranks missing at a monitored barrier; when every rank reaches that barrier, the error was this
+        rank's own and propagates unchanged."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, RankFailure) or not dist.is_initialized() or self.world.size == 1:
+                raise
+            missing = self._missing_ranks()
+            if missing is None:
+                raise
+            raise RankFailure(
+                f"rank {self.world.rank}: {what} failed or timed out after {self.timeout.total_seconds():g} s "
+                f"(a rank died or hung): {_first_line(err)}; {missing}"
+            ) from err
+
+    def _missing_ranks(self) -> str | None:
+        try:
+            dist.monitored_barrier(group=self.monitor, timeout=DIAGNOSIS_TIMEOUTS * self.timeout, wait_all_ranks=True)
+        except RuntimeError as err:
+            return _first_line(err)
+        return None
+
+    def barrier(self, what: str) -> None:
+        """Wait for every rank, naming the missing ones after the timeout."""
         self.sync()
-        t0 = time.perf_counter()
         try:
             dist.monitored_barrier(group=self.monitor, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as err:
@@ -81,32 +137,17 @@ class Comm:
                 f"rank {self.world.rank}: not every rank reached {what} within "
                 f"{self.timeout.total_seconds():g} s (a rank died or hung): {_first_line(err)}"
             ) from err
-        return (time.perf_counter() - t0) * 1e3
-
-    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> float:
-        """Sum gradients over ranks in one flat buffer (the loss is already normalised by the
-        global number of scored tokens); returns the time in ms."""
-        grads = [p.grad for p in params]
-        self.sync()
-        t0 = time.perf_counter()
-        if self.world.size > 1:
-            flat = _flatten_dense_tensors(grads)
-            try:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            except RuntimeError as err:
-                raise RankFailure(
-                    f"rank {self.world.rank}: gradient all-reduce failed or timed out after "
-                    f"{self.timeout.total_seconds():g} s (a rank died or hung): {_first_line(err)}"
-                ) from err
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
-        self.sync()
-        return (time.perf_counter() - t0) * 1e3
 
     def gather(self, obj):
         """Every rank's ``obj`` on every rank (small Python objects: records, RNG states)."""
         out = [None] * self.world.size
         dist.all_gather_object(out, obj, group=self.monitor)
+        return out
+
+    def gather_to_first(self, obj) -> list | None:
+        """Every rank's ``obj`` on rank 0 only (larger objects: a stage's weights and optimiser state)."""
+        out = [None] * self.world.size if self.world.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.monitor)
         return out
 
     def broadcast(self, obj):
@@ -127,4 +168,6 @@ class Comm:
 
 
 def _first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    """The message's first line, without the source location gloo puts before it."""
+    text = str(err).strip()
+    return GLOO_LOCATION.sub("", text.splitlines()[0]) if text else type(err).__name__

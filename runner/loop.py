@@ -1,15 +1,24 @@
-"""The training loop of one rank: build micro-batches from the Plan, train, measure, record.
+"""The training loop of one rank: build its stage's micro-batches from the Plan, train, measure, record.
 
-Timing follows the simulator's step: the micro-batches of a rank run back to back (compute), every rank
-then waits at a barrier for the slowest (idle, charged to the last micro-batch as the engine does), the
-gradients are all-reduced (comm; the runner records it on the last micro-batch) and the optimiser steps.
-``step_ms`` is the wall time of all of that. Packing a step's micro-batches happens before the clock
-starts, as a prefetching data loader would do it.
+Each rank is one stage of one replica (runner/dist.py). It runs its micro-batches in 1F1B order
+(runner/pipeline.py) under DDP or FSDP (runner/parallel.py); the last backward reduces the gradients
+over the stage's replicas while it still computes, and the optimiser steps. What the Results record of
+a (replica, stage, micro-batch), as the simulator's engine has it:
+
+* ``compute_ms``: its forward and backward on this stage, without waits; the last backward's ends where
+  its compute does (when the gradient of the stage's first layer's input is ready);
+* ``idle_ms``: blocked receiving its activations or gradients from a neighbouring stage; on the stage's
+  last micro-batch also the wait for the slowest replica of the stage, from timestamps: the latest end of
+  compute among the replicas minus this one's (no barrier in the step);
+* ``comm_ms``: on the last micro-batch, the gradient reduction that outlasts the compute and that wait.
+
+``step_ms`` is the wall time from the earliest rank's first micro-batch to the latest rank's end of the
+optimiser step. Packing a step's micro-batches happens before the clock starts, as a prefetching data
+loader would do it.
 """
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import tempfile
 import time
@@ -19,50 +28,25 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from runner import checkpoint
 from runner.attention import make_attention
-from runner.data import TaskConfig, n_answers, pack
+from runner.data import TaskConfig, n_answers, pack, placeholder
 from runner.dist import Comm
-from runner.model import ModelShape, TinyLlama
+from runner.model import ModelShape, StageSpan, TinyLlama
+from runner.parallel import Replicated, merge_states
+from runner.pipeline import Clock, Outcome, StageDriver, Work
 from runner.records import SequenceRecord, TrainRecord
 from sim.cluster import Cluster
 from sim.core import ConfigError
 from sim.cost import training_flops
-from sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord
+from sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord, coverage_fields
 
 # Config keys a checkpoint must agree on to be resumed (steps may grow; paths and timeouts may change).
 RESUME_KEYS = ("seed", "policy", "model", "workload", "cost", "cluster", "layout")
-RESUME_RUNNER_KEYS = ("attention", "lr", "weight_decay", "task")
-
-
-class Stopwatch:
-    """Device-side timing on CUDA (events, no host sync inside the step), host clock on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        if self.cuda:
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.cuda:
-            self._end.record()
-        else:
-            self._ms = (time.perf_counter() - self._t0) * 1e3
-
-    def ms(self) -> float:
-        """Read after the step has been synchronised."""
-        return self._start.elapsed_time(self._end) if self.cuda else self._ms
+RESUME_RUNNER_KEYS = ("attention", "data_parallel", "lr", "weight_decay", "task")
 
 
 class Trainer:
@@ -74,15 +58,15 @@ class Trainer:
         self.layout = planner.layout
         self.task = TaskConfig(**cfg.runner.task)
         self.block_size = planner.cost.block_size
-        self.attention = make_attention(cfg.runner.attention, self.block_size)
         # The calibrated layer times are bf16; the CPU path is fp32 (no bf16 in the reference kernel).
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        torch.manual_seed(cfg.seed)  # same initial weights on every rank
-        self.model = make_model(cfg).to(device=device, dtype=dtype)
-        self.params = list(self.model.parameters())
-        for p in self.params:
-            p.grad = torch.zeros_like(p)  # every rank all-reduces every gradient, also with no micro-batches
-        self.optimizer = make_optimizer(self.params, cfg, fused=device.type == "cuda")
+        model = make_model(cfg, StageSpan(comm.stage, self.layout.pp)).to(device=device, dtype=dtype)
+        self.model = Replicated(model, cfg.runner.data_parallel, comm)
+        # Fused AdamW takes plain device tensors; FSDP's parameters are DTensors (foreach instead).
+        fused = device.type == "cuda" and cfg.runner.data_parallel == "ddp"
+        self.optimizer = make_optimizer(self.model.parameters(), cfg, fused=fused)
+        self.driver = StageDriver(self.model, comm, make_attention(cfg.runner.attention, self.block_size), dtype,
+                                  device)
         self.history = {"steps": [], "micro_batches": [], "plans": [], "train": [], "sequences": []}
         self.start_step = 0
         if cfg.runner.resume:
@@ -104,103 +88,100 @@ class Trainer:
 
     def step(self, step: int) -> dict | None:
         plan = self.planner.plan(step)
-        m = self.layout.micro_batches
         t0 = time.perf_counter()
-        batches = [self._pack(plan.micro_batch(self.rank, mb)) for mb in range(m)]
-        data_ms = (time.perf_counter() - t0) * 1e3
+        assigned = [plan.micro_batch(self.comm.dp_rank, mb) for mb in range(self.layout.micro_batches)]
         n_global = n_answers(plan.assignments, self.task)
+        # DDP and FSDP average over the replicas; this weight turns that into the sum over the global batch.
+        weight = self.model.replicas / n_global
+        work = [Work(self._pack(a), weight) if a else Work(placeholder(self.device), 0.0, empty=True)
+                for a in assigned]
+        data_ms = (time.perf_counter() - t0) * 1e3
 
         self.comm.sync()
-        t_step = time.perf_counter()
-        watches, outputs = [], []
-        for mb in batches:
-            if mb is None:
-                watches.append(None)
-                outputs.append(None)
-                continue
-            watch = Stopwatch(self.device)
-            watch.start()
-            out = self.model(mb.tokens, mb.cu_seqlens, (mb.p, mb.kept_fraction), mb.target_positions,
-                             self.attention)
-            loss_sum = F.cross_entropy(out.logits, mb.targets, reduction="sum")
-            (loss_sum / n_global).backward()
-            watch.stop()
-            correct = (out.logits.argmax(-1) == mb.targets).sum()
-            watches.append(watch)
-            outputs.append((loss_sum.detach(), correct, out.kept_fraction.detach(), out.coverage.detach()))
-        wait_ms = self.comm.barrier(f"the gradient all-reduce of step {step}")
-        comm_ms = self.comm.all_reduce_grads(self.params)
-        t_opt = time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+        clock = Clock(self.device)
+        clock.start()
+        with self.comm.guard(f"step {step}"):
+            outcome = self.driver.step(work, clock)
+            before_opt = clock.mark()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            end = clock.mark()
         self.comm.sync()
-        t_end = time.perf_counter()
 
-        local = self._local_record(step, plan, batches, watches, outputs, wait_ms, comm_ms)
-        local.update(step_ms=(t_end - t_step) * 1e3, optimizer_ms=(t_end - t_opt) * 1e3, data_ms=data_ms,
+        local = self._local_record(step, plan, assigned, outcome, clock)
+        local.update(start_wall=clock.wall0, end_wall=clock.wall(end), data_ms=data_ms,
+                     optimizer_ms=clock.ms(end) - clock.ms(before_opt),
                      plan_sha256=hashlib.sha256(plan.to_json().encode()).hexdigest())
-        gathered = self.comm.gather(local)
+        with self.comm.guard(f"the records of step {step}"):
+            gathered = self.comm.gather(local)
         if self.rank != 0:
             return None
         return self._record_step(step, plan, gathered, n_global)
 
     def _pack(self, assignments):
-        if not assignments:
-            return None
         return pack(assignments, self.task, self.cfg.model.vocab, self.cfg.seed, self.device)
 
     # ------------------------------------------------------------------ records
-    def _local_record(self, step, plan, batches, watches, outputs, wait_ms, comm_ms) -> dict:
-        """This rank's rows, as plain Python values (gathered to rank 0 as objects)."""
+    def _local_record(self, step, plan, assigned, outcome: Outcome, clock: Clock) -> dict:
+        """This rank's rows, as plain Python values (gathered to rank 0 as objects). The last micro-batch's
+        wait and communication are filled in on rank 0, which sees every replica's end of compute."""
         m = self.layout.micro_batches
+        compute, idle = np.zeros(m), np.zeros(m)
+        for mb, before, received, after in outcome.ops:
+            idle[mb] += clock.ms(received) - clock.ms(before)
+            compute[mb] += clock.ms(after) - clock.ms(received)
+        last_mb, _, _, last_after = outcome.ops[-1]
+        compute_end = clock.ms(outcome.compute_end)
+        compute[last_mb] -= clock.ms(last_after) - compute_end  # the reduction after the compute is not compute
         rows, sequences = [], []
-        loss_sum, correct, compute_ms = 0.0, 0, 0.0
-        for mb, (batch, watch, out) in enumerate(zip(batches, watches, outputs)):
-            last = mb == m - 1
-            if batch is None:
-                kept_mb = cov_mb = math.nan
-                ms = 0.0
-            else:
-                loss, right, kept, cov = out
+        loss_sum, correct = 0.0, 0
+        for mb in range(m):
+            kept_mb = cov_mb = float("nan")
+            if mb in outcome.outputs:
+                loss, right, kept, cov = outcome.outputs[mb]
                 kept, cov = kept.cpu().tolist(), cov.cpu().tolist()
                 kept_mb, cov_mb = float(np.mean(kept)), float(np.mean(cov))
-                ms = watch.ms()
-                loss_sum += float(loss)
-                correct += int(right)
-                for a, k, c in zip(plan.micro_batch(self.rank, mb), kept, cov):
+                if loss is not None:
+                    loss_sum += float(loss)
+                    correct += int(right)
+                for a, k, c in zip(assigned[mb], kept, cov):
                     sequences.append(asdict(SequenceRecord(
-                        step=step, seq_id=a.seq_id, dp_rank=self.rank, micro_batch=mb, length=a.length,
+                        step=step, seq_id=a.seq_id, dp_rank=self.comm.dp_rank, micro_batch=mb, length=a.length,
                         sensitivity=a.sensitivity, p=a.budget.p, budget_kept_fraction=a.budget.kept_fraction,
                         kept_fraction=k, coverage=c,
                     )))
-            compute_ms += ms
             rows.append(asdict(MicroBatchRecord(
-                step=step, dp_rank=self.rank, micro_batch=mb, stage=0, compute_ms=ms,
-                comm_ms=comm_ms if last else 0.0, idle_ms=wait_ms if last else 0.0,
-                tokens=0 if batch is None else batch.n_tokens, kept_fraction=kept_mb, coverage=cov_mb,
+                step=step, dp_rank=self.comm.dp_rank, micro_batch=mb, stage=self.comm.stage,
+                compute_ms=float(compute[mb]) if assigned[mb] else 0.0, comm_ms=0.0, idle_ms=float(idle[mb]),
+                tokens=sum(a.length for a in assigned[mb]), kept_fraction=kept_mb, coverage=cov_mb,
             )))
         return {"rows": rows, "sequences": sequences, "loss_sum": loss_sum, "correct": correct,
-                "compute_ms": compute_ms, "wait_ms": wait_ms, "comm_ms": comm_ms}
+                "stage": self.comm.stage, "last_mb": last_mb, "compute_ms": float(compute.sum()),
+                "idle_ms": float(idle.sum()), "compute_end_wall": clock.wall(outcome.compute_end),
+                "sync_ms": clock.ms(outcome.backward_end) - compute_end}
 
     def _record_step(self, step, plan, gathered: list[dict], n_global: int) -> dict:
         digests = {g["plan_sha256"] for g in gathered}
         if len(digests) != 1:
             raise RuntimeError(f"step {step}: ranks planned different global batches ({len(digests)} distinct Plans)")
-        sequences = [s for g in gathered for s in g["sequences"]]
+        waits = self._fill_last_micro_batches(gathered)
+        sequences = merge_stages([s for g in gathered for s in g["sequences"]])
         lengths = np.array([s["length"] for s in sequences])
         kept = np.array([s["kept_fraction"] for s in sequences])
         coverage = np.array([s["coverage"] for s in sequences])
-        step_ms = max(g["step_ms"] for g in gathered)
-        barrier = max(g["compute_ms"] + g["wait_ms"] for g in gathered)
+        step_ms = max(g["end_wall"] for g in gathered) - min(g["start_wall"] for g in gathered)
+        idle = [g["idle_ms"] + wait for g, wait in zip(gathered, waits)]
+        busy = max(g["compute_ms"] + i for g, i in zip(gathered, idle))
         flops = training_flops(lengths, kept, self.cfg.model, self.block_size)
         record = StepRecord(
             step=step,
             step_ms=step_ms,
-            bubble_fraction=sum(g["wait_ms"] for g in gathered) / (self.layout.dp * barrier) if barrier else 0.0,
+            bubble_fraction=sum(idle) / (len(gathered) * busy) if busy else 0.0,
             tokens_per_s=float(lengths.sum()) / step_ms * 1e3,
             mfu=flops / (self.layout.gpus * self.cluster.peak_tflops * 1e9 * step_ms),
             mean_coverage=float(coverage.mean()),
             min_coverage=float(coverage.min()),
+            **coverage_fields(lengths, coverage),
         )
         train = TrainRecord(
             step=step,
@@ -209,8 +190,8 @@ class Trainer:
             accuracy=sum(g["correct"] for g in gathered) / n_global,
             answers=n_global,
             compute_ms=max(g["compute_ms"] for g in gathered),
-            wait_ms=max(g["wait_ms"] for g in gathered),
-            allreduce_ms=max(g["comm_ms"] for g in gathered),
+            wait_ms=max(idle),
+            allreduce_ms=max(r["comm_ms"] for g in gathered for r in g["rows"]),
             optimizer_ms=max(g["optimizer_ms"] for g in gathered),
             data_ms=max(g["data_ms"] for g in gathered),
         )
@@ -222,6 +203,21 @@ class Trainer:
         h["train"].append(row)
         h["sequences"].extend(sequences)
         return row
+
+    @staticmethod
+    def _fill_last_micro_batches(gathered: list[dict]) -> list[float]:
+        """Each rank's wait for the slowest replica of its stage (latest end of compute minus its own) and the
+        reduction that outlasted it, on its last micro-batch's row; returns the waits."""
+        latest: dict[int, float] = {}
+        for g in gathered:
+            latest[g["stage"]] = max(latest.get(g["stage"], -np.inf), g["compute_end_wall"])
+        waits = []
+        for g in gathered:
+            wait = latest[g["stage"]] - g["compute_end_wall"]
+            last = next(r for r in g["rows"] if r["micro_batch"] == g["last_mb"])
+            last.update(idle_ms=last["idle_ms"] + wait, comm_ms=max(0.0, g["sync_ms"] - wait))
+            waits.append(wait)
+        return waits
 
     def _write_results(self) -> None:
         """The simulator's files (sim.results.Results) plus the runner's own: train.csv, sequences.csv."""
@@ -250,24 +246,38 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, next_step: int) -> None:
-        states = self.comm.gather(checkpoint.rng_state())
+        """Every stage's whole weights and optimiser state (from its first replica), merged on rank 0."""
+        with self.comm.guard(f"the checkpoint after step {next_step - 1}"):
+            state = self.model.state(self.optimizer)
+            states = self.comm.gather_to_first(state if self.comm.dp_rank == 0 else None)
+            rng = self.comm.gather(checkpoint.rng_state())
         if self.rank == 0:
-            checkpoint.save(self.run_dir / "checkpoint.pt", model=self.model, optimizer=self.optimizer,
-                            next_step=next_step, rng_states=states, history=self.history,
+            model_state, optimizer_state = merge_states([s for s in states if s is not None])
+            checkpoint.save(self.run_dir / "checkpoint.pt", model_state=model_state, optimizer_state=optimizer_state,
+                            next_step=next_step, rng_states=rng, history=self.history,
                             config=resume_config(self.cfg))
 
     def _resume(self, path: Path) -> None:
         ckpt = checkpoint.load(path, self.comm.world.size, resume_config(self.cfg))
-        check_continuation(ckpt, path, self.model, self.optimizer, self.planner, self.cfg.steps)
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        check_continuation(ckpt, path, self.cfg, self.planner)
+        self.model.load(self.optimizer, ckpt["model"], ckpt["optimizer"])
         checkpoint.set_rng_state(ckpt["rng"][self.rank])
         self.history = ckpt["history"]
         self.start_step = ckpt["next_step"]
 
 
-def make_model(cfg: DictConfig) -> TinyLlama:
-    return TinyLlama(ModelShape.from_config(cfg.model))
+def make_model(cfg: DictConfig, stage: StageSpan = StageSpan()) -> TinyLlama:
+    return TinyLlama(ModelShape.from_config(cfg.model), stage, seed=cfg.seed)
+
+
+def merge_stages(sequences: list[dict]) -> list[dict]:
+    """One row per sequence, in the order of its first stage's: kept fraction and coverage averaged over the
+    stages (each holds as many layers)."""
+    by_id: dict[int, list[dict]] = {}
+    for row in sequences:
+        by_id.setdefault(row["seq_id"], []).append(row)
+    return [{**rows[0], "kept_fraction": float(np.mean([r["kept_fraction"] for r in rows])),
+             "coverage": float(np.mean([r["coverage"] for r in rows]))} for rows in by_id.values()]
 
 
 def make_optimizer(params, cfg: DictConfig, fused: bool) -> torch.optim.Optimizer:
@@ -282,25 +292,26 @@ def resume_config(cfg: DictConfig) -> dict:
 
 
 def check_resume(cfg: DictConfig, planner, world_size: int) -> None:
-    """Refuse a checkpoint this run cannot continue before any process group or model exists: the
-    checks of ``Trainer._resume`` on a meta-device copy of the model (shapes, no memory) and a planner
-    of its own."""
+    """Refuse a checkpoint this run cannot continue before any process group or model exists: the checks of
+    ``Trainer._resume`` with a planner of its own."""
     path = Path(cfg.runner.resume)
     ckpt = checkpoint.load(path, world_size, resume_config(cfg))
+    check_continuation(ckpt, path, cfg, planner)
+
+
+def check_continuation(ckpt: dict, path: Path, cfg: DictConfig, planner) -> None:
+    """Check that the checkpoint fits the whole model (a meta-device copy: shapes, no memory) and its
+    optimiser, and that this run's planner plans the checkpoint's steps as it recorded them, replaying the
+    planner over them: policies such as sab carry state across steps (a budget EMA), so the resumed run then
+    plans what the uninterrupted run would."""
+    done = ckpt["next_step"]
+    if cfg.steps <= done:
+        raise ConfigError(f"steps={cfg.steps}: the checkpoint runner.resume={path} has trained {done} steps "
+                          f"already; allowed: steps > {done}")
     with torch.device("meta"):
         model = make_model(cfg)
     # Fused AdamW takes device parameters only; the state dict's layout does not depend on it.
-    check_continuation(ckpt, path, model, make_optimizer(model.parameters(), cfg, fused=False), planner, cfg.steps)
-
-
-def check_continuation(ckpt: dict, path: Path, model, optimizer, planner, steps: int) -> None:
-    """Check that the checkpoint fits the model and optimiser and that this run's planner plans the
-    checkpoint's steps as it recorded them, replaying the planner over them: policies such as sab carry
-    state across steps (a budget EMA), so the resumed run then plans what the uninterrupted run would."""
-    done = ckpt["next_step"]
-    if steps <= done:
-        raise ConfigError(f"steps={steps}: the checkpoint runner.resume={path} has trained {done} steps already; "
-                          f"allowed: steps > {done}")
+    optimizer = make_optimizer(model.parameters(), cfg, fused=False)
     with checkpoint.naming(path):
         checkpoint.check_compatible(ckpt, model, optimizer)
         for step, recorded in enumerate(ckpt["history"]["plans"]):

@@ -4,11 +4,18 @@ Sequences are packed into one ``[T]`` token stream delimited by ``cu_seqlens``; 
 restart at every sequence, and attention is whatever ``attention`` callable the caller gives
 (the sparse-attention kernel on the GPU, its PyTorch reference on the CPU, see runner/attention.py),
 called with the per-sequence budgets of the Plan.
+
+A pipeline stage holds a contiguous share of the layers, as the simulator splits them (``layers / pp`` each),
+the embedding on the first stage and the final norm and LM head on the last. Parameters keep the names
+they have in the whole model (``blocks.<layer>....``), and each is initialised from its own name and the
+seed, so that every layout starts from the same weights. A tied LM head on a last stage that is not the
+first holds a copy of the embedding, kept equal by summing the two gradients (runner/parallel.py).
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -67,42 +74,81 @@ class Block(nn.Module):
         return x + self.w2(F.silu(gate) * up), kept, coverage
 
 
+@dataclass(frozen=True)
+class StageSpan:
+    """Which part of the model pipeline stage ``index`` of ``count`` holds."""
+
+    index: int = 0
+    count: int = 1
+
+    def layers(self, n_layers: int) -> range:
+        if n_layers % self.count:
+            raise ValueError(f"{n_layers} layers do not split evenly over {self.count} pipeline stages")
+        per = n_layers // self.count
+        return range(self.index * per, (self.index + 1) * per)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
 @dataclass
 class ForwardOut:
-    logits: torch.Tensor  # [n_targets, vocab], only at the requested positions
-    kept_fraction: torch.Tensor  # [n_seqs], mean over layers
-    coverage: torch.Tensor  # [n_seqs], mean over layers
+    logits: Optional[torch.Tensor]  # [n_targets, vocab], only at the requested positions; None before the last stage
+    kept_fraction: torch.Tensor  # [n_seqs], mean over the stage's layers
+    coverage: torch.Tensor  # [n_seqs], mean over the stage's layers
+    hidden: Optional[torch.Tensor] = None  # [T, hidden] for the next stage; None on the last stage
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, stage: StageSpan = StageSpan(), seed: int = 0) -> None:
         super().__init__()
-        self.shape = shape
-        self.embed = nn.Embedding(shape.vocab, shape.hidden)
-        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
-        self.norm = nn.RMSNorm(shape.hidden)
-        self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
-        self.apply(self._init)
-        if shape.tie_embeddings:  # one matrix, as the model's published parameter count has it
-            self.lm_head.weight = self.embed.weight
+        self.shape, self.stage = shape, stage
+        if stage.first:
+            self.embed = nn.Embedding(shape.vocab, shape.hidden)
+        # Keyed by the layer's index in the whole model: names as in an nn.ModuleList of every layer.
+        self.blocks = nn.ModuleDict({str(i): Block(shape) for i in stage.layers(shape.layers)})
+        if stage.last:
+            self.norm = nn.RMSNorm(shape.hidden)
+            self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
+            if shape.tie_embeddings and stage.first:  # one matrix, as the model's published parameter count has it
+                self.lm_head.weight = self.embed.weight
+        self.init_weights(seed)
 
-    @staticmethod
-    def _init(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Matrices N(0, 0.02) from a generator seeded by (seed, parameter name); norms 1. A tied LM head
+        draws the embedding's values."""
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if param.is_meta:  # shapes only (checking a checkpoint)
+                continue
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            if name == "lm_head.weight" and self.shape.tie_embeddings:
+                name = "embed.weight"
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
 
     def forward(self, tokens, cu_seqlens, budgets, target_positions, attention: AttentionFn) -> ForwardOut:
-        """Logits at ``target_positions`` only: the task scores a few answer tokens per sequence,
-        and a full ``[T, vocab]`` projection would dominate memory at long context."""
+        """``tokens`` [T] on the first stage, the previous stage's hidden states [T, hidden] on the others.
+        Logits at ``target_positions`` only: the task scores a few answer tokens per sequence, and a full
+        ``[T, vocab]`` projection would dominate memory at long context."""
         # cu_seqlens comes from the host (runner/data.py); the positions are needed on the tokens' device
         positions = packed_positions(cu_seqlens.to(tokens.device, non_blocking=True), tokens.shape[0])
         rotary = rope_angles(positions, self.shape.head_dim, self.shape.rope_theta)
-        x = self.embed(tokens)
+        x = self.embed(tokens) if self.stage.first else tokens
         kept_sum = cov_sum = 0.0
-        for block in self.blocks:
+        for block in self.blocks.values():
             x, kept, coverage = block(x, rotary, cu_seqlens, budgets, attention)
             kept_sum = kept_sum + kept.float()
             cov_sum = cov_sum + coverage.float()
-        logits = self.lm_head(self.norm(x[target_positions]))
         n = len(self.blocks)
+        if not self.stage.last:
+            return ForwardOut(None, kept_sum / n, cov_sum / n, hidden=x)
+        logits = self.lm_head(self.norm(x[target_positions]))
         return ForwardOut(logits.float(), kept_sum / n, cov_sum / n)

@@ -1,13 +1,15 @@
-"""``torchrun --nproc_per_node=N -m runner.train policy=<name> ...``: real data-parallel training under a Plan.
+"""``torchrun --nproc_per_node=N -m runner.train policy=<name> ...``: real dp x pp training under a Plan.
 
 Every rank builds the same Plan for every global batch with the same objects ``sim.run`` uses (workload,
-layout, cost model, policy registries), packs its own micro-batches from it, trains (AdamW; bf16 on the
-GPU), and measures what the simulator predicts: per micro-batch compute time, the wait at the barrier
-before the gradient all-reduce, the all-reduce itself, tokens, and the kernel's kept fraction and coverage;
+layout, cost model, policy registries), packs its replica's micro-batches from it, trains its pipeline
+stage (1F1B; DDP or FSDP over the stage's replicas; AdamW, bf16 on the GPU), and measures what the
+simulator predicts: per micro-batch compute time, waits on neighbouring stages and on the slowest replica,
+the gradient reduction that outlasts the compute, tokens, and the kernel's kept fraction and coverage;
 plus loss and retrieval accuracy. Rank 0 writes the simulator's Results files into the Hydra run dir.
 
-Bad input (world size vs layout, unknown policy, a workload that does not fit the model's context or
-the task, a runner key out of range, a checkpoint this run cannot continue) is one ``error:`` line and
+Bad input (world size vs layout, unknown policy or data parallelism, a workload that does not fit the
+model's context or the task, a runner key out of range, a checkpoint this run cannot continue) is one
+``error:`` line and
 exit code 2 before Hydra makes a run dir or any process group exists; a rank that dies or hangs ends the
 job with a ``RankFailure`` line and exit code 1 within ``runner.timeout_s``.
 """
@@ -29,6 +31,7 @@ from runner.attention import BACKENDS
 from runner.config import register
 from runner.dist import Comm, RankFailure, World, check_world
 from runner.loop import Trainer, check_resume
+from runner.parallel import DATA_PARALLEL
 from sim.cluster import Cluster, Layout
 from sim.core import CONF_DIR, ConfigError, check_group_overrides, compose_config, fail
 from sim.policy import plan_step
@@ -63,6 +66,9 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[Planner, Cluster]:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     check_attention(cfg.runner.attention, device_type(cfg.runner.device))
+    if cfg.runner.data_parallel not in DATA_PARALLEL:
+        raise ConfigError(f"runner.data_parallel={cfg.runner.data_parallel!r} is unknown; allowed: "
+                          f"{', '.join(DATA_PARALLEL)}")
     batching, sparsity = make_policy(cfg.policy)
     return Planner(setup.workload, batching, sparsity, layout, setup.cost), setup.cluster
 
@@ -134,7 +140,7 @@ def main(cfg: DictConfig) -> None:
     if device.type == "cpu":
         # Ranks share the host's cores; one thread each keeps them from oversubscribing it.
         torch.set_num_threads(1)
-    comm = Comm(world, device, cfg.runner.timeout_s)
+    comm = Comm(world, device, cfg.runner.timeout_s, planner.layout)
     try:
         run_dir = Path(comm.broadcast(HydraConfig.get().runtime.output_dir))
         try:

@@ -52,6 +52,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
     ("workload.min_len=16", "workload.min_len=16 is too short for the retrieval task; allowed: >= 25 tokens"),
     ("runner.attention=flash", "runner.attention='flash' is unknown; allowed: kernel, triton, naive"),
     ("runner.device=tpu", "runner.device='tpu' is unknown; allowed: auto, cuda, cpu"),
+    ("runner.data_parallel=zero3", "runner.data_parallel='zero3' is unknown; allowed: ddp, fsdp"),
     ("runner.no_such_key=1", "Key 'no_such_key' not in 'RunnerSettings'"),
     ("runner.resume=/no/such/checkpoint.pt", "runner.resume=/no/such/checkpoint.pt: no such file"),
     (f"runner.resume={ROOT / 'runner'}", f"runner.resume={ROOT / 'runner'}: a directory; allowed: a checkpoint file"),
@@ -63,6 +64,12 @@ def test_a_bad_runner_value_is_one_line(override, message):
     with pytest.raises(ConfigError) as exc:
         check_inputs([*OVERRIDES, override], ONE_RANK)
     assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_context_parallelism_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as exc:
+        check_inputs([*OVERRIDES, "cluster.gpus_per_node=2", "layout.cp=2"], World(rank=0, size=2, local_rank=0))
+    assert str(exc.value).startswith("layout.cp=2: the runner implements data and pipeline parallelism; allowed: cp=1")
 
 
 def test_a_sweep_is_checked_job_by_job_before_any_runs():

@@ -150,10 +150,9 @@ def test_save_fsyncs_the_file_before_the_rename_and_the_directory_after(good, tm
 
 def save_like(path: Path, content: dict) -> None:
     """``checkpoint.save`` of a loaded checkpoint's content."""
-    model, optimizer = torch.nn.Module(), torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-    model.state_dict, optimizer.state_dict = (lambda: content["model"]), (lambda: content["optimizer"])
-    checkpoint.save(path, model=model, optimizer=optimizer, next_step=content["next_step"],
-                    rng_states=content["rng"], history=content["history"], config=content["config"])
+    checkpoint.save(path, model_state=content["model"], optimizer_state=content["optimizer"],
+                    next_step=content["next_step"], rng_states=content["rng"], history=content["history"],
+                    config=content["config"])
 
 
 # ---------------------------------------------------------------------- bad checkpoints
@@ -214,7 +213,8 @@ BAD = {
     "a plain pickle": (lambda g, m: pickle.dumps({"next_step": 1}), "not a torch checkpoint"),
     "a torch file of a bare state dict": (lambda g, m: torch_bytes({"weight": torch.zeros(2)}),
                                           "not a runner checkpoint"),
-    "another checkpoint version": (edited(lambda c: c.update(version=2)), "checkpoint version 2"),
+    "a checkpoint of the previous version": (edited(lambda c: c.update(version=1)),
+                                             "checkpoint version 1; this runner reads version 2"),
     "missing the RNG states": (edited(lambda c: c.pop("rng")), "lacks the key(s) 'rng'"),
     "next_step as a string": (edited(lambda c: c.update(next_step="1")), "next_step='1'"),
     "a float tensor as torch RNG state": (edited(lambda c: c["rng"][0].update(torch=torch.zeros(5056))),

@@ -5,6 +5,7 @@ import socket
 import torch
 
 from runner.dist import NO_MULTICAST_ENV, Comm, World
+from sim.cluster import Layout
 
 
 def _free_port() -> int:
@@ -21,7 +22,7 @@ def test_launch_turns_nvlink_multicast_off_but_keeps_explicit_settings(monkeypat
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "explicit")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    comm = Comm(World(rank=0, size=1, local_rank=0), torch.device("cpu"), timeout_s=30)
+    comm = Comm(World(rank=0, size=1, local_rank=0), torch.device("cpu"), timeout_s=30, layout=Layout(dp=1))
     try:
         assert os.environ["NCCL_NVLS_ENABLE"] == "explicit"
         assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"

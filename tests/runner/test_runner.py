@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 
 from pinned import PINNED_PROFILE
+from runner.dist import DIAGNOSIS_TIMEOUTS
 from sim.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,18 +153,21 @@ def test_bad_input_is_one_line_before_training(tmp_path, override, message):
     assert not (tmp_path / "train.csv").exists()
 
 
-@pytest.mark.parametrize("kind", ["hang", "die"])
-def test_a_failed_rank_ends_the_job_within_the_timeout(tmp_path, kind):
+@pytest.mark.parametrize("kind, layout", [("hang", "layout.pp=1"), ("die", "layout.pp=1"), ("hang", "layout.pp=2")])
+def test_a_failed_rank_ends_the_job_within_the_timeout(tmp_path, kind, layout):
+    """At pp=1 the healthy rank waits in the gradient reduction, at pp=2 for the hung stage's gradients."""
     started = time.monotonic()
-    proc = torchrun(tmp_path, "steps=4", f"runner.timeout_s={FAULT_TIMEOUT_S}", script="tests/runner/faulty_train.py",
+    proc = torchrun(tmp_path, "steps=4", layout, f"runner.timeout_s={FAULT_TIMEOUT_S}",
+                    script="tests/runner/faulty_train.py",
                     env={"RUNNER_FAULT": kind, "RUNNER_FAULT_RANK": "1", "RUNNER_FAULT_STEP": "1"}, timeout=300)
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
     # The faulty rank would sleep an hour; start-up on a busy CI machine takes up to a minute or two.
     assert elapsed < 200, f"took {elapsed:.0f}s"
     if kind == "hang":
-        assert "not every rank reached the gradient all-reduce of step" in one_error_line(proc)
-        assert "Rank 1" in proc.stderr
+        line = one_error_line(proc)
+        assert line.startswith(f"error: rank 0: step 1 failed or timed out after {FAULT_TIMEOUT_S} s"), line
+        assert line.endswith(f"Ranks 1 failed to pass monitoredBarrier in {DIAGNOSIS_TIMEOUTS * FAULT_TIMEOUT_S * 1000} ms"), line
     else:
         assert "exitcode  : 17" in proc.stderr
 
