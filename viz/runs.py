@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +54,8 @@ def _short(override: str) -> str:
 
 
 def _check_columns(path: Path, frame: pd.DataFrame, record_type) -> None:
-    missing = [f.name for f in fields(record_type) if f.name not in frame.columns]
+    """Every field must be there, except those added later with a default, which older Results lack."""
+    missing = [f.name for f in fields(record_type) if f.name not in frame.columns and f.default is MISSING]
     if missing:
         raise PlotError(
             f"{path}: older or unknown Results schema (no column {', '.join(missing)}); "
