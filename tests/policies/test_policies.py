@@ -3,7 +3,7 @@ from dataclasses import MISSING, FrozenInstanceError, fields
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from sim.policy import BATCHING, SPARSITY, make_batching, make_sparsity
 from policies.karmarkar_karp import kk_partition, ldm_partition
