@@ -89,7 +89,10 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
 def policy_variant(spec: str) -> PolicyConfig:
     """``name`` or ``name:key=value:...``: a policy of conf/policy/ with overrides of its own config."""
     name, *overrides = spec.split(":")
-    policy = load_policy(name)
+    try:
+        policy = load_policy(name)
+    except ConfigError:
+        raise ConfigError(f"--policies {spec!r}: no policy {name!r} in conf/policy/") from None
     try:
         return OmegaConf.merge(policy, OmegaConf.from_dotlist(overrides))
     except (OmegaConfBaseException, ValueError) as exc:
@@ -179,7 +182,7 @@ def main() -> None:
     parser.add_argument("--bounds", nargs="?", const=",".join(BOUNDS), default="",
                         help=f"perfect-balance rows for these policies' plans (alone: {','.join(BOUNDS)})")
     parser.add_argument("--ablation", action="store_true", help="the mechanisms one by one instead of --policies")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may come before or after the options
     register()
     policies = ABLATION if args.ablation else names(args.policies)
     try:

@@ -47,7 +47,7 @@ def test_policy_variants_override_a_policy_config():
     variant = policy_variant("sparsebalance:sparsity.params.floor=0.7:batching.params.pipeline_order=search")
     assert variant.sparsity.params.floor == 0.7 and variant.batching.params.pipeline_order == "search"
     assert label("sparsebalance:sparsity.params.floor=0.7") == "sparsebalance:floor=0.7"
-    with pytest.raises(ConfigError, match="is not a policy"):
+    with pytest.raises(ConfigError, match="no policy 'nope'"):
         policy_variant("nope:sparsity.params.floor=0.7")
 
 
