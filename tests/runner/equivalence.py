@@ -1,8 +1,10 @@
-"""The parallel layouts train what one process trains: DP2 and PP2 x DP2 under torchrun on the CPU (gloo), with
-DDP and with FSDP2, against the same Plan run in this process, micro-batch after micro-batch on one whole
-model. Their first step's loss and gradients (saved by grad_probe.py before the optimiser steps) must agree
-within float tolerance; the Plans must be the simulator's byte for byte; the Results hold a row per
-(replica, micro-batch, stage) and ``runner.compare`` replays them.
+"""What the equivalence tests of the parallel layouts share (test_parallel_dp.py, test_parallel_pp.py).
+
+A layout runs under torchrun on the CPU (gloo) for one step, writing its checkpoint, and is held against
+the same Plan run in the test's own process, micro-batch after micro-batch on one whole model: the first
+step's loss and gradients (saved by grad_probe.py before the optimiser steps) must agree within float
+tolerance; the Plans must be the simulator's byte for byte; the Results hold a row per (replica,
+micro-batch, stage) and ``runner.compare`` replays them.
 
 The policy gives every sequence the same budget whatever the layout (baseline), so that the layouts train
 the same attention; a different packing of the same sequences changes only the order of float sums.
@@ -43,6 +45,7 @@ LAYOUTS = {  # name: (processes, pipeline stages, data parallelism)
     "pp2xdp2-ddp": (4, 2, "ddp"),
     "pp2xdp2-fsdp": (4, 2, "fsdp"),
 }
+LR = 1e-2
 RTOL = 1e-5  # of each gradient's largest entry; fp32 sums in another order differ by ~1e-7
 
 
@@ -51,45 +54,60 @@ def layout_overrides(name: str) -> list[str]:
     return [*SHARED, f"cluster.gpus_per_node={nproc}", f"layout.pp={pp}"]
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def run(request, tmp_path_factory) -> tuple[str, Path]:
-    name = request.param
+def launch(name: str, run_dir: Path, *overrides: str) -> None:
+    """The layout under torchrun, through grad_probe.py (which saves the first step's gradients)."""
     nproc, _, data_parallel = LAYOUTS[name]
-    run_dir = tmp_path_factory.mktemp(name)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "tests/runner/grad_probe.py", f"hydra.run.dir={run_dir}", *layout_overrides(name), *RUNNER,
-           f"runner.data_parallel={data_parallel}"]
+           f"runner.data_parallel={data_parallel}", f"runner.lr={LR}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUNNER_GRADS": str(run_dir)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def one_step_run(name: str, tmp_path_factory) -> tuple[str, Path]:
+    run_dir = tmp_path_factory.mktemp(name)
+    launch(name, run_dir, "runner.checkpoint_every=1")
     return name, run_dir
 
 
-def one_process(plan: Plan) -> tuple[float, dict[str, torch.Tensor]]:
-    """The Plan's first step on one whole model: every micro-batch of every replica, loss summed over the
-    global batch's scored tokens and divided by their count."""
+def one_process(plans: list[Plan]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The Plans' steps on one whole model, every micro-batch of every replica, loss summed over the global
+    batch's scored tokens and divided by their count, AdamW between steps: each step's loss and the first
+    step's gradients."""
     register()
-    cfg = compose_config([*SHARED, *RUNNER, "cluster.gpus_per_node=1"], config_name="runner")
+    cfg = compose_config([*SHARED, *RUNNER, "cluster.gpus_per_node=1", f"runner.lr={LR}"], config_name="runner")
     task = TaskConfig(**cfg.runner.task)
     model = TinyLlama(ModelShape.from_config(cfg.model), seed=cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.runner.lr, weight_decay=cfg.runner.weight_decay)
     attend = make_attention("kernel", cfg.cost.block_size)
-    n = n_answers(plan.assignments, task)
-    total = 0.0
-    for rank in range(plan.dp):
-        for mb in range(plan.micro_batches):
-            b = pack(plan.micro_batch(rank, mb), task, cfg.model.vocab, cfg.seed, torch.device("cpu"))
-            out = model(b.tokens, b.cu_seqlens, (b.p, b.kept_fraction), b.target_positions, attend)
-            loss = F.cross_entropy(out.logits, b.targets, reduction="sum")
-            (loss / n).backward()
-            total += float(loss.detach())
-    return total / n, {name: p.grad for name, p in model.named_parameters()}
+    losses, first = [], None
+    for plan in plans:
+        n = n_answers(plan.assignments, task)
+        total = 0.0
+        for rank in range(plan.dp):
+            for mb in range(plan.micro_batches):
+                b = pack(plan.micro_batch(rank, mb), task, cfg.model.vocab, cfg.seed, torch.device("cpu"))
+                out = model(b.tokens, b.cu_seqlens, (b.p, b.kept_fraction), b.target_positions, attend)
+                loss = F.cross_entropy(out.logits, b.targets, reduction="sum")
+                (loss / n).backward()
+                total += float(loss.detach())
+        losses.append(total / n)
+        if first is None:
+            first = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, first
 
 
-def test_loss_and_gradients_are_the_single_process_ones(run):
-    name, run_dir = run
-    plan = Plan.from_json((run_dir / "plans.jsonl").read_text().splitlines()[0])
-    loss, grads = one_process(plan)
-    assert pd.read_csv(run_dir / "train.csv")["loss"].iloc[0] == pytest.approx(loss, rel=1e-6)
+def plans_of(run_dir: Path) -> list[Plan]:
+    return [Plan.from_json(line) for line in (run_dir / "plans.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------- checks of one run
+def check_loss_and_gradients(run_dir: Path) -> None:
+    losses, grads = one_process(plans_of(run_dir)[:1])
+    assert pd.read_csv(run_dir / "train.csv")["loss"].iloc[0] == pytest.approx(losses[0], rel=1e-6)
     saved = {}
     for path in sorted(run_dir.glob("rank*.pt")):
         saved.update(torch.load(path, weights_only=True))
@@ -100,16 +118,13 @@ def test_loss_and_gradients_are_the_single_process_ones(run):
         torch.testing.assert_close(saved[key], grad, rtol=0, atol=RTOL * float(grad.abs().max()), msg=key)
 
 
-def test_plans_are_the_simulators(run):
-    name, run_dir = run
+def check_plans(name: str, run_dir: Path) -> None:
     expected = "".join(line + "\n" for line in simulate(compose_config(layout_overrides(name))).results.plans)
     assert (run_dir / "plans.jsonl").read_bytes() == expected.encode()
 
 
-def test_results_have_a_row_per_replica_micro_batch_and_stage(run):
-    name, run_dir = run
-    plan = Plan.from_json((run_dir / "plans.jsonl").read_text().splitlines()[0])
-    pp = LAYOUTS[name][1]
+def check_rows(name: str, run_dir: Path) -> None:
+    plan, pp = plans_of(run_dir)[0], LAYOUTS[name][1]
     rows = pd.read_csv(run_dir / "micro_batches.csv")
     keys = rows[["dp_rank", "micro_batch", "stage"]].drop_duplicates()
     assert len(keys) == len(rows) == plan.dp * plan.micro_batches * pp
@@ -120,10 +135,9 @@ def test_results_have_a_row_per_replica_micro_batch_and_stage(run):
     assert sorted(sequences["seq_id"]) == sorted(a.seq_id for a in plan.assignments)
 
 
-def test_compare_replays_the_run(run):
+def check_compare(run_dir: Path) -> None:
     from runner.compare import main
 
-    name, run_dir = run
     assert main([str(run_dir), "--profile", str(PINNED_PROFILE), "--skip", "0"]) == 0
     table = pd.read_csv(run_dir / "compare.csv")
-    assert len(table) == 1 and (table["sim_ms"] > 0).all()
+    assert len(table) == len(plans_of(run_dir)) and (table["sim_ms"] > 0).all()
