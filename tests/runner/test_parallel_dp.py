@@ -1,4 +1,5 @@
-"""DP2 under torchrun on the CPU, with DDP and with FSDP2, trains what one process trains (equivalence.py)."""
+"""DP2 under torchrun on the CPU, with DDP and with FSDP2, trains what one process trains (equivalence.py); so
+does FSDP2 when one replica has an empty micro-batch that the other has not."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +8,7 @@ import pytest
 
 from equivalence import check_compare, check_loss_and_gradients, check_plans, check_rows, one_step_run
 
-LAYOUTS_HERE = ["dp2-ddp", "dp2-fsdp"]
+LAYOUTS_HERE = ["dp2-ddp", "dp2-fsdp", "dp2-fsdp-uneven"]
 
 
 @pytest.fixture(scope="module", params=LAYOUTS_HERE)
