@@ -728,11 +728,11 @@ def run_fair(args):
         emit = csv_emitter(out, FAIR_FIELDS)
         log("META", json.dumps(dict(torch=torch.__version__, triton=triton.__version__,
                                     gpu=torch.cuda.get_device_name(), rounds=args.rounds)))
-        for heads in FAIR_HEADS:
+        for heads in args.fair_heads:
             batch = fair_batch(heads)
             for sp in FAIR_SPARSITIES[heads]:
                 if time.time() - t_start > args.deadline_s:
-                    emit(dict(case="packed64k", heads=heads, sparsity=sp, impl="all",
+                    emit(dict(case="packed64k", heads="{}:{}".format(*FAIR_HEADS[heads]), sparsity=sp, impl="all",
                               error="skipped: --deadline-s reached"))
                     continue
                 fair_point(args, emit, flex, sticky, heads, sp, batch)
@@ -985,6 +985,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the fair comparison on a packed 64K batch, MHA and GQA 32:4: FlexAttention on the token-level "
                          "document mask, on whole-block (aligned) documents with exactly our kept blocks, on padded "
                          "documents, its FLASH backend, cuDNN dense (the README's table: --table of its CSV)")
+    ap.add_argument("--fair-heads", type=comma_list(str, lambda x: x in FAIR_HEADS, "head configurations of "
+                                                    + ", ".join(FAIR_HEADS)), default=",".join(FAIR_HEADS),
+                    help="--fair's head configurations, in this order (to split the grid over calls)")
     ap.add_argument("--quick", action="store_true", help="short follow-up check + a few of our grid points")
     ap.add_argument("--short-vs-long", action="store_true", help="short- vs long-row configs, MHA and GQA")
     ap.add_argument("--selection", action="store_true", help="selection cost vs fwd+bwd at 8K/32K/128K, 3 repeats")
