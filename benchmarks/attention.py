@@ -653,7 +653,7 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
     for name, key in (("triton_sparse", "unaligned"), ("triton_sparse_aligned", "aligned")):
         q, k, v, do, cu, lens = batch[key]
         sel = select_blocks(q, k, cu, kept_fraction=1.0 - sp, block_size=B, options=args.options)
-        weight = torch.tensor(lens, device="cuda").float() ** 2
+        weight = torch.tensor(lens, device=q.device).float() ** 2
         base[name] = dict(case="packed64k", heads=f"{Hq}:{Hkv}", T=sum(lens), ndocs=len(lens), sparsity=sp,
                           kept_fraction=round(float((sel.kept_fraction * weight).sum() / weight.sum()), 4))
         flops[name] = 4 * D * G * sel.kept_block_pairs_tokens()
@@ -673,7 +673,7 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
                                                                                 "FLASH")))
     if sp == 0.0:
         fns["cudnn_varlen_dense"] = sticky.fns(f"cudnn_{heads}", lambda: probed(
-            cudnn_varlen_fns(*un[:4], un[4].cu_seqlens.cuda())))
+            cudnn_varlen_fns(*un[:4], un[4].cu_seqlens.to(un[0].device))))
     for impl, timed in interleaved_ms({n: f for n, f in fns.items() if not isinstance(f, Exception)},
                                       args.rounds).items():
         ours = "triton_sparse_aligned" if impl in ("flex_exact", "flex_flash_exact", "triton_sparse_aligned") \
@@ -704,10 +704,10 @@ def fair_batch(heads: str) -> dict:
         q, k, v = make_qkv(sum(lens), Hq, Hkv, D, torch.bfloat16, seed=len(key))
         docs = VarlenBatch.from_cu_seqlens(cu_from_lens(lens))  # once per batch, as the runner hands it over
         batch[key] = (q, k, v, torch.randn_like(q), docs, lens)
-    pos, padded_end = padded_positions(unaligned)
     q, k, v, do = batch["unaligned"][:4]
+    pos, padded_end = padded_positions(unaligned, q.device)
     batch.update(padded=padded_tensors(pos, padded_end.numel(), q, k, v, do), padded_end=padded_end,
-                 padded_T=padded_end.numel(), aligned_end=padded_positions(aligned)[1],
+                 padded_T=padded_end.numel(), aligned_end=padded_positions(aligned, q.device)[1],
                  un_heads=[*heads_first(q, k, v), do.transpose(0, 1).unsqueeze(0).contiguous()],
                  al_heads=[*heads_first(*batch["aligned"][:3]),
                            batch["aligned"][3].transpose(0, 1).unsqueeze(0).contiguous()])
