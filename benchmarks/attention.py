@@ -542,7 +542,7 @@ FAIR_FIELDS = ["case", "heads", "T", "ndocs", "padded_T", "sparsity", "kept_frac
 # (ours, Flex) rows of each construction: ours on the batch the construction starts from
 FAIR_PAIRS = (("flex_token_mask", "triton_sparse"), ("flex_padded", "triton_sparse"),
               ("flex_exact", "triton_sparse_aligned"), ("flex_flash_exact", "triton_sparse_aligned"),
-              ("cudnn_varlen_dense", "triton_sparse"), ("cudnn_per_document_dense", "triton_sparse"))
+              ("cudnn_per_document_dense", "triton_sparse"))
 
 
 def fair_lengths(total: int = 65536, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -611,26 +611,9 @@ def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
     return [*heads_first(*out[:3]), out[3].transpose(0, 1).unsqueeze(0).contiguous()]
 
 
-def cudnn_varlen_fns(q, k, v, do, cu):
-    """cuDNN SDPA, dense causal per document, through nested (jagged) tensors: (fwd, fwd+bwd)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    offsets = cu.long()
-    G = q.shape[1] // k.shape[1]
-
-    def fwd():
-        nq, nk, nv = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets).transpose(1, 2) for x in leaves]
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            o = torch.nn.functional.scaled_dot_product_attention(nq, nk, nv, is_causal=True, enable_gqa=G > 1)
-        return o.transpose(1, 2).values()
-
-    return fwd, lambda: torch.autograd.grad(fwd(), leaves, do)
-
-
 def cudnn_per_document_fns(q, k, v, do, lens):
-    """cuDNN SDPA, dense causal, one call per document (where torch routes no nested tensors to cuDNN):
-    (fwd, fwd+bwd); its launches cost host time that do_bench counts wherever the GPU runs short of it."""
+    """cuDNN SDPA, dense causal, one call per document: (fwd, fwd+bwd); its launches cost host time that
+    do_bench counts wherever the GPU runs short of it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -693,11 +676,10 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
     fns["flex_flash_exact"] = sticky.fns("flash", lambda: probed(fair_flex_fns(flex, batch["al_heads"], exact, G,
                                                                                 "FLASH")))
     if sp == 0.0:
-        fns["cudnn_varlen_dense"] = sticky.fns(f"cudnn_{heads}", lambda: probed(
-            cudnn_varlen_fns(*un[:4], un[4].cu_seqlens.to(un[0].device))))
-        if isinstance(fns["cudnn_varlen_dense"], Exception):
-            fns["cudnn_per_document_dense"] = sticky.fns(f"cudnn_docs_{heads}", lambda: probed(
-                cudnn_per_document_fns(*un[:4], un[5])))
+        # One cuDNN call per document: through nested (jagged) tensors, torch 2.11's cuDNN path made an illegal
+        # memory access on the H200 on this batch, which poisons the CUDA context for every later timing.
+        fns["cudnn_per_document_dense"] = sticky.fns(f"cudnn_docs_{heads}", lambda: probed(
+            cudnn_per_document_fns(*un[:4], un[5])))
     for impl, timed in interleaved_ms({n: f for n, f in fns.items() if not isinstance(f, Exception)},
                                       args.rounds).items():
         ours = "triton_sparse_aligned" if impl in ("flex_exact", "flex_flash_exact", "triton_sparse_aligned") \
@@ -712,8 +694,7 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
 
 def probed(fns):
     """(fwd, fwd+bwd) after one fwd+bwd, so that an implementation that cannot run here fails at once with its
-    own message: FlexAttention's FLASH backend (FlashAttention-4) without flash-attn-4 and nvidia-cutlass-dsl,
-    cuDNN on nested tensors where torch does not route them to it."""
+    own message: FlexAttention's FLASH backend (FlashAttention-4) without flash-attn-4 and nvidia-cutlass-dsl."""
     fns[1]()
     return fns
 
@@ -928,7 +909,7 @@ def results_table(path: str) -> str:
 
 FAIR_COLUMNS = (("flex_token_mask", "Flex, token-level document mask"), ("flex_padded", "Flex, documents padded"),
                 ("flex_exact", "Flex, aligned, exact blocks"), ("flex_flash_exact", "Flex FLASH, aligned, exact blocks"),
-                ("cudnn_varlen_dense", "cuDNN dense"), ("cudnn_per_document_dense", "cuDNN dense, a call per document"))
+                ("cudnn_per_document_dense", "cuDNN dense, a call per document"))
 
 
 def fair_table(df) -> str:

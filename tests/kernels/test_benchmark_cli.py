@@ -116,7 +116,7 @@ def test_fair_table_from_a_fair_csv(tmp_path):
     out = run_module("--table", str(path))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[2] == "| 16:16 | 0.9 | 2.00 (250) | 2.10 (240) | 8.00 (4.00x) | 2.20 (1.10x) | 2.10 (1.00x) | - | - | - |"
+    assert lines[2] == "| 16:16 | 0.9 | 2.00 (250) | 2.10 (240) | 8.00 (4.00x) | 2.20 (1.10x) | 2.10 (1.00x) | - | - |"
     assert lines[4:] == ["* Flex FLASH, aligned, exact blocks: absent: ModuleNotFoundError('flash_attn')",
                          "* padded batch: 65536 tokens for 62567 (4.7% more), 49 documents"]
 
