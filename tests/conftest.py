@@ -1,5 +1,5 @@
 """Shared by every test directory: ``tests/`` on ``sys.path``, whatever pytest's import mode, so that test
-modules can ``from pinned import pinned, PROFILE_OVERRIDE`` (the pinned cost profile, ``tests/pinned.py``)."""
+modules can ``from pinned import pinned, PINNED_OVERRIDES`` (the pinned cost profile, ``tests/pinned.py``)."""
 import sys
 from pathlib import Path
 

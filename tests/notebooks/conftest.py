@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pinned import PINNED_PROFILE, PROFILE_OVERRIDE
+from pinned import PINNED_OVERRIDES, PINNED_PROFILE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def sweep(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sweep") / "multirun"
     run = subprocess.run(
         [sys.executable, "-m", "sim.run", "-m", "policy=baseline,kk", "steps=2", "layout.micro_batches=4",
-         f"hydra.sweep.dir={out}", PROFILE_OVERRIDE],
+         f"hydra.sweep.dir={out}", *PINNED_OVERRIDES],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr

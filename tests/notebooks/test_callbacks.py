@@ -10,14 +10,14 @@ import pytest
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from pinned import PROFILE_OVERRIDE
+from pinned import PINNED_OVERRIDES
 from viz.callbacks import RunFigures
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def sim_run(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sim.run", *overrides, PROFILE_OVERRIDE], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "sim.run", *overrides, *PINNED_OVERRIDES], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pinned import PINNED_PROFILE, PROFILE_OVERRIDE
+from pinned import PINNED_OVERRIDES, PINNED_PROFILE
 from viz.calibration import (benchmark_vs_profile, calibration_frame, plot_calibration, plot_residuals,
                              read_profile)
 from viz.cli import main
@@ -64,7 +64,7 @@ def test_timeline_replays_the_recorded_step(sweep):
 def test_sim_run_draws_a_pipeline_timeline_when_asked(tmp_path):
     done = subprocess.run([sys.executable, "-m", "sim.run", "policy=kk", "steps=1", "layout.pp=2",
                            "layout.micro_batches=4", "baseline=null", "plot=true", f"hydra.run.dir={tmp_path}",
-                           PROFILE_OVERRIDE],
+                           *PINNED_OVERRIDES],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"figures: {tmp_path / 'figures'}  (timeline.png)" in done.stdout

@@ -6,7 +6,7 @@ import pytest
 
 from sim.compare import compare, hydra_overrides
 from sim.core import compose_config
-from pinned import PROFILE_OVERRIDE, pinned
+from pinned import PINNED_OVERRIDES, pinned
 
 
 def test_paper_preset_is_the_papers_setting():
@@ -54,7 +54,7 @@ def test_each_mechanism_alone_beats_the_baseline(paper_table):
 def test_sim_run_reports_sparsebalance_against_the_baseline(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "sim.run", "policy=sparsebalance", "steps=3", f"hydra.run.dir={tmp_path}",
-         PROFILE_OVERRIDE],
+         *PINNED_OVERRIDES],
         capture_output=True, text=True, check=True,
     ).stdout
     header, sb, base = out.splitlines()[:3]

@@ -12,7 +12,7 @@ import pytest
 
 from omegaconf import OmegaConf
 
-from pinned import PROFILE_OVERRIDE, pinned
+from pinned import PINNED_OVERRIDES, pinned
 from sim.cluster import Layout
 from sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
 from sim.core import ConfigError, compose_config
@@ -216,7 +216,7 @@ def run_cli(*args, cwd):
 def test_unfittable_sequence_through_sim_run_is_one_line_and_leaves_nothing(tmp_path):
     # Qwen2.5-3B without checkpointing on one stage: a ~29K-token sequence alone needs about 178 GB
     # the error comes mid-run, after Hydra made the run dir (and its parent): both are removed again
-    proc = run_cli(f"hydra.run.dir={tmp_path / 'runs' / 'run'}", PROFILE_OVERRIDE,
+    proc = run_cli(f"hydra.run.dir={tmp_path / 'runs' / 'run'}", *PINNED_OVERRIDES,
                    "memory.activation_checkpointing=false", "steps=3", cwd=tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
