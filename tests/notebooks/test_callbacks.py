@@ -50,13 +50,11 @@ def test_bad_input_with_plot_leaves_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_figures_without_plans_are_one_line_and_none_is_written(tmp_path):
-    done = sim_run("plot=true", "write_plans=false", "steps=1", "baseline=null", f"hydra.run.dir={tmp_path}")
-    assert done.returncode == 2
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: plot=true: no figures: ") and "write_plans=true" in last, done.stderr
-    assert "Traceback" not in done.stderr
-    assert (tmp_path / "summary.json").is_file() and not (tmp_path / "figures").exists()
+def test_figures_without_plans_are_refused_before_the_run(tmp_path):
+    done = sim_run("plot=true", "write_plans=false", "steps=1", "baseline=null", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == ["error: plot=true needs write_plans=true (the timeline replays the Plans)"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_callback_loads_no_plotting_library():
