@@ -24,7 +24,7 @@ from tqdm import tqdm
 from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.config import PolicyConfig, RunConfig, register, validate
-from sim.core import CONF_DIR, ConfigError, check_group_overrides, compose_config, fail, group_options
+from sim.core import CONF_DIR, ConfigError, compose_config, fail, group_options
 from sim.cost import CostModel, make_cost
 from sim.engine import Engine
 from sim.memory import MemoryModel
@@ -217,8 +217,7 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     try:
-        check_group_overrides(sys.argv[1:])
-        check_composition(sys.argv[1:])
+        check_composition(sys.argv[1:])  # each job's composition checks its group options first
     except ConfigError as exc:
         fail(str(exc))
     main()

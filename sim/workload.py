@@ -51,13 +51,15 @@ def _read_jsonl(file: Path) -> pd.DataFrame:
 
 def trace_lengths(column: pd.Series, path: str) -> np.ndarray:
     """The column as positive whole token counts; the first value that is not one is named with its row."""
+    lengths = []
     for row, raw in enumerate(column.tolist(), start=1):
         text = str(raw).strip()
         if not text.isdigit() or int(text) < 1:
             raise ConfigError(
                 f"workload.trace_path={path!r}: row {row} has length {raw!r}; allowed: a whole number of tokens >= 1"
             )
-    return np.array([int(str(v).strip()) for v in column.tolist()], dtype=object)
+        lengths.append(int(text))
+    return np.array(lengths, dtype=object)
 
 
 class Workload:
