@@ -30,17 +30,16 @@ the most at any time during the forward and backward, with the incoming gradient
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import json
 import math
-import os
 import shlex
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from calibrate.store import append_rows
 from sim.core import fail, write_json_atomic
 from sim.shapes import ModelShape, load_shapes, model_names
 
@@ -178,18 +177,6 @@ class Measurer:
         return x
 
 
-def append_row(path: Path, row: dict) -> None:
-    """One finished point, forced to disk before the next starts (a run stopped mid-way keeps its rows)."""
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="raise")
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def measure_all(points: list[Point], measurer: Measurer, csv_path: Path, time_budget_s: float) -> int:
     """Measure and append every point until the time budget is spent; the points measured."""
     start = time.monotonic()
@@ -198,7 +185,7 @@ def measure_all(points: list[Point], measurer: Measurer, csv_path: Path, time_bu
             print(f"time budget of {time_budget_s:.0f} s spent: {len(points) - done} points left out", file=sys.stderr)
             return done
         row = measurer.measure(point)
-        append_row(csv_path, row)
+        append_rows(csv_path, [row], COLUMNS)
         print(f"{point.model} tokens={point.tokens} layers={point.layers} checkpointing={int(point.checkpointing)} "
               f"kept={point.kept_fraction}: held {row['held_bytes'] / 1e9:.3f} GB, peak {row['peak_bytes'] / 1e9:.3f} GB",
               file=sys.stderr, flush=True)

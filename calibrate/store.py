@@ -23,13 +23,14 @@ COLUMNS = (
 )
 
 
-def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append rows (a finished point) and force them to disk before the next point starts."""
+def append_rows(path: Path, rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> None:
+    """Append rows (a finished point) of a CSV with these columns and force them to disk before the next point
+    starts."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _drop_partial_tail(path)
     new_file = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="raise")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="raise")
         if new_file:
             writer.writeheader()
         writer.writerows(rows)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibrate.memory import COLUMNS, Measurer, append_row, build_points, measure_all, warm_up
+from calibrate.memory import COLUMNS, Measurer, build_points, measure_all, warm_up
+from calibrate.store import append_rows
 from runner.attention import make_attention
 from sim.shapes import ModelShape
 
@@ -79,7 +80,7 @@ def test_measure_all_appends_a_row_per_point_and_stops_at_the_time_budget(measur
 
 def test_append_row_refuses_unknown_columns(tmp_path):
     with pytest.raises(ValueError):
-        append_row(tmp_path / "x.csv", {"nope": 1})
+        append_rows(tmp_path / "x.csv", [{"nope": 1}], COLUMNS)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the one-line refusal is for machines without CUDA")
