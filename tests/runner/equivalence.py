@@ -1,4 +1,4 @@
-"""What the equivalence tests of the parallel layouts share (test_parallel_dp.py, test_parallel_pp.py).
+"""What the equivalence tests of the parallel layouts share (test_parallel.py).
 
 A layout runs under torchrun on the CPU (gloo) for one step, writing its checkpoint, and is held against
 the same Plan run in the test's own process, micro-batch after micro-batch on one whole model: the first

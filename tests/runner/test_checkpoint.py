@@ -25,20 +25,12 @@ import pytest
 import torch
 
 from runner import checkpoint
-from runner.dist import World
 from runner.train import check_inputs
 from sim.core import ConfigError
+from tiny import ONE_RANK, TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
-# A tiny model on one rank; the baseline policy plans without learned state.
-OVERRIDES = [
-    "cost=roofline", "cost.block_size=32", "cluster.gpus_per_node=1", "layout.micro_batches=2",
-    "model.hidden=32", "model.layers=1", "model.heads=2", "model.kv_heads=1", "model.head_dim=16",
-    "model.ffn=64", "model.vocab=128", "model.max_context=512", "workload.global_batch=4",
-    "workload.min_len=64", "workload.max_len=512", "workload.median=128", "seed=5", "policy=baseline",
-    "runner.task.n_keys=16", "runner.task.n_values=16", "runner.task.max_pairs=4", "runner.lr=1e-2",
-]
-ONE_RANK = World(rank=0, size=1, local_rank=0)
+OVERRIDES = [*TINY_ONE_RANK, "runner.lr=1e-2"]
 
 
 def _free_port() -> int:

@@ -23,16 +23,10 @@ from runner.dist import World
 from runner.train import check_inputs
 from sim.core import ConfigError, compose_config
 from sim.run import simulate
+from tiny import ONE_RANK, TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERRIDES = [
-    "cost=roofline", "cost.block_size=32", "cluster.gpus_per_node=1", "layout.micro_batches=2",
-    "model.hidden=32", "model.layers=1", "model.heads=2", "model.kv_heads=1", "model.head_dim=16",
-    "model.ffn=64", "model.vocab=128", "model.max_context=512", "workload.global_batch=4",
-    "workload.min_len=64", "workload.max_len=512", "workload.median=128", "seed=5", "policy=baseline",
-    "runner.task.n_keys=16", "runner.task.n_values=16", "runner.task.max_pairs=4", "steps=3",
-]
-ONE_RANK = World(rank=0, size=1, local_rank=0)
+OVERRIDES = [*TINY_ONE_RANK, "steps=3"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's answer")
 
 

@@ -1,5 +1,6 @@
-"""PP2 x DP2 under torchrun on the CPU, with DDP and with FSDP2, trains what one process trains
-(equivalence.py), and a run resumed from its checkpoint continues the single process's loss curve."""
+"""DP2 and PP2 x DP2 under torchrun on the CPU, with DDP and with FSDP2, train what one process trains
+(equivalence.py); so does FSDP2 when one replica has an empty micro-batch that the other has not; and a run
+resumed from its checkpoint continues the single process's loss curve."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,13 +9,12 @@ import pandas as pd
 import pytest
 
 from equivalence import (
-    check_compare, check_loss_and_gradients, check_plans, check_rows, launch, one_process, one_step_run, plans_of,
+    LAYOUTS, check_compare, check_loss_and_gradients, check_plans, check_rows, launch, one_process, one_step_run,
+    plans_of,
 )
 
-LAYOUTS_HERE = ["pp2xdp2-ddp", "pp2xdp2-fsdp"]
 
-
-@pytest.fixture(scope="module", params=LAYOUTS_HERE)
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def run(request, tmp_path_factory) -> tuple[str, Path]:
     return one_step_run(request.param, tmp_path_factory)
 
