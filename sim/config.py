@@ -159,9 +159,13 @@ class WorkloadConfig:
     long_median: float = bounded(24576.0, POSITIVE)  # bimodal: long mode
     long_fraction: float = bounded(0.2, FRACTION)  # bimodal: share of long sequences
     trace_path: Optional[str] = None  # trace: CSV or JSONL with a `length` column
-    # Sensitivity s in (0, 1] ~ Beta(a, b): the exponent of the coverage power law.
+    # Sensitivity s in (0, 1]: the exponent of the coverage power law, drawn from the Beta(a, b) prior unless
+    # sensitivity_profile names a measured profile (python -m calibrate.sensitivity, sim/sensitivity.py), whose
+    # model of s by length then replaces the prior.
     sensitivity_a: float = bounded(2.0, POSITIVE)
     sensitivity_b: float = bounded(5.0, POSITIVE)
+    sensitivity_profile: Optional[str] = None  # null: the Beta prior
+    sensitivity_task: Optional[str] = None  # the profile's task to draw from; null: its only one
 
     def check(self, prefix: str) -> None:
         if self.min_len > self.max_len:
@@ -170,6 +174,9 @@ class WorkloadConfig:
             )
         if self.distribution is LengthDistribution.trace and not self.trace_path:
             raise ConfigError(f"{prefix}distribution=trace needs {prefix}trace_path (a CSV or JSONL file)")
+        if self.sensitivity_task is not None and not self.sensitivity_profile:
+            raise ConfigError(f"{prefix}sensitivity_task={self.sensitivity_task!r} needs {prefix}sensitivity_profile "
+                              "(a measured profile); the Beta prior has no tasks")
 
 
 @dataclass

@@ -14,6 +14,7 @@ import pandas as pd
 
 from sim.config import LengthDistribution, WorkloadConfig, validate
 from sim.core import ConfigError, resolve_path
+from sim.sensitivity import load_sensitivity_profile
 
 # Sensitivities are clipped away from 0: s -> 0 makes kept_fraction = p ** (1/s) underflow.
 MIN_SENSITIVITY = 1e-3
@@ -73,6 +74,9 @@ class Workload:
             self._check_lengths(read_trace(cfg.trace_path), max_context, f"trace {cfg.trace_path!r}")
             if self._is_trace else None
         )
+        self._profile = (
+            load_sensitivity_profile(cfg.sensitivity_profile, cfg.sensitivity_task) if cfg.sensitivity_profile else None
+        )
 
     @property
     def _is_trace(self) -> bool:
@@ -112,12 +116,16 @@ class Workload:
             )
         return np.clip(np.rint(raw), cfg.min_len, cfg.max_len).astype(np.int64)
 
+    def sensitivities(self, lengths: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """One s per length: from the measured profile given the length, or from the Beta prior."""
+        raw = (self._profile.draw(lengths, rng) if self._profile is not None
+               else rng.beta(self.cfg.sensitivity_a, self.cfg.sensitivity_b, lengths.size))
+        return np.clip(raw, MIN_SENSITIVITY, 1.0)
+
     def batch(self, step: int) -> list[Sequence]:
         rng = np.random.default_rng([self.seed, step])
         lengths = self._lengths(rng, step)
-        sens = np.clip(
-            rng.beta(self.cfg.sensitivity_a, self.cfg.sensitivity_b, lengths.size), MIN_SENSITIVITY, 1.0
-        )
+        sens = self.sensitivities(lengths, rng)
         first = step * self.cfg.global_batch
         return [
             Sequence(first + i, length, s) for i, (length, s) in enumerate(zip(lengths.tolist(), sens.tolist()))
