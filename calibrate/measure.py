@@ -4,6 +4,11 @@
 ``sparse_attention``) and ``attention`` the runner's attention callable (``runner.attention.make_attention``)
 that whole layers use; tests pass CPU stand-ins. Features are fitted on the kept fractions the kernel
 actually realised (the diagonal block is always kept, counts round), so those are what the rows record.
+
+Inputs are handed over as the runner does: the documents once per micro-batch (``VarlenBatch``), budgets
+on the host. With ``graph=True`` (CUDA-graph timing) a backward cannot be replayed alone, since its
+forward must be captured with it: it is timed as forward + backward, less the forward; the budgets sit in
+pinned memory so that their copy to the GPU can be captured.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ class Measurer:
         dtype: torch.dtype = torch.bfloat16,
         block_size: int = 64,
         seed: int = 0,
+        graph: bool = False,
     ):
         self.shapes = {s.name: s for s in shapes}
         self.kernel = kernel
@@ -39,6 +45,7 @@ class Measurer:
         self.dtype = dtype
         self.block_size = block_size
         self.seed = seed
+        self.graph = graph
         self._blocks: dict[str, Block] = {}
 
     def measure(self, point: GridPoint) -> list[dict]:
@@ -58,11 +65,22 @@ class Measurer:
         ends = torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return torch.cat([ends.new_zeros(1), ends])
 
+    def _host(self, values) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.float32)
+        return t.pin_memory() if self.graph and self.device != "cpu" else t
+
     def _kept(self, point: GridPoint) -> torch.Tensor:
-        return torch.tensor(point.kept_fractions, dtype=torch.float32)
+        return self._host(point.kept_fractions)
 
     def _expected(self, term: str, point: GridPoint) -> float:
         return estimate_term_ms(term, point, self.shapes[point.model])
+
+    def _backward(self, forward, out, grad_out, fwd: Timing, expected_ms: float, leaves) -> Timing:
+        """The backward of ``out`` (= ``forward()``): alone, or as forward + backward less ``fwd`` when graphed."""
+        if not self.graph:
+            return self.bench(lambda: out.backward(grad_out, retain_graph=True), expected_ms, grad_to_none=leaves)
+        both = self.bench(lambda: forward().backward(grad_out), expected_ms + fwd.median_ms, grad_to_none=leaves)
+        return both.minus(fwd)
 
     # -- terms --------------------------------------------------------------------------------------
     def _attention(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
@@ -71,45 +89,39 @@ class Measurer:
         q = self._randn(point.tokens, s.heads, s.head_dim).requires_grad_()
         k = self._randn(point.tokens, s.kv_heads, s.head_dim).requires_grad_()
         v = self._randn(point.tokens, s.kv_heads, s.head_dim).requires_grad_()
-        cu, kept = self._cu_seqlens(point.lengths), self._kept(point)
+        docs, kept = self.kernel.VarlenBatch.from_cu_seqlens(self._cu_seqlens(point.lengths)), self._kept(point)
         bs, K = self.block_size, self.kernel
 
         def select():
             with torch.no_grad():
-                return K.select_blocks(q, k, cu, kept_fraction=kept, block_size=bs)
+                return K.select_blocks(q, k, docs, kept_fraction=kept, block_size=bs)
 
         sel = select()
-        out = K.sparse_attention(q, k, v, cu, selection=sel)
+
+        def forward():
+            return K.sparse_attention(q, k, v, docs, selection=sel)
+
+        out = forward()
         grad_out = torch.randn_like(out)
-        timings = {
-            "select": self.bench(select, self._expected("select", point)),
-            "attn_fwd": self.bench(
-                lambda: K.sparse_attention(q, k, v, cu, selection=sel), self._expected("attn_fwd", point)
-            ),
-            "attn_bwd": self.bench(
-                lambda: out.backward(grad_out, retain_graph=True),
-                self._expected("attn_bwd", point),
-                grad_to_none=[q, k, v],
-            ),
-        }
+        timings = {"select": self.bench(select, self._expected("select", point)),
+                   "attn_fwd": self.bench(forward, self._expected("attn_fwd", point))}
+        timings["attn_bwd"] = self._backward(forward, out, grad_out, timings["attn_fwd"],
+                                             self._expected("attn_bwd", point), [q, k, v])
         return timings, tuple(sel.kept_fraction.tolist())
 
     def _layer(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
         """The layer's non-attention work: the runner's Block with a pass-through in place of attention."""
         block, x, cu, rotary = self._block_inputs(point)
-        budgets = (torch.ones(len(point.lengths)), None)
-        y = block(x, rotary, cu, budgets, _pass_through)[0]
+        budgets = (self._host([1.0] * len(point.lengths)), None)
+
+        def forward():
+            return block(x, rotary, cu, budgets, _pass_through)[0]
+
+        y = forward()
         grad_y = torch.randn_like(y)
-        timings = {
-            "layer_fwd": self.bench(
-                lambda: block(x, rotary, cu, budgets, _pass_through), self._expected("layer_fwd", point)
-            ),
-            "layer_bwd": self.bench(
-                lambda: y.backward(grad_y, retain_graph=True),
-                self._expected("layer_bwd", point),
-                grad_to_none=[x, *block.parameters()],
-            ),
-        }
+        timings = {"layer_fwd": self.bench(forward, self._expected("layer_fwd", point))}
+        timings["layer_bwd"] = self._backward(forward, y, grad_y, timings["layer_fwd"],
+                                              self._expected("layer_bwd", point), [x, *block.parameters()])
         return timings, point.kept_fractions
 
     def _layer_full(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
@@ -119,7 +131,7 @@ class Measurer:
         a synchronisation that training does not have.
         """
         block, x, cu, rotary = self._block_inputs(point)
-        budgets = (torch.ones(len(point.lengths)), self._kept(point))
+        budgets = (self._host([1.0] * len(point.lengths)), self._kept(point))
         y, kept, _ = block(x, rotary, cu, budgets, self.attention)
         grad_y = torch.randn_like(y)
 
@@ -144,7 +156,7 @@ class Measurer:
         x = self._randn(point.tokens, shape.hidden).requires_grad_()
         cu = self._cu_seqlens(point.lengths)
         rotary = rope_angles(packed_positions(cu.to(self.device), point.tokens), shape.head_dim, shape.rope_theta)
-        return self._blocks[point.model], x, cu, rotary
+        return self._blocks[point.model], x, self.kernel.VarlenBatch.from_cu_seqlens(cu), rotary
 
 
 class _PassThrough(torch.autograd.Function):
@@ -161,7 +173,7 @@ class _PassThrough(torch.autograd.Function):
 
 def _pass_through(q, k, v, cu_seqlens, budgets):
     """The runner's attention signature; the copy is the only work, so the layer times exclude attention."""
-    ones = torch.ones(cu_seqlens.numel() - 1, device=q.device)
+    ones = torch.ones(len(budgets[0]), device=q.device)
     return _PassThrough.apply(q, k, v), ones, ones
 
 

@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=None, help="only points with at most this many tokens")
     ap.add_argument("--time-budget-s", type=float, default=None, help="start no new point after this long")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: Triton interpreter, fp32")
+    ap.add_argument("--timing", default="events", choices=("events", "graph"),
+                    help="events: do_bench (host launch cost included where a call is host-bound); graph: "
+                         "do_bench_cudagraph (GPU time, as when the host runs ahead of the GPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the grid and its estimated cost, time nothing")
     ap.add_argument("--code-version", default=None,
                     help="commit of the kernel and layer code being timed (GPU boxes get a copy without .git)")
@@ -91,7 +94,8 @@ def estimated_seconds(points: list[GridPoint], shapes: dict[str, ModelShape]) ->
     return total_ms / 1e3
 
 
-def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int | None, n_points: int) -> dict:
+def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int | None, n_points: int,
+                     timing_mode: str = "events") -> dict:
     return {
         "models": {s.name: vars(s) for s in shapes},
         "block_size": block_size,
@@ -104,6 +108,7 @@ def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int 
         "max_tokens": max_tokens,
         "points": n_points,
         "do_bench": {"warmup_ms": timing.WARMUP_MS, "rep_ms": timing.REP_MS, "min_reps": timing.MIN_REPS},
+        "timing": timing_mode,
     }
 
 
@@ -172,7 +177,7 @@ def comm_figures(device: str) -> dict | str:
     return measure_comm(gpus)
 
 
-def make_measurer(shapes: list[ModelShape], device: str, block_size: int):
+def make_measurer(shapes: list[ModelShape], device: str, block_size: int, timing_mode: str = "events"):
     if device == "cpu":
         # The interpreter must be chosen before Triton is imported; it has no bf16 arithmetic, hence fp32.
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -187,9 +192,10 @@ def make_measurer(shapes: list[ModelShape], device: str, block_size: int):
     warnings.simplefilter("default", kernel.SelectionFallbackWarning)
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    bench = timing.bench_gpu if device == "cuda" else timing.bench_cpu
+    graph = device == "cuda" and timing_mode == "graph"
+    bench = timing.bench_cpu if device != "cuda" else timing.bench_gpu_graph if graph else timing.bench_gpu
     attention = make_attention("kernel", block_size)
-    return Measurer(shapes, kernel, attention, bench, device=device, dtype=dtype, block_size=block_size)
+    return Measurer(shapes, kernel, attention, bench, device=device, dtype=dtype, block_size=block_size, graph=graph)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                              "--device cpu (Triton interpreter, fp32: for tests, not a profile)")
     command = shlex.join(["python", "-m", "calibrate.run", *(sys.argv[1:] if argv is None else argv)])
     entry = {"command": command, "code_version": args.code_version, **machine_facts(args.device),
-             "grid": grid_description(shapes, args.block_size, args.max_tokens, len(points))}
+             "grid": grid_description(shapes, args.block_size, args.max_tokens, len(points), args.timing)}
     write_meta(args.csv, entry | {"points_measured": None, "points_left": len(todo)})
     started = time.monotonic()
-    measured = measure_all(todo, make_measurer(shapes, args.device, args.block_size), args.csv, args.time_budget_s)
+    measured = measure_all(todo, make_measurer(shapes, args.device, args.block_size, args.timing), args.csv, args.time_budget_s)
     write_meta(args.csv, entry | {"points_measured": measured, "points_left": len(todo) - measured,
                                   "seconds": round(time.monotonic() - started, 1), "comm": comm_figures(args.device)},
                replace_last=True)
