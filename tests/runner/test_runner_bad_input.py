@@ -41,7 +41,13 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
     ("runner.checkpoint_every=-1", "runner.checkpoint_every=-1 is out of range; allowed: >= 0"),
     ("runner.task.n_keys=0", "runner.task.n_keys=0 is out of range; allowed: >= 1"),
     ("runner.task.n_queries=0", "runner.task.n_queries=0 is out of range; allowed: >= 1"),
-    ("runner.task.max_pairs=17", "runner.task.max_pairs=17 exceeds runner.task.n_keys=16; allowed: max_pairs <= n_keys"),
+    ("runner.task.max_pairs=17", "runner.task.max_pairs=17 (17 distinct keys for the retrieval task) exceeds "
+                                 "runner.task.n_keys=16; allowed: max_pairs <= n_keys"),
+    ("runner.task.kind=copy", "Invalid value 'copy', expected one of [retrieval, multihop]"),
+    ("runner.task.kind=multihop runner.task.max_pairs=9", "runner.task.max_pairs=9 (18 distinct keys for the "
+     "multihop task) exceeds runner.task.n_keys=16; allowed: 2 * max_pairs <= n_keys"),
+    ("runner.task.kind=multihop workload.min_len=40", "workload.min_len=40 is too short for the multihop task; "
+     "allowed: >= 41 tokens"),
     ("model.vocab=40", "model.vocab=40 is too small for the retrieval task; allowed: >= 41"),
     ("workload.min_len=16", "workload.min_len=16 is too short for the retrieval task; allowed: >= 25 tokens"),
     ("runner.attention=flash", "runner.attention='flash' is unknown; allowed: kernel, triton, naive"),
@@ -55,10 +61,11 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
                  marks=NO_CUDA),
 ])
 def test_a_bad_runner_value_is_one_line(override, message, monkeypatch):
+    """``override``: one or more overrides, separated by spaces."""
     # tests/kernels' conftest turns the interpreter on for the whole process when both suites share a worker.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError) as exc:
-        check_inputs([*OVERRIDES, override], ONE_RANK)
+        check_inputs([*OVERRIDES, *override.split()], ONE_RANK)
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
