@@ -18,11 +18,14 @@ Per GPU of stage s (a CP rank holds 1/cp of every per-token term, zigzag shardin
   during micro-batch i's backward it holds micro-batches i .. min(i + w, m - 1), up to pp - s of them. The
   peak of a (rank, stage) is the largest of those moments.
 
-The block selection (kernels/sparse_attention/selection.py) is int32 lists per KV head: ``q2k_idx`` and
-``q2k_start`` [NB, W] (NB blocks of the micro-batch, W the widest row), ``q2k_cnt`` and ``k2q_ptr`` [NB], and
-``k2q_idx`` / ``k2q_start`` / ``k2q_end`` [kept entries]. A dense micro-batch's selection depends on the block
-layout alone and is shared by all its layers; a sparse one is built per layer. The kernel's fp32 LSE
-``[Hq, T]`` is held per layer (``activations.heads``); its fp32 delta lives only inside one layer's backward.
+The block selection (kernels/sparse_attention/selection.py) is int32 lists per KV head, priced at the sizes
+the GPU path allocates (``selection_bytes``): forward lists ``q2k_idx`` and ``q2k_start`` [NB, width] (NB blocks
+of the micro-batch; a top-p or dense selection is as wide as its longest document's blocks, whatever p keeps,
+a top-k one as its budgets' widest row plus the tie slots) and reverse lists ``k2q_idx`` / ``k2q_start`` /
+``k2q_end`` (top-p: every causal block pair). A dense micro-batch's selection depends on the block layout alone
+and is shared by all its layers; a sparse one is built per layer. The block layout itself (``token_block``, 8
+bytes per token) is a per-micro-batch term (``memory.micro_batch.const``). The kernel's fp32 LSE ``[Hq, T]``
+is held per layer (``activations.heads``); its fp32 delta lives only inside one layer's backward.
 
 Per-token terms come from the config (first principles) or, for the layer shapes it was fitted on, from a
 measured profile (``memory.profile``, written by ``python -m calibrate.memory --fit``).
@@ -169,24 +172,59 @@ def static_bytes(cfg: MemoryConfig, model: ModelConfig, layout: Layout) -> np.nd
 
 
 # ----------------------------------------------------------------------------- selection bytes
-def selection_bytes(lengths, kept, group, n_groups: int, kv_heads: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's block selection of each micro-batch: (bytes per layer, bytes per micro-batch), [n_groups].
+def selection_bytes(lengths, kept, group, n_groups: int, kv_heads: int, block_size: int,
+                    topk=None) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's block selection of each micro-batch, as the GPU path allocates it (``select_blocks``'
+    dense and fused Triton selections): (bytes per layer, bytes per micro-batch), [n_groups].
 
-    A micro-batch whose every sequence is dense shares one selection over its layers (per micro-batch);
-    any sparse one makes each layer build its own (per layer). Rows of a sparse sequence keep about
-    kept x blocks entries plus the tie slots; a dense row keeps every causal block."""
+    Per KV head, over the micro-batch's NB blocks, n documents, C causal block pairs and W blocks of its
+    longest document, int32 lists: forward ``q2k_idx`` and ``q2k_start`` [NB, width] with their counts [NB],
+    reverse ``k2q_idx`` / ``k2q_start`` / ``k2q_end`` [entries] with one row pointer [Hkv * NB + 1] over
+    all heads; fp32 per-document kept fraction and coverage [n].
+
+    * dense (every sequence keeps every block): built from the block layout alone and shared by the layers;
+      width W, entries NB x W (the reverse lists come from one sort over every forward slot), one stats
+      tensor;
+    * top-p (a ``p`` budget): built per layer. The fused selection never waits for the GPU to learn its
+      widest row, so the lists are W wide and the reverse lists hold C entries however few blocks p keeps;
+      also the two row-class block ends [NB] that stand in for the widest row;
+    * top-k (``topk``: the budget fixes the kept fraction, the micro-batch's lists are sized on the host):
+      built per layer, width min(W, k + TIE_SLOTS) with k the most any document's last row keeps
+      (round(kept x nb), at least one), entries the host's bound: per document of nb blocks, rows of up to
+      that width hold their causal blocks, longer rows the width.
+
+    ``topk`` per sequence (None: every budget is a ``p``); a micro-batch's lists are top-k where any of its
+    sequences is (a Plan gives one kind of budget)."""
     nb = np.ceil(np.asarray(lengths, dtype=np.float64) / block_size)
     kept = np.asarray(kept, dtype=np.float64)
-    dense = kept >= 1.0
-    entries = np.maximum(nb, kept * nb * (nb + 1.0) / 2.0)  # at least the diagonal of every row
-    row = np.where(dense, nb, np.minimum(nb, np.ceil(kept * nb) + TIE_SLOTS))
-    blocks = np.bincount(group, weights=nb, minlength=n_groups)
-    width = np.zeros(n_groups)
-    np.maximum.at(width, group, row)
-    total = np.bincount(group, weights=entries, minlength=n_groups)
-    nbytes = INT32 * kv_heads * (2.0 * blocks * width + 2.0 * blocks + 3.0 * total)
-    all_dense = np.bincount(group, weights=(~dense).astype(np.float64), minlength=n_groups) == 0
-    return np.where(all_dense, 0.0, nbytes), np.where(all_dense, nbytes, 0.0)
+    group = np.asarray(group, dtype=np.int64)
+    topk = np.zeros(nb.size, dtype=bool) if topk is None else np.asarray(topk, dtype=bool)
+
+    def per_group(values) -> np.ndarray:
+        return np.bincount(group, weights=np.asarray(values, dtype=np.float64), minlength=n_groups)
+
+    def group_max(values) -> np.ndarray:
+        out = np.zeros(n_groups)
+        np.maximum.at(out, group, values)
+        return out
+
+    docs, blocks, causal = per_group(np.ones(nb.size)), per_group(nb), per_group(nb * (nb + 1.0) / 2.0)
+    widest = group_max(nb)
+    rows_of = 2.0 * blocks  # per head: the forward counts and the reverse row pointer (its + 1 is once)
+
+    dense = kv_heads * (5.0 * blocks * widest + rows_of) + 1.0 + docs
+    top_p = kv_heads * (2.0 * blocks * widest + rows_of + 3.0 * causal) + 1.0 + 2.0 * blocks + 2.0 * docs
+    rows = np.minimum(nb, np.maximum(1.0, np.floor(kept * nb + 0.5)))
+    width = np.minimum(widest, group_max(rows) + TIE_SLOTS)
+    short = np.minimum(nb, width[group])
+    bound = per_group(short * (short + 1.0) / 2.0 + (nb - short) * width[group])
+    top_k = kv_heads * (2.0 * blocks * width + rows_of + 3.0 * bound) + 1.0 + 2.0 * docs
+
+    all_dense = per_group(kept < 1.0) == 0
+    sparse = INT32 * np.where(per_group(topk) > 0, top_k, top_p)
+    busy = docs > 0
+    return (np.where(busy & ~all_dense, sparse, 0.0),
+            np.where(busy & all_dense, INT32 * dense, 0.0))
 
 
 # ----------------------------------------------------------------------------- the model
@@ -229,11 +267,11 @@ class MemoryModel:
         return cls(cfg.memory, cfg.model, layout, cfg.cluster.hbm_gb, block_size)
 
     # --- per micro-batch
-    def micro_batch_bytes(self, lengths, kept, group, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
-        """(held, transient) bytes per micro-batch and stage, [n_groups, pp]."""
+    def micro_batch_bytes(self, lengths, kept, group, n_groups: int, topk=None) -> tuple[np.ndarray, np.ndarray]:
+        """(held, transient) bytes per micro-batch and stage, [n_groups, pp]; ``topk`` as ``selection_bytes``."""
         cp, t, model = self.layout.cp, self.terms, self.model
         tokens = np.bincount(group, weights=np.asarray(lengths, dtype=np.float64), minlength=n_groups) / cp
-        per_layer, shared = selection_bytes(lengths, kept, group, n_groups, model.kv_heads, self.block_size)
+        per_layer, shared = selection_bytes(lengths, kept, group, n_groups, model.kv_heads, self.block_size, topk)
         per_layer, shared = per_layer / cp, shared / cp
         busy = tokens > 0
         held = self.layers * (t.held_layer * tokens + per_layer) + t.held_micro_batch * tokens + shared
@@ -257,17 +295,17 @@ class MemoryModel:
         window = np.take_along_axis(cumulative, np.broadcast_to(end, held.shape), axis=1) - cumulative[:, :m]
         return self.static[None, None, :] + window + transient
 
-    def bytes_of(self, dp_rank, micro_batch, lengths, kept) -> np.ndarray:
-        """[dp, m, pp] bytes of a plan given as one row per sequence."""
+    def bytes_of(self, dp_rank, micro_batch, lengths, kept, topk=None) -> np.ndarray:
+        """[dp, m, pp] bytes of a plan given as one row per sequence; ``topk`` as ``selection_bytes``."""
         dp, m, pp = self.layout.dp, self.layout.micro_batches, self.layout.pp
         group = np.asarray(dp_rank, dtype=np.int64) * m + np.asarray(micro_batch, dtype=np.int64)
-        held, transient = self.micro_batch_bytes(lengths, kept, group, dp * m)
+        held, transient = self.micro_batch_bytes(lengths, kept, group, dp * m, topk)
         return self.stage_bytes(held.reshape(dp, m, pp), transient.reshape(dp, m, pp))
 
     def plan_bytes(self, plan: Plan, cost: CostModel) -> np.ndarray:
         """[dp, m, pp] bytes of a plan at the kept fractions its budgets give."""
         rows = plan_rows(plan, cost)
-        return self.bytes_of(rows.rank, rows.micro_batch, rows.length, rows.kept)
+        return self.bytes_of(rows.rank, rows.micro_batch, rows.length, rows.kept, rows.topk)
 
     def overfull(self, nbytes: np.ndarray) -> Overfull | None:
         """The worst (rank, micro-batch, stage) above the available bytes, or None when everything fits."""
@@ -345,6 +383,7 @@ class PlanRows:
     micro_batch: np.ndarray
     length: np.ndarray
     kept: np.ndarray
+    topk: np.ndarray  # the budget fixes the kept fraction (the kernel's top-k selection)
 
 
 def plan_rows(plan: Plan, cost: CostModel) -> PlanRows:
@@ -357,7 +396,7 @@ def plan_rows(plan: Plan, cost: CostModel) -> PlanRows:
     p = np.fromiter((x.budget.p for x in a), dtype=np.float64, count=n)
     fixed = np.fromiter((np.nan if x.budget.kept_fraction is None else x.budget.kept_fraction for x in a),
                         dtype=np.float64, count=n)
-    return PlanRows(rank, mb, length, cost.kept_fractions(length, sens, p, fixed))
+    return PlanRows(rank, mb, length, cost.kept_fractions(length, sens, p, fixed), ~np.isnan(fixed))
 
 
 MAX_TARGET_RANKS = 8  # a cross-rank move tries the ranks with the lowest peaks only
@@ -392,7 +431,8 @@ def repack(plan: Plan, memory: MemoryModel, cost: CostModel) -> Plan:
 def _rank_state(memory: MemoryModel, rows: PlanRows, members: np.ndarray, mb: np.ndarray) -> tuple[float, float]:
     """(overflow bytes, peak bytes) of one rank holding the sequences ``members`` at micro-batches ``mb``."""
     m, pp = memory.layout.micro_batches, memory.layout.pp
-    held, transient = memory.micro_batch_bytes(rows.length[members], rows.kept[members], mb[members], m)
+    held, transient = memory.micro_batch_bytes(rows.length[members], rows.kept[members], mb[members], m,
+                                               rows.topk[members])
     nbytes = memory.stage_bytes(held.reshape(1, m, pp), transient.reshape(1, m, pp))
     return float(np.maximum(nbytes - memory.available_bytes, 0.0).sum()), float(nbytes.max())
 

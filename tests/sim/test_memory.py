@@ -17,7 +17,7 @@ from sim.cluster import Layout
 from sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
 from sim.core import ConfigError, compose_config
 from sim.memory import (GB, MemoryLimitError, MemoryModel, first_principles_terms, load_profile_terms, repack,
-                        selection_bytes, static_bytes)
+                        static_bytes)
 from sim.plan import Assignment, Plan
 from sim.policy import make_batching, make_sparsity, plan_step
 from sim.run import prepare, simulate, summary_table
@@ -67,15 +67,6 @@ def test_tied_embedding_is_one_matrix_without_pipeline_and_two_untied():
     assert static_bytes(ddp, LLAMA, one_stage)[0] == 16 * (32 * llama_layer + 2 * 128256 * 4096)
 
 
-def test_selection_bytes_dense_shared_sparse_per_layer():
-    # one dense document of 4 blocks: NB = W = 4, 10 causal entries; int32 lists x 2 KV heads
-    per_layer, shared = selection_bytes([512], [1.0], np.zeros(1, dtype=int), 1, kv_heads=2, block_size=128)
-    assert per_layer.tolist() == [0.0] and shared.tolist() == [4 * 2 * (2 * 4 * 4 + 2 * 4 + 3 * 10)]
-    # the same document at kept 0.5: entries 0.5 x 10 = 5, rows min(4, ceil(2) + 16) = 4 wide, built per layer
-    per_layer, shared = selection_bytes([512], [0.5], np.zeros(1, dtype=int), 1, kv_heads=2, block_size=128)
-    assert shared.tolist() == [0.0] and per_layer.tolist() == [4 * 2 * (2 * 4 * 4 + 2 * 4 + 3 * 5)]
-
-
 # ----------------------------------------------------------------------------- 1F1B window
 def unit_model(pp=4, m=4, dp=1) -> MemoryModel:
     """1 byte per token per layer held, 0.5 per token transient, no micro-batch, logits or weight-gradient terms."""
@@ -89,7 +80,9 @@ def test_stage_s_holds_up_to_pp_minus_s_micro_batches_during_a_backward():
     memory = unit_model()
     tokens = np.array([100.0, 200.0, 300.0, 400.0])  # one one-block document per micro-batch
     got = memory.bytes_of(np.zeros(4), np.arange(4), tokens, np.ones(4)) - memory.static
-    selection = 4 * 2 * (2 + 2 + 3)  # one dense single-block document: NB = W = entries = 1, 2 KV heads
+    # one dense single-block document (NB = W = 1), 2 KV heads: 5 lists and 2 row arrays of one slot per head,
+    # the row pointer's + 1 and one fp32 stats entry (sim.memory.selection_bytes)
+    selection = 4 * (2 * (5 + 2) + 1 + 1)
     held = tokens + selection  # one layer per stage
     for stage in range(4):
         warmup = 4 - stage - 1
