@@ -2,36 +2,46 @@
 model's attention (``python -m runner.sensitivity``, then ``python -m calibrate.sensitivity``), from which the
 workload draws s instead of its Beta prior (``workload.sensitivity_profile``).
 
-Family ``logit_linear``: per task, ``logit(s) = intercept + slope * ln(length) + residual_std * z`` with z
-standard normal; the length is clamped to the measured range ``lengths`` first, so that the model is never
-extrapolated beyond the lengths it was fitted on.
+Family ``logit_normal``: per task, ``logit(s) ~ Normal(mean(length), std(length) ** 2)``, where ``mean`` and
+``std`` are given at knots ``lengths`` and interpolated linearly in ln(length) between them, held at the end
+knots' values beyond (the model is never extrapolated past the lengths it was measured at). Two knots with one
+std are ``logit(s) = a + b ln(length) + std z``; a knot per measured length is a free mean and spread per length.
 
 The file (``calibrate/profiles/sensitivity_<name>.json``):
 ```json
-{"schema_version": 1, "kind": "sensitivity", "family": "logit_linear",
+{"schema_version": 1, "kind": "sensitivity", "family": "logit_normal",
  "meta": {"command": "...", "date": "...", "model": {...}, "task": {...}},
- "tasks": {"retrieval": {"intercept": ..., "slope": ..., "residual_std": ..., "lengths": [512, 32768]}},
+ "tasks": {"retrieval": {"lengths": [512, 32768], "logit_mean": [..., ...], "logit_std": [..., ...]}},
  "fit": {...}}
 ```
-Anything else (another version or kind, a missing or extra key, a non-finite or negative spread, a range that is
-not two whole lengths lo <= hi) is refused in one line naming the key.
+Anything else (another version or kind, a missing or extra key, knots that are not increasing whole lengths,
+lists of different sizes, a non-finite value or a negative std) is refused in one line naming the key.
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from scipy.special import expit
 
 from sim.core import ConfigError, resolve_path
 
+# The measurement ``python -m runner.sensitivity`` writes and ``python -m calibrate.sensitivity`` fits (the two may
+# not import each other): one row per (sequence, layer, budget); ``mode`` is ``p`` (top-p coverage target) or
+# ``kept`` (fixed kept fraction), ``budget`` its value, ``kept_fraction`` and ``coverage`` what the kernel's
+# selection reports; ``data_sensitivity`` is the s the task's generator was given for the sequence. The run's facts
+# (command, date, model, task, checkpoint) go to ``<stem>.meta.json`` beside the CSV.
+RAW_COLUMNS = ("task", "seq_id", "length", "data_sensitivity", "layer", "mode", "budget", "kept_fraction", "coverage")
+MODES = ("p", "kept")
+
 SENSITIVITY_SCHEMA_VERSION = 1
 KIND = "sensitivity"
-FAMILY = "logit_linear"
+FAMILY = "logit_normal"
 KEYS = ("schema_version", "kind", "family", "meta", "tasks", "fit")
-TASK_KEYS = ("intercept", "slope", "residual_std", "lengths")
+TASK_KEYS = ("lengths", "logit_mean", "logit_std")
 
 
 @dataclass(frozen=True)
@@ -39,19 +49,28 @@ class SensitivityModel:
     """One task's model of s by length."""
 
     task: str
-    intercept: float
-    slope: float
-    residual_std: float
-    lengths: tuple[int, int]  # the measured range; lengths outside it are clamped into it
+    lengths: tuple[int, ...]  # knots, increasing
+    logit_mean: tuple[float, ...]
+    logit_std: tuple[float, ...]
 
-    def logit_mean(self, lengths) -> np.ndarray:
-        clamped = np.clip(np.asarray(lengths, dtype=np.float64), *self.lengths)
-        return self.intercept + self.slope * np.log(clamped)
+    def _at(self, values: tuple[float, ...], lengths) -> np.ndarray:
+        return np.interp(np.log(np.asarray(lengths, dtype=np.float64)), np.log(self.lengths), values)
+
+    def mean(self, lengths) -> np.ndarray:
+        """The mean of logit(s) at each length."""
+        return self._at(self.logit_mean, lengths)
+
+    def std(self, lengths) -> np.ndarray:
+        return self._at(self.logit_std, lengths)
 
     def draw(self, lengths, rng: np.random.Generator) -> np.ndarray:
         """One s per length, in (0, 1); one standard normal per length from ``rng``."""
-        mean = self.logit_mean(lengths)
-        return expit(mean + self.residual_std * rng.standard_normal(mean.size))
+        lengths = np.asarray(lengths)
+        return expit(self.mean(lengths) + self.std(lengths) * rng.standard_normal(lengths.size))
+
+
+def raw_meta_path(csv: Path) -> Path:
+    return csv.with_name(csv.stem + ".meta.json")
 
 
 def load_sensitivity_profile(path: str, task: str | None = None,
@@ -69,8 +88,8 @@ def load_sensitivity_profile(path: str, task: str | None = None,
         raise ConfigError(f"workload.sensitivity_task={task!r} is not in {key}={path!r}; allowed: "
                           f"{', '.join(sorted(tasks))}")
     entry = tasks[task]
-    return SensitivityModel(task, float(entry["intercept"]), float(entry["slope"]), float(entry["residual_std"]),
-                            (int(entry["lengths"][0]), int(entry["lengths"][1])))
+    return SensitivityModel(task, tuple(entry["lengths"]), tuple(map(float, entry["logit_mean"])),
+                            tuple(map(float, entry["logit_std"])))
 
 
 def read_profile(path: str, key: str) -> dict:
@@ -121,23 +140,29 @@ def _tasks_problem(tasks) -> str | None:
         if not isinstance(entry, dict) or set(entry) != set(TASK_KEYS):
             found = sorted(entry) if isinstance(entry, dict) else entry
             return f"{where}={found!r}: must have exactly the keys {', '.join(TASK_KEYS)}"
-        for name in ("intercept", "slope", "residual_std"):
-            value = entry[name]
-            if not _is_finite(value):
-                return f"{where}.{name}={value!r}: must be a finite number"
-        if entry["residual_std"] < 0:
-            return f"{where}.residual_std={entry['residual_std']!r}: must be >= 0 (a spread)"
-        problem = _range_problem(entry["lengths"], f"{where}.lengths")
+        problem = _knots_problem(entry["lengths"], f"{where}.lengths") or _values_problem(entry, where)
         if problem:
             return problem
     return None
 
 
-def _range_problem(lengths, where: str) -> str | None:
-    if (not isinstance(lengths, list) or len(lengths) != 2
+def _values_problem(entry: dict, where: str) -> str | None:
+    for name in ("logit_mean", "logit_std"):
+        values = entry[name]
+        if not isinstance(values, list) or len(values) != len(entry["lengths"]):
+            return f"{where}.{name}={values!r}: must be a list of one number per knot in {where}.lengths"
+        if not all(_is_finite(v) for v in values):
+            return f"{where}.{name}={values!r}: must be finite numbers"
+        if name == "logit_std" and min(values) < 0:
+            return f"{where}.{name}={values!r}: must be >= 0 (spreads)"
+    return None
+
+
+def _knots_problem(lengths, where: str) -> str | None:
+    if (not isinstance(lengths, list) or not lengths
             or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
-            or lengths[0] > lengths[1]):
-        return f"{where}={lengths!r}: must be [shortest, longest] measured length, whole numbers 1 <= lo <= hi"
+            or any(a >= b for a, b in zip(lengths, lengths[1:]))):
+        return f"{where}={lengths!r}: must be increasing whole lengths >= 1 (the knots)"
     return None
 
 

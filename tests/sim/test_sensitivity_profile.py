@@ -1,10 +1,11 @@
 """The workload's measured-sensitivity option (``workload.sensitivity_profile``, sim/sensitivity.py): draws lie in
-(0, 1] and follow the profile's mean by length, are seeded, leave the lengths alone, and leave the Beta prior's
-draws exactly as they were; a bad profile is one line.
+(0, 1] and follow the profile's mean and spread by length, are seeded, leave the lengths alone, and leave the
+Beta prior's draws exactly as they were; a bad profile is one line.
 
 Every test reads the hand-written fixture ``tests/fixtures/sensitivity_profile.json`` (never a measured profile):
-task ``retrieval`` has logit(s) = 2.4953 - 0.4 ln(length) (median s 0.5 at 512 tokens, 0.159 at 32768) with
-residual std 0.5 over [512, 32768]; task ``spread`` has logit(s) ~ N(0, 1.5^2) at every length.
+task ``retrieval`` has logit(s) = -0.4 ln(length / 512) + 0.5 z over [512, 32768] (median s 0.5 at 512 tokens,
+0.159 at 32768); ``spread`` logit(s) ~ N(0, 1.5^2) at every length; ``knots`` means 0, 1, -1 and stds 0.2, 0.4,
+0.2 at 512, 4096 and 32768 tokens.
 """
 from __future__ import annotations
 
@@ -35,14 +36,19 @@ def workload(task: str | None = "retrieval", profile: Path | None = FIXTURE, **k
     return Workload(cfg, CONTEXT, seed=7)
 
 
-def test_the_fixture_model_has_the_stated_medians_and_clamps_outside_its_range():
-    model = load_sensitivity_profile(str(FIXTURE), "retrieval")
-    np.testing.assert_allclose(expit(model.logit_mean([512, 32768])), [0.5, 0.15934], atol=1e-4)
-    np.testing.assert_array_equal(model.logit_mean([64, 10**7]), model.logit_mean([512, 32768]))
+def test_the_fixture_models_interpolate_in_log_length_and_hold_their_end_knots():
+    retrieval = load_sensitivity_profile(str(FIXTURE), "retrieval")
+    np.testing.assert_allclose(expit(retrieval.mean([512, 32768])), [0.5, 0.15934], atol=1e-4)
+    np.testing.assert_allclose(retrieval.mean([4096]), [-0.4 * np.log(8)], atol=1e-5)
+    np.testing.assert_array_equal(retrieval.mean([64, 10**7]), retrieval.mean([512, 32768]))
+    knots = load_sensitivity_profile(str(FIXTURE), "knots")
+    middle = np.sqrt(512 * 4096)  # halfway in ln(length)
+    np.testing.assert_allclose(knots.mean([middle, 4096, 100_000]), [0.5, 1.0, -1.0])
+    np.testing.assert_allclose(knots.std([middle, 4096, 1]), [0.3, 0.4, 0.2])
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(task=st.sampled_from(["retrieval", "spread"]), seed=st.integers(0, 2**32 - 1),
+@given(task=st.sampled_from(["retrieval", "spread", "knots"]), seed=st.integers(0, 2**32 - 1),
        lengths=st.lists(st.integers(1, 10**7), min_size=1, max_size=50))
 def test_drawn_sensitivities_lie_in_0_1(task, seed, lengths):
     s = workload(task).sensitivities(np.array(lengths), np.random.default_rng(seed))
@@ -51,16 +57,19 @@ def test_drawn_sensitivities_lie_in_0_1(task, seed, lengths):
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(length=st.integers(64, 100_000), seed=st.integers(0, 2**32 - 1))
-def test_drawn_sensitivities_follow_the_profile_mean_and_spread_by_length(length, seed):
-    """logit(s) of many draws at one length: mean intercept + slope ln(clamped length), std 0.5 (within 5
+@given(task=st.sampled_from(["retrieval", "knots"]), length=st.integers(64, 100_000), seed=st.integers(0, 2**32 - 1))
+def test_drawn_sensitivities_follow_the_profile_mean_and_spread_by_length(task, length, seed):
+    """logit(s) of many draws at one length: the knots' mean and std interpolated in ln(clamped length) (within 5
     standard errors)."""
     n = 4000
-    s = workload().sensitivities(np.full(n, length), np.random.default_rng(seed))
+    s = workload(task).sensitivities(np.full(n, length), np.random.default_rng(seed))
     z = logit(s)
-    expected = 2.4953 - 0.4 * np.log(np.clip(length, 512, 32768))
-    assert abs(z.mean() - expected) < 5 * 0.5 / np.sqrt(n)
-    assert abs(z.std() - 0.5) < 5 * 0.5 / np.sqrt(2 * n)
+    knots = {"retrieval": ([512, 32768], [0.0, -1.66355], [0.5, 0.5]),
+             "knots": ([512, 4096, 32768], [0.0, 1.0, -1.0], [0.2, 0.4, 0.2])}[task]
+    x, means, stds = np.log(knots[0]), knots[1], knots[2]
+    mean, std = np.interp(np.log(length), x, means), np.interp(np.log(length), x, stds)
+    assert abs(z.mean() - mean) < 5 * std / np.sqrt(n)
+    assert abs(z.std() - std) < 5 * std / np.sqrt(2 * n)
 
 
 def test_longer_sequences_draw_lower_sensitivities_as_the_profile_says():
@@ -118,20 +127,24 @@ BAD = {
     "a cost profile": (edited(_set("kind", "cost")), "kind='cost': allowed: 'sensitivity'"),
     "no tasks": (edited(_drop("tasks")), "missing key 'tasks'"),
     "an extra key": (edited(_set("terms", {})), "unknown key 'terms'"),
-    "another family": (edited(_set("family", "beta")), "family='beta': allowed: 'logit_linear'"),
+    "another family": (edited(_set("family", "beta")), "family='beta': allowed: 'logit_normal'"),
     "empty tasks": (edited(_set("tasks", {})), "tasks={}: must map at least one task"),
-    "a task without slope": (edited(lambda p: p["tasks"]["retrieval"].pop("slope")),
-                             "tasks.retrieval=['intercept', 'lengths', 'residual_std']: must have exactly the keys"),
-    "a NaN intercept": ('{"schema_version": 1, "kind": "sensitivity", "family": "logit_linear", "meta": {}, '
-                        '"fit": {}, "tasks": {"t": {"intercept": NaN, "slope": 0, "residual_std": 1, '
-                        '"lengths": [1, 2]}}}', "tasks.t.intercept=nan: must be a finite number"),
-    "a string slope": (edited(_set("tasks.retrieval.slope", "-0.4")), "tasks.retrieval.slope='-0.4': must be a finite"),
-    "a huge integer slope": (edited(_set("tasks.retrieval.slope", 10**400)), "tasks.retrieval.slope=1000"),
-    "a negative spread": (edited(_set("tasks.retrieval.residual_std", -0.5)),
-                          "tasks.retrieval.residual_std=-0.5: must be >= 0"),
-    "a reversed range": (edited(_set("tasks.retrieval.lengths", [4096, 512])),
-                         "tasks.retrieval.lengths=[4096, 512]: must be [shortest, longest]"),
-    "a fractional range": (edited(_set("tasks.retrieval.lengths", [512.5, 4096])), "tasks.retrieval.lengths=[512.5"),
+    "a task without stds": (edited(lambda p: p["tasks"]["retrieval"].pop("logit_std")),
+                            "tasks.retrieval=['lengths', 'logit_mean']: must have exactly the keys"),
+    "a NaN mean": ('{"schema_version": 1, "kind": "sensitivity", "family": "logit_normal", "meta": {}, '
+                   '"fit": {}, "tasks": {"t": {"lengths": [1, 2], "logit_mean": [0, NaN], "logit_std": [1, 1]}}}',
+                   "tasks.t.logit_mean=[0, nan]: must be finite numbers"),
+    "a string mean": (edited(_set("tasks.retrieval.logit_mean", ["0", 1])), "tasks.retrieval.logit_mean=['0', 1]"),
+    "a huge integer mean": (edited(_set("tasks.retrieval.logit_mean", [10**400, 0])), "must be finite numbers"),
+    "a negative std": (edited(_set("tasks.retrieval.logit_std", [0.5, -0.5])),
+                       "tasks.retrieval.logit_std=[0.5, -0.5]: must be >= 0"),
+    "a std too few": (edited(_set("tasks.retrieval.logit_std", [0.5])),
+                      "tasks.retrieval.logit_std=[0.5]: must be a list of one number per knot"),
+    "decreasing knots": (edited(_set("tasks.retrieval.lengths", [4096, 512])),
+                         "tasks.retrieval.lengths=[4096, 512]: must be increasing whole lengths"),
+    "a repeated knot": (edited(_set("tasks.retrieval.lengths", [512, 512])), "tasks.retrieval.lengths=[512, 512]"),
+    "a fractional knot": (edited(_set("tasks.retrieval.lengths", [512.5, 4096])), "tasks.retrieval.lengths=[512.5"),
+    "no knots": (edited(_set("tasks.spread.lengths", [])), "tasks.spread.lengths=[]: must be increasing"),
     "meta as a string": (edited(_set("meta", "x")), "meta='x': must be a JSON object"),
 }
 
@@ -148,11 +161,11 @@ def test_a_bad_profile_is_one_line_naming_the_key(tmp_path, name):
 
 
 @pytest.mark.parametrize("task, needle", [
-    (None, "holds the tasks retrieval, spread; set workload.sensitivity_task to one of them"),
+    (None, "holds the tasks knots, retrieval, spread; set workload.sensitivity_task to one of them"),
     ("chat", "workload.sensitivity_task='chat' is not in workload.sensitivity_profile="),
 ])
 def test_a_task_the_profile_lacks_is_one_line(task, needle):
-    with pytest.raises(ConfigError, match="allowed: retrieval, spread|set workload.sensitivity_task") as exc:
+    with pytest.raises(ConfigError, match="allowed: knots, retrieval, spread|set workload.sensitivity_task") as exc:
         workload(task=task)
     assert needle in str(exc.value)
 

@@ -1,0 +1,271 @@
+"""``python -m runner.sensitivity <checkpoint.pt | run dir> --lengths 512,...,32768 --p 0.5,...,0.99
+[--kept 0.1,0.25,0.5] --sequences N --out raw.csv``: how much attention coverage a trained model keeps at each
+budget, per sequence and layer, on held-out sequences of the task it was trained on.
+
+The sequences are the checkpoint's task (``runner.data.make_example`` with its ``runner.task``, vocabulary and
+seed), ``N`` per length, numbered from ``HELD_OUT`` on, beyond every id a training run draws, and given the
+sensitivities the run's workload draws for their lengths (the task's generator takes one). Each sequence is
+forwarded without gradients once per mode, its copies packed side by side, one per budget (varlen attention
+keeps them apart, so each copy is the sequence alone at that budget, every layer at it, as training runs a
+Plan's budget). The model gets the attention of runner/attention.py wrapped in a tap that records what the
+kernel's selection reports at each call, i.e. per layer, so the model needs no change. One row per
+(sequence, layer, budget) goes to the CSV (``sim.sensitivity.RAW_COLUMNS``), written at the end with the run's
+facts beside it (``<stem>.meta.json``); ``python -m calibrate.sensitivity`` fits it.
+
+On a GPU the kernel runs in bf16 as in training; on the CPU its PyTorch reference in fp32 (tests).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import platform
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from runner import checkpoint
+from runner.attention import BACKENDS, make_attention
+from runner.data import TaskConfig, make_example
+from runner.loop import make_model
+from runner.model import TinyLlama
+from sim.cluster import Cluster
+from sim.config import ClusterConfig, CostConfig, ModelConfig, WorkloadConfig
+from sim.core import ConfigError, atomic_path, one_line_errors, write_json_atomic
+from sim.cost import make_cost
+from sim.results import FLOAT_FORMAT
+from sim.sensitivity import MODES, RAW_COLUMNS, raw_meta_path
+from sim.workload import Workload
+
+# Held-out sequence ids start here: a training run numbers its sequences step * global_batch + i, far below.
+HELD_OUT = 1 << 40
+DEFAULT_MAX_TOKENS = 131072  # tokens per forward: the copies of a sequence are split over forwards beyond this
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A checkpoint's model with what it was trained on."""
+
+    model: TinyLlama
+    task: TaskConfig
+    config: dict  # the checkpoint's config (runner.checkpoint: the keys a resumed run must agree on)
+    steps: int  # optimiser steps trained
+    block_size: int  # the kernel's block size in training (the run's cost model's)
+
+    @property
+    def seed(self) -> int:
+        return int(self.config["seed"])
+
+    @property
+    def vocab(self) -> int:
+        return int(self.config["model"]["vocab"])
+
+
+def checkpoint_file(source: Path) -> Path:
+    """A checkpoint file, or the one a run dir holds."""
+    return source / "checkpoint.pt" if source.is_dir() else source
+
+
+def load_trained(source: Path, device: torch.device, dtype: torch.dtype) -> Trained:
+    path = checkpoint_file(source)
+    try:
+        ckpt = checkpoint._read(path)
+        checkpoint.check_structure(ckpt)
+    except checkpoint.Invalid as exc:
+        raise ConfigError(f"checkpoint {path}: {exc}") from None
+    cfg = ckpt["config"]
+    missing = [k for k in ("seed", "model", "workload", "cost", "cluster", "runner.task") if k not in cfg]
+    if missing:
+        raise ConfigError(f"checkpoint {path}: its config lacks {', '.join(missing)}; allowed: a runner checkpoint")
+    model = make_model(OmegaConf.create({"model": cfg["model"], "seed": cfg["seed"]}))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as exc:
+        raise ConfigError(f"checkpoint {path}: its weights do not fit its model config "
+                          f"({str(exc).splitlines()[0]})") from None
+    return Trained(model.to(device=device, dtype=dtype).eval(), TaskConfig(**cfg["runner.task"]), cfg,
+                   ckpt["next_step"], training_block_size(cfg))
+
+
+def _structured(schema: type, values: dict):
+    """A config dataclass from a checkpoint's plain dict (keys added to the schema since keep their defaults)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+
+
+def training_block_size(cfg: dict) -> int:
+    """The block size the run's attention used: its cost model's, as the trainer takes it."""
+    cluster = Cluster.from_config(_structured(ClusterConfig, cfg["cluster"]))
+    cost = make_cost(_structured(CostConfig, cfg["cost"]), _structured(ModelConfig, cfg["model"]), cluster,
+                     recompute=False)
+    return cost.block_size
+
+
+# ---------------------------------------------------------------------- held-out sequences
+@dataclass(frozen=True)
+class HeldOut:
+    seq_id: int
+    length: int
+    data_sensitivity: float  # what the task's generator is given
+
+
+def held_out(trained: Trained, lengths: list[int], per_length: int) -> list[HeldOut]:
+    """``per_length`` sequences of each length, with the sensitivities the run's workload draws for them."""
+    cfg = trained.config
+    workload = Workload(_structured(WorkloadConfig, cfg["workload"]), int(cfg["model"]["max_context"]), trained.seed)
+    all_lengths = np.repeat(np.asarray(lengths, dtype=np.int64), per_length)
+    sens = workload.sensitivities(all_lengths, np.random.default_rng([trained.seed, HELD_OUT]))
+    return [HeldOut(HELD_OUT + i, int(n), float(s)) for i, (n, s) in enumerate(zip(all_lengths, sens))]
+
+
+def check_lengths(lengths: list[int], trained: Trained) -> None:
+    context = int(trained.config["model"]["max_context"])
+    shortest = trained.task.min_length(1.0)
+    for n in lengths:
+        if not shortest <= n <= context:
+            raise ConfigError(f"--lengths: {n} is outside [{shortest}, {context}]; allowed: lengths that hold the "
+                              f"{trained.task.name} task's records and fit the model's context")
+
+
+# ---------------------------------------------------------------------- measuring
+class LayerTap:
+    """The model's attention, recording the kernel's per-sequence kept fraction and coverage at every call (the
+    model calls it once per layer, in layer order)."""
+
+    def __init__(self, attend) -> None:
+        self.attend = attend
+        self.calls: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def __call__(self, q, k, v, cu_seqlens, budgets):
+        o, kept, coverage = self.attend(q, k, v, cu_seqlens, budgets)
+        self.calls.append((kept.float().cpu().numpy(), coverage.float().cpu().numpy()))
+        return o, kept, coverage
+
+
+@torch.no_grad()
+def forward_copies(trained: Trained, tokens: np.ndarray, mode: str, budgets: list[float], attend,
+                   device: torch.device) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One forward of ``len(budgets)`` copies of a sequence, copy i at budget i; per layer (kept, coverage) [copies]."""
+    n, length = len(budgets), tokens.size
+    cu_seqlens = torch.arange(n + 1, dtype=torch.int32) * length
+    budget = torch.tensor(budgets, dtype=torch.float32)
+    tap = LayerTap(attend)
+    trained.model(torch.as_tensor(np.tile(tokens, n), device=device), cu_seqlens,
+                  (budget, None) if mode == "p" else (None, budget),
+                  (cu_seqlens[1:] - 1).to(device=device, dtype=torch.long), tap)
+    return tap.calls
+
+
+def measure(trained: Trained, sequences: list[HeldOut], modes: dict[str, list[float]], attend,
+            device: torch.device, max_tokens: int) -> pd.DataFrame:
+    layers = [int(name) for name in trained.model.blocks]
+    rows = []
+    for seq in tqdm(sequences, desc="sequences", leave=False, disable=not sys.stderr.isatty()):
+        tokens = make_example(trained.task, trained.vocab, trained.seed, seq.seq_id, seq.length,
+                              seq.data_sensitivity).tokens
+        per_forward = max(1, max_tokens // seq.length)
+        for mode, budgets in modes.items():
+            for start in range(0, len(budgets), per_forward):
+                chunk = budgets[start:start + per_forward]
+                for layer, (kept, coverage) in zip(layers, forward_copies(trained, tokens, mode, chunk, attend, device)):
+                    rows.extend(
+                        {**asdict(seq), "task": trained.task.name, "layer": layer, "mode": mode, "budget": b,
+                         "kept_fraction": float(k), "coverage": float(c)}
+                        for b, k, c in zip(chunk, kept, coverage)
+                    )
+    return pd.DataFrame(rows, columns=list(RAW_COLUMNS))
+
+
+# ---------------------------------------------------------------------- command line
+def _numbers(text: str, flag: str, kind: type, allowed: str, ok) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: not a comma-separated list of numbers; allowed: {allowed}") from None
+    bad = [v for v in values if not ok(v)]
+    if not values or bad:
+        raise ConfigError(f"{flag} {text!r}: {bad[0] if bad else 'empty'} is not allowed; allowed: {allowed}")
+    return sorted(set(values))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m runner.sensitivity", description=__doc__.splitlines()[0])
+    ap.add_argument("source", type=Path, help="a runner checkpoint.pt, or the run dir holding one")
+    ap.add_argument("--lengths", required=True, help="comma-separated sequence lengths in tokens")
+    ap.add_argument("--p", default="0.5,0.7,0.8,0.9,0.95,0.99", help="top-p coverage targets in (0, 1]")
+    ap.add_argument("--kept", default="", help="fixed kept fractions in (0, 1) (default: none)")
+    ap.add_argument("--sequences", type=int, default=8, help="held-out sequences per length")
+    ap.add_argument("--out", type=Path, required=True, help="the raw CSV (its .meta.json goes beside it)")
+    ap.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
+    ap.add_argument("--attention", default="kernel", help=f"attention backend: {', '.join(BACKENDS)}")
+    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens per forward at most")
+    args = ap.parse_args(argv)
+    args.lengths = _numbers(args.lengths, "--lengths", int, "whole numbers of tokens >= 1", lambda n: n >= 1)
+    args.p = _numbers(args.p, "--p", float, "coverage targets in (0, 1]", lambda p: 0 < p <= 1)
+    args.kept = _numbers(args.kept, "--kept", float, "kept fractions in (0, 1)", lambda k: 0 < k < 1) if args.kept else []
+    for flag in ("sequences", "max_tokens"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: allowed: a whole number >= 1")
+    if args.attention not in BACKENDS:
+        raise ConfigError(f"--attention {args.attention!r}: unknown; allowed: {', '.join(BACKENDS)}")
+    return args
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cuda", "cpu"):
+        raise ConfigError(f"--device {name!r}: unknown; allowed: auto, cuda, cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible; allowed here: auto, cpu")
+    return torch.device(name)
+
+
+def run_facts(args: argparse.Namespace, trained: Trained, device: torch.device, command: str) -> dict:
+    shape = trained.model.shape
+    return {
+        "command": command,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "checkpoint": str(checkpoint_file(args.source)),
+        "trained_steps": trained.steps,
+        "model": asdict(shape),
+        "task": {trained.task.name: trained.config["runner.task"]},
+        "seed": trained.seed,
+        "block_size": trained.block_size,
+        "lengths": args.lengths, "p": args.p, "kept": args.kept, "sequences_per_length": args.sequences,
+        "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "attention": args.attention, "host": platform.node(), "torch": torch.__version__,
+    }
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    if device.type == "cpu" and args.attention == "triton":
+        raise ConfigError("--attention triton on the CPU needs the Triton interpreter; allowed here: kernel, naive")
+    # The trainer's precisions: bf16 as the calibrated kernel runs on the GPU, fp32 in the CPU reference.
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    trained = load_trained(args.source, device, dtype)
+    check_lengths(args.lengths, trained)
+    modes = {mode: budgets for mode, budgets in zip(MODES, (args.p, args.kept)) if budgets}
+    attend = make_attention(args.attention, trained.block_size)
+    raw = measure(trained, held_out(trained, args.lengths, args.sequences), modes, attend, device, args.max_tokens)
+    command = shlex.join(["python", "-m", "runner.sensitivity", *(sys.argv[1:] if argv is None else argv)])
+    write_json_atomic(raw_meta_path(args.out), run_facts(args, trained, device, command))
+    with atomic_path(args.out) as tmp:
+        raw.to_csv(tmp, index=False, float_format=FLOAT_FORMAT)
+    summary = raw.groupby(["length", "mode", "budget"])[["kept_fraction", "coverage"]].mean()
+    print(summary.to_string(float_format=lambda x: f"{x:.4f}"))
+    print(f"wrote {len(raw)} rows ({len(raw.seq_id.unique())} sequences x {len(trained.model.blocks)} layers x "
+          f"{sum(map(len, modes.values()))} budgets) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
