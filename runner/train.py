@@ -104,12 +104,18 @@ def pick_device(name: str, world: World) -> torch.device:
 def compose(overrides: list[str]) -> DictConfig:
     """The config ``main`` will get, composed here so that Hydra's multi-line reports become one line."""
     try:
-        return compose_config(overrides, config_name="runner")
+        cfg = compose_config(overrides, config_name="runner")
     except (HydraException, OmegaConfBaseException) as exc:
         reason = str(exc).splitlines()[0]
         if exc.__cause__ is not None:
             reason += f" ({str(exc.__cause__).splitlines()[0]})"
         raise ConfigError(reason) from None
+    if cfg.plot:
+        # runner.yaml extends config.yaml, whose figures callback would draw on every rank, each from its own
+        # Hydra run dir (${now:...} resolves per rank); only rank 0 writes the Results.
+        raise ConfigError("plot=true is sim.run's; allowed for runner.train: false "
+                          "(python -m viz <run dir> draws a finished run's figures)")
+    return cfg
 
 
 def check_inputs(argv: list[str], world: World) -> None:
