@@ -12,15 +12,16 @@ BACKENDS = {"kernel": "auto", "triton": "triton", "naive": "naive"}
 
 
 def make_attention(backend: str, block_size: int):
-    """``attend(q, k, v, cu_seqlens, (p [n], kept_fraction [n] | None)) -> (o, kept [n], coverage [n])``."""
+    """``attend(q, k, v, docs, (p [n], kept_fraction [n] | None)) -> (o, kept [n], coverage [n])``; ``docs`` is a
+    ``VarlenBatch`` (built once per micro-batch, so no layer reads the offsets again) or a cu_seqlens tensor."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     kernel_backend = BACKENDS[backend]
 
-    def attend(q, k, v, cu_seqlens, budgets):
+    def attend(q, k, v, docs, budgets):
         p, kept_fraction = budgets
         o, sel = sparse_attention(
-            q, k, v, cu_seqlens,
+            q, k, v, docs,
             p=None if kept_fraction is not None else p, kept_fraction=kept_fraction,
             block_size=block_size, return_selection=True, backend=kernel_backend,
         )

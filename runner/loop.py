@@ -10,7 +10,14 @@ a (replica, stage, micro-batch), as the simulator's engine has it:
 * ``idle_ms``: blocked receiving its activations or gradients from a neighbouring stage; on the stage's
   last micro-batch also the wait for the slowest replica of the stage, from timestamps: the latest end of
   compute among the replicas minus this one's (no barrier in the step);
-* ``comm_ms``: on the last micro-batch, the gradient reduction that outlasts the compute and that wait.
+* ``comm_ms``: on the last micro-batch, the gradient reduction that outlasts the compute and that wait;
+* ``peak_memory_gb``: on CUDA, the most the caching allocator held during its forward or its backward on this
+  stage (``torch.cuda.max_memory_allocated``, reset before each of the stage's operations), what sim.memory
+  predicts as the stage's memory during that micro-batch's backward; on the CPU empty.
+
+A step's ``peak_memory_gb`` is its largest micro-batch's, as the engine's; ``train.csv`` adds the step's whole
+peak (the optimiser step included) and the Triton compilations of the sparse kernel during the step
+(``compile_count()`` before and after, summed over the ranks: zero once every variant is compiled).
 
 ``step_ms`` is the wall time from the earliest rank's first micro-batch to the latest rank's end of the
 optimiser step. Packing a step's micro-batches happens before the clock starts, as a prefetching data
@@ -19,6 +26,7 @@ loader would do it.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tempfile
 import time
@@ -31,17 +39,19 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from kernels.sparse_attention import compile_count
 from runner import checkpoint
 from runner.attention import make_attention
 from runner.data import TaskConfig, n_answers, pack, placeholder
 from runner.dist import Comm
 from runner.model import ModelShape, StageSpan, TinyLlama
 from runner.parallel import Replicated, merge_states
-from runner.pipeline import Clock, Outcome, StageDriver, Work
+from runner.pipeline import Clock, Outcome, StageDriver, Work, most
 from runner.records import SequenceRecord, TrainRecord
 from sim.cluster import Cluster
 from sim.core import ConfigError
 from sim.cost import training_flops
+from sim.memory import GB
 from sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord, coverage_fields
 
 # Config keys a checkpoint must agree on to be resumed (steps may grow; paths and timeouts may change).
@@ -99,19 +109,24 @@ class Trainer:
 
         self.comm.sync()
         clock = Clock(self.device)
+        compiled = compile_count()
         clock.start()
         with self.comm.guard(f"step {step}"):
             outcome = self.driver.step(work, clock)
             before_opt = clock.mark()
+            self.driver.memory.reset()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             end = clock.mark()
+            optimizer_peak = self.driver.memory.peak()
         self.comm.sync()
 
         local = self._local_record(step, plan, assigned, outcome, clock)
         local.update(start_wall=clock.wall0, end_wall=clock.wall(end), data_ms=data_ms,
                      optimizer_ms=clock.ms(end) - clock.ms(before_opt),
-                     plan_sha256=hashlib.sha256(plan.to_json().encode()).hexdigest())
+                     plan_sha256=hashlib.sha256(plan.to_json().encode()).hexdigest(),
+                     peak_bytes=most(*outcome.peaks.values(), outcome.tail_peak, optimizer_peak),
+                     compilations=compile_count() - compiled)
         with self.comm.guard(f"the records of step {step}"):
             gathered = self.comm.gather(local)
         if self.rank != 0:
@@ -150,10 +165,13 @@ class Trainer:
                         sensitivity=a.sensitivity, p=a.budget.p, budget_kept_fraction=a.budget.kept_fraction,
                         kept_fraction=k, coverage=c,
                     )))
+            peak = outcome.peaks[mb]
             rows.append(asdict(MicroBatchRecord(
                 step=step, dp_rank=self.comm.dp_rank, micro_batch=mb, stage=self.comm.stage,
                 compute_ms=float(compute[mb]) if assigned[mb] else 0.0, comm_ms=0.0, idle_ms=float(idle[mb]),
                 tokens=sum(a.length for a in assigned[mb]), kept_fraction=kept_mb, coverage=cov_mb,
+                # the field's "not measured" NaN on the CPU: an empty cell in micro_batches.csv
+                peak_memory_gb=math.nan if peak is None else peak / GB,
             )))
         return {"rows": rows, "sequences": sequences, "loss_sum": loss_sum, "correct": correct,
                 "stage": self.comm.stage, "last_mb": last_mb, "compute_ms": float(compute.sum()),
@@ -173,6 +191,8 @@ class Trainer:
         idle = [g["idle_ms"] + wait for g, wait in zip(gathered, waits)]
         busy = max(g["compute_ms"] + i for g, i in zip(gathered, idle))
         flops = training_flops(lengths, kept, self.cfg.model, self.block_size)
+        peaks = [r["peak_memory_gb"] for g in gathered for r in g["rows"] if not math.isnan(r["peak_memory_gb"])]
+        step_peak = most(*(g["peak_bytes"] for g in gathered))
         record = StepRecord(
             step=step,
             step_ms=step_ms,
@@ -181,6 +201,7 @@ class Trainer:
             mfu=flops / (self.layout.gpus * self.cluster.peak_tflops * 1e9 * step_ms),
             mean_coverage=float(coverage.mean()),
             min_coverage=float(coverage.min()),
+            peak_memory_gb=max(peaks) if peaks else math.nan,  # as the engine's: the largest micro-batch's
             **coverage_fields(lengths, coverage),
         )
         train = TrainRecord(
@@ -194,6 +215,8 @@ class Trainer:
             allreduce_ms=max(r["comm_ms"] for g in gathered for r in g["rows"]),
             optimizer_ms=max(g["optimizer_ms"] for g in gathered),
             data_ms=max(g["data_ms"] for g in gathered),
+            peak_memory_gb=None if step_peak is None else step_peak / GB,
+            compilations=sum(g["compilations"] for g in gathered),
         )
         h = self.history
         h["steps"].append(asdict(record))

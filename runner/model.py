@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.sparse_attention import VarlenBatch
 from sim.shapes import ModelShape
 
-# attention(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], cu_seqlens [n+1], budgets) -> (o [T,Hq,D], kept [n], coverage [n])
+# attention(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], docs, budgets) -> (o [T,Hq,D], kept [n], coverage [n]);
+# docs: a kernels.sparse_attention.VarlenBatch (TinyLlama's) or a cu_seqlens [n+1] tensor
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -61,14 +63,14 @@ class Block(nn.Module):
         self.w13 = nn.Linear(s.hidden, 2 * s.ffn, bias=False)
         self.w2 = nn.Linear(s.ffn, s.hidden, bias=False)
 
-    def forward(self, x, rotary, cu_seqlens, budgets, attention: AttentionFn):
+    def forward(self, x, rotary, docs, budgets, attention: AttentionFn):
         s, t = self.shape, x.shape[0]
         q, k, v = self.wqkv(self.attn_norm(x)).split(
             [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1
         )
         q = rope(q.view(t, s.heads, s.head_dim), *rotary)
         k = rope(k.view(t, s.kv_heads, s.head_dim), *rotary)
-        o, kept, coverage = attention(q, k, v.reshape(t, s.kv_heads, s.head_dim), cu_seqlens, budgets)
+        o, kept, coverage = attention(q, k, v.reshape(t, s.kv_heads, s.head_dim), docs, budgets)
         x = x + self.wo(o.reshape(t, -1))
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up), kept, coverage
@@ -138,13 +140,15 @@ class TinyLlama(nn.Module):
         """``tokens`` [T] on the first stage, the previous stage's hidden states [T, hidden] on the others.
         Logits at ``target_positions`` only: the task scores a few answer tokens per sequence, and a full
         ``[T, vocab]`` projection would dominate memory at long context."""
-        # cu_seqlens comes from the host (runner/data.py); the positions are needed on the tokens' device
-        positions = packed_positions(cu_seqlens.to(tokens.device, non_blocking=True), tokens.shape[0])
+        # The documents are read and checked once here, for every layer's attention: one host read of
+        # cu_seqlens per micro-batch (a device->host copy where a wrapper moved it to the GPU), not per layer.
+        docs = VarlenBatch.from_cu_seqlens(cu_seqlens)
+        positions = packed_positions(docs.cu_seqlens.to(tokens.device, non_blocking=True), tokens.shape[0])
         rotary = rope_angles(positions, self.shape.head_dim, self.shape.rope_theta)
         x = self.embed(tokens) if self.stage.first else tokens
         kept_sum = cov_sum = 0.0
         for block in self.blocks.values():
-            x, kept, coverage = block(x, rotary, cu_seqlens, budgets, attention)
+            x, kept, coverage = block(x, rotary, docs, budgets, attention)
             kept_sum = kept_sum + kept.float()
             cov_sum = cov_sum + coverage.float()
         n = len(self.blocks)

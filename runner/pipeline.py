@@ -59,6 +59,28 @@ class Clock:
         return self.wall0 + self.ms(mark)
 
 
+class MemoryProbe:
+    """The most bytes the CUDA caching allocator held over an interval: ``reset`` before it, ``peak`` after.
+    Both read and reset host-side counters, so no device sync; on the CPU, which has no such counter,
+    ``peak`` is None."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device if device.type == "cuda" else None
+
+    def reset(self) -> None:
+        if self.device is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int | None:
+        return None if self.device is None else torch.cuda.max_memory_allocated(self.device)
+
+
+def most(*peaks: int | None) -> int | None:
+    """The largest of some peaks; None where none was measured (the CPU)."""
+    known = [p for p in peaks if p is not None]
+    return max(known) if known else None
+
+
 @dataclass
 class Work:
     """A micro-batch of this replica and the weight of its summed loss (0 for an empty one)."""
@@ -76,12 +98,16 @@ class Outcome:
     outputs: dict = field(default_factory=dict)  # micro_batch -> (loss_sum | None, correct | None, kept, coverage)
     compute_end: object = None  # when the last backward's compute ended (its gradient reduction may go on)
     backward_end: object = None  # when the gradients were reduced (and tied copies summed)
+    # micro_batch -> the most bytes allocated during its forward or its backward on this stage (None: CPU)
+    peaks: dict = field(default_factory=dict)
+    tail_peak: int | None = None  # the same over the tied sum and the sends' waits after the last backward
 
 
 class StageDriver:
     def __init__(self, model: Replicated, comm: Comm, attention, dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.comm, self.attention = model, comm, attention
         self.dtype, self.device = dtype, device
+        self.memory = MemoryProbe(device)
         self.span = model.model.stage
         self._compute_end = None
         # The first layer's input gradient is the stage's last compute (stage 0: the embedding's lookup
@@ -97,16 +123,20 @@ class StageDriver:
         ops = one_f_one_b(self.span.index, self.span.count, len(work))
         pending, stash = [], {}
         for n, (forward, mb) in enumerate(ops):
+            self.memory.reset()
             before = clock.mark()
             if forward:
                 received = self._forward(work[mb], mb, stash, pending, out)
             else:
                 received = self._backward(mb, stash, pending, last=n == len(ops) - 1)
             out.ops.append((mb, before, received, clock.mark()))
+            out.peaks[mb] = most(out.peaks.get(mb), self.memory.peak())
+        self.memory.reset()
         self.model.sum_tied()
         out.compute_end, out.backward_end = self._compute_end, clock.mark()
         for handle, _ in pending:
             handle.wait()
+        out.tail_peak = self.memory.peak()
         return out
 
     def _forward(self, item: Work, mb: int, stash: dict, pending: list, out: Outcome):

@@ -22,6 +22,10 @@ class TrainRecord:
     allreduce_ms: float
     optimizer_ms: float
     data_ms: float
+    # the most GB any rank's CUDA allocator held at any point of the step, the optimiser step included;
+    # None on the CPU, which has no such counter (an empty cell in train.csv)
+    peak_memory_gb: Optional[float]
+    compilations: int  # Triton variants of the sparse kernel compiled during the step, summed over the ranks
 
 
 @dataclass(frozen=True)
