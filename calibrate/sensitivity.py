@@ -104,7 +104,7 @@ def _frame_problem(frame: pd.DataFrame) -> str | None:
     for column, ok, allowed in checks:
         bad = np.flatnonzero(~ok.to_numpy())
         if bad.size:
-            return f"row {bad[0] + 1} has {column}={frame[column].iloc[bad[0]]!r}; allowed: {allowed}"
+            return f"row {bad[0] + 1} has {column}={frame[column].tolist()[bad[0]]!r}; allowed: {allowed}"
     return None
 
 
