@@ -14,9 +14,11 @@ from pathlib import Path
 
 import hydra
 import pandas as pd
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
@@ -24,13 +26,16 @@ from tqdm import tqdm
 from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.config import PolicyConfig, RunConfig, register, validate
-from sim.core import CONF_DIR, ConfigError, compose_config, fail, group_options
+from sim.core import CONF_DIR, ConfigError, check_group_overrides, compose_config, fail, group_options
 from sim.cost import CostModel, make_cost
 from sim.engine import Engine
 from sim.memory import MemoryModel
 from sim.results import Results
 from sim.workload import Workload
 
+OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+# DST meets its coverage target in its own sums; the engine's sums of the same coverages differ by rounding.
+COVERAGE_TOLERANCE = 1e-9
 
 
 @dataclass
@@ -112,8 +117,9 @@ def steps_with_progress(steps: int, desc: str, progress: bool, interval_s: float
                 last = now
 
 
-def run(cfg: DictConfig, run_dir: Path) -> pd.DataFrame:
-    """Simulate the policy and its baseline, write the Results, return the summary table."""
+def run(cfg: DictConfig, run_dir: Path) -> float | None:
+    """Simulate the policy and its baseline, write the Results, print the summary table; return the
+    ``objective``."""
     main_run = simulate(cfg, progress=True)
     rows = [main_run.summary]
     if cfg.baseline and cfg.baseline != cfg.policy.name:
@@ -122,10 +128,20 @@ def run(cfg: DictConfig, run_dir: Path) -> pd.DataFrame:
     main_run.summary["baseline"] = cfg.baseline
     main_run.summary["speedup_vs_baseline"] = baseline_ms / main_run.summary["step_ms"] if baseline_ms else None
     files = main_run.results.write(run_dir, main_run.summary)
-    table = summary_table(rows, baseline_ms)
-    print(table.to_string(index=False))
+    print(summary_table(rows, baseline_ms).to_string(index=False))
     print(f"results: {files[0].parent}  ({', '.join(f.name for f in files)})")
-    return table
+    return objective(main_run.summary, rows[-1] if cfg.baseline else None)
+
+
+def objective(summary: dict, baseline: dict | None) -> float | None:
+    """What a sweeper optimises (hydra/sweeper=dst_optuna maximises it): the speedup over the baseline while
+    the coverage weighted by attention work is no lower than the baseline's, else minus the coverage lost, so
+    that a run that loses coverage ranks below every run that keeps it, and one that loses less above one
+    that loses more. None without a baseline."""
+    if baseline is None:
+        return None
+    lost = baseline["attention_coverage"] - summary["attention_coverage"]
+    return summary["speedup_vs_baseline"] if lost <= COVERAGE_TOLERANCE else -lost
 
 
 def summary_table(rows: list[dict], baseline_ms: float | None) -> pd.DataFrame:
@@ -150,26 +166,70 @@ def summary_table(rows: list[dict], baseline_ms: float | None) -> pd.DataFrame:
 
 
 def check_composition(argv: list[str]) -> None:
-    """Compose and validate every job up front (one for a run, each combination of a ``-m`` sweep), so that a
-    bad value is one line and no job runs or writes anything when any job of a sweep is bad."""
-    overrides = [a for a in argv if "=" in a and not a.startswith(("-", "hydra."))]
-    sweep = any(arg in ("-m", "--multirun") for arg in argv)
-    for job in sweep_jobs(overrides) if sweep else [overrides]:
+    """Compose and validate every job up front (one for a run, each combination of a ``-m`` sweep, the corners
+    of an Optuna search space), and the launcher and sweeper they run under, so that a bad value is one line
+    and no job runs or writes anything when any job of a sweep is bad."""
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    job_overrides = [a for a in overrides if not a.startswith("hydra.")]
+    if not any(arg in ("-m", "--multirun") for arg in argv):
+        hydra_config(overrides)
+        return check_jobs([job_overrides], "")
+    sweeper = hydra_config([o.input_line for o in parse(overrides) if not o.is_sweep_override()]).sweeper
+    params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
+    if sweeper._target_ != OPTUNA_SWEEPER:
+        return check_jobs(sweep_jobs(params + job_overrides), " (in the sweep job: {})")
+    check_optuna(sweeper)
+    check_jobs(search_corners(params + job_overrides), " (at a corner of the search space: {})", trial=True)
+
+
+def check_jobs(jobs: list[list[str]], label: str, trial: bool = False) -> None:
+    """Compose and check each job's config; ``label`` names the job in the error (``{}``: its overrides).
+    An Optuna trial also needs a baseline: its value is the speedup over it."""
+    for job in jobs:
+        where = label.format(" ".join(job))
         try:
             cfg = OmegaConf.to_object(compose_config(job))
         except (HydraException, OmegaConfBaseException) as exc:
-            reason = str(exc).splitlines()[0]
-            if exc.__cause__ is not None:
-                reason += f" ({str(exc.__cause__).splitlines()[0]})"
-            raise ConfigError(reason + _job_label(job, sweep)) from None
+            raise ConfigError(_reason(exc) + where) from None
         try:
             check_job(cfg)
         except ConfigError as exc:
-            raise ConfigError(f"{exc}{_job_label(job, sweep)}") from None
+            raise ConfigError(f"{exc}{where}") from None
+        if trial and not cfg.baseline:
+            raise ConfigError(f"baseline=null: an Optuna trial's value is the speedup over the baseline; "
+                              f"allowed: {', '.join(group_options('policy'))}{where}")
 
 
-def _job_label(job: list[str], sweep: bool) -> str:
-    return f" (in the sweep job: {' '.join(job)})" if sweep else ""
+def _reason(exc: Exception) -> str:
+    """Hydra's and OmegaConf's error as one line: its first line, its cause's, the options of a missing one."""
+    reason = str(exc).splitlines()[0]
+    if exc.__cause__ is not None:
+        reason += f" ({str(exc.__cause__).splitlines()[0]})"
+    if isinstance(exc, MissingConfigException) and exc.options:
+        reason += f"; allowed: {', '.join(exc.options)}"
+    return reason
+
+
+def hydra_config(overrides: list[str]) -> DictConfig:
+    """The ``hydra`` node a run composes to (launcher, sweeper and their options), checked as the jobs are."""
+    register()
+    check_group_overrides(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_reason(exc)) from None
+
+
+def check_optuna(sweeper: DictConfig) -> None:
+    """The Optuna sweeper's own options that it would otherwise report with a traceback mid-sweep."""
+    for key in ("n_trials", "n_jobs"):
+        if sweeper[key] < 1:
+            raise ConfigError(f"hydra.sweeper.{key}={sweeper[key]} is out of range; allowed: >= 1")
+    directions = sweeper.direction if OmegaConf.is_list(sweeper.direction) else [sweeper.direction]
+    for direction in directions:
+        if getattr(direction, "name", direction) not in ("minimize", "maximize"):  # the schema's default is an Enum
+            raise ConfigError(f"hydra.sweeper.direction={direction} is not allowed; allowed: minimize, maximize")
 
 
 def check_job(cfg: RunConfig) -> None:
@@ -181,16 +241,45 @@ def check_job(cfg: RunConfig) -> None:
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     """The override list of every job of a basic sweep (the cartesian product of its swept values)."""
+    return [list(job) for job in itertools.product(*map(swept_values, parse(overrides)))]
+
+
+def swept_values(o: Override) -> list[str]:
+    """One override as the basic sweeper runs it: every value of a choice or a range, a plain value alone."""
+    if not o.is_sweep_override():
+        return [o.input_line]
+    if not o.is_discrete_sweep():
+        raise ConfigError(f"{o.input_line}: the basic sweeper runs choices and ranges, not intervals "
+                          "(an Optuna sweeper samples those)")
+    return [f"{o.get_key_element()}={value}" for value in o.sweep_string_iterator()]
+
+
+def search_corners(overrides: list[str]) -> list[list[str]]:
+    """The jobs at the corners of an Optuna search space: every choice, both ends of an interval or a range
+    (Optuna samples a range up to its stop). The checks of a config are ranges and orderings of its values,
+    which hold everywhere inside a box when they hold at its corners."""
+    return [list(job) for job in itertools.product(*map(corner_values, parse(overrides)))]
+
+
+def corner_values(o: Override) -> list[str]:
+    value = o.value()
+    if o.is_interval_sweep():
+        ends = (value.start, value.end)
+    elif o.is_range_sweep() and not value.shuffle:
+        ends = (value.start, value.stop)
+    else:
+        return swept_values(o)
+    return [f"{o.get_key_element()}={end}" for end in ends]
+
+
+def parse(overrides: list[str]) -> list[Override]:
+    """The overrides parsed, the last of each key kept (the sweepers' precedence: the command line wins over
+    ``hydra.sweeper.params``)."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None
-    axes = [
-        [f"{o.get_key_element()}={value}" for value in o.sweep_string_iterator()] if o.is_sweep_override()
-        else [o.input_line]
-        for o in parsed
-    ]
-    return [list(job) for job in itertools.product(*axes)]
+    return list({o.get_key_element(): o for o in parsed}.values())
 
 
 def _discard(run_dir: Path) -> None:
@@ -206,10 +295,11 @@ register()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
+    """One job; its value (``objective``) is what a sweeper such as hydra/sweeper=dst_optuna optimises."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        run(cfg, run_dir)
+        return run(cfg, run_dir)
     except (ConfigError, OmegaConfBaseException) as exc:
         _discard(run_dir)
         fail(str(exc).splitlines()[0])
