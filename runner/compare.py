@@ -9,7 +9,10 @@ layout, twice:
   is kept (what a policy comparison in the simulator sees).
 
 Prints per-step predicted vs measured step time and the median absolute % error (warm-up steps, which
-compile kernels, skipped), and writes ``compare.csv`` and ``compare.json`` into the run dir. Given several
+compile kernels, skipped), and writes ``compare.csv`` and ``compare.json`` into the run dir. Beside it, the
+peak memory per (DP rank, pipeline stage) over the compared steps: ``sim.memory`` for the same Plans, layout,
+block size and memory config as the run's, against what the runner measured on CUDA (``peak_memory_gb`` of
+``micro_batches.csv``; empty for a CPU run), with the relative error, printed and written to ``memory.csv``. Given several
 run dirs (the first is the baseline), also the measured speedup, coverage and retrieval accuracy of each
 against the first; ``--out`` writes all of it as one CSV (per step) and JSON (per run).
 """
@@ -32,11 +35,14 @@ from sim.config import validate
 from sim.core import ConfigError, atomic_path, one_line_errors, write_json_atomic
 from sim.cost import make_cost
 from sim.engine import Engine
+from sim.memory import GB, MemoryModel
 from sim.plan import Budget, Plan
 
 DEFAULT_PROFILE = "calibrate/profiles/h200.json"
 # What the replay reads of each file, beyond its existence.
-COLUMNS = {"steps.csv": ("step", "step_ms"), "sequences.csv": ("step", "seq_id", "kept_fraction")}
+COLUMNS = {"steps.csv": ("step", "step_ms"), "sequences.csv": ("step", "seq_id", "kept_fraction"),
+           "micro_batches.csv": ("step", "dp_rank", "micro_batch", "stage")}
+MEASURED_PEAK = "peak_memory_gb"  # micro_batches.csv; absent from runs older than the measurement, empty on CPU
 SUMMARY_KEYS = ("mean_coverage", "final_loss", "final_accuracy")
 
 
@@ -48,15 +54,16 @@ class Parser(argparse.ArgumentParser):
 
 
 def load_run(run_dir: Path):
-    """The run's config (against the runner's schema), Plans, measured steps, per-sequence kernel stats and
-    summary; a file that is missing or not what ``runner.train`` writes is one ConfigError naming it."""
-    files = {name: run_dir / name for name in (".hydra/config.yaml", "plans.jsonl", "steps.csv", "sequences.csv",
-                                                "summary.json")}
+    """The run's config (against the runner's schema), Plans, measured steps, micro-batch rows, per-sequence
+    kernel stats and summary; a file that is missing or not what ``runner.train`` writes is one ConfigError
+    naming it."""
+    files = {name: run_dir / name for name in (".hydra/config.yaml", "plans.jsonl", "steps.csv", "micro_batches.csv",
+                                                "sequences.csv", "summary.json")}
     missing = [str(p) for p in files.values() if not p.is_file()]
     if missing:
         raise ConfigError(f"{run_dir} is not a complete runner run dir: missing {', '.join(missing)}")
     return (_config(files[".hydra/config.yaml"]), _plans(files["plans.jsonl"]), _csv(files["steps.csv"]),
-            _csv(files["sequences.csv"]), _summary(files["summary.json"]))
+            _csv(files["micro_batches.csv"]), _csv(files["sequences.csv"]), _summary(files["summary.json"]))
 
 
 def _config(path: Path) -> TrainConfig:
@@ -106,11 +113,14 @@ def _summary(path: Path) -> dict:
     return summary
 
 
-def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, dict]:
-    cfg, plans, steps, sequences, run_summary = load_run(run_dir)
-    cfg.cost.name, cfg.cost.profile = "calibrated", profile
+def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """(per-step table, memory table, summary) of one run dir."""
+    cfg, plans, steps, micro_batches, sequences, run_summary = load_run(run_dir)
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
+    # the run's own cost model: its block size is the one the kernel selected blocks at
+    run_cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
+    cfg.cost.name, cfg.cost.profile = "calibrated", profile
     cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
     engine = Engine(layout, cost, cluster)
     kept = sequences.set_index(["step", "seq_id"])["kept_fraction"]
@@ -134,6 +144,9 @@ def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, dict]:
     scored = table[table["step"] >= table["step"].min() + skip]
     if scored.empty:
         raise ConfigError(f"--skip {skip} leaves none of the run's {len(table)} steps to compare")
+    memory = memory_table(MemoryModel.from_config(cfg, layout, run_cost.block_size), run_cost,
+                          [p for p in plans if p.step in set(scored["step"])], micro_batches)
+    errors = memory["error_pct"].dropna().abs()
     summary = {
         "run_dir": str(run_dir),
         "policy": cfg.policy.name,
@@ -145,9 +158,30 @@ def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, dict]:
         "median_abs_error_pct_plan_budgets": float(np.median(np.abs(scored["plan_error_pct"]))),
         "measured_step_ms_median": float(scored["measured_ms"].median()),
         "sim_step_ms_median": float(scored["sim_ms"].median()),
+        # over (DP rank, stage); null where nothing was measured (a CPU run)
+        "peak_memory_max_abs_error_pct": float(errors.max()) if len(errors) else None,
         **{key: run_summary[key] for key in SUMMARY_KEYS},
     }
-    return table.assign(policy=summary["policy"]), summary
+    return table.assign(policy=summary["policy"]), memory, summary
+
+
+def memory_table(memory: MemoryModel, cost, plans: list[Plan], micro_batches: pd.DataFrame) -> pd.DataFrame:
+    """Per (DP rank, stage), the most bytes sim.memory predicts over the Plans' micro-batches and the most the
+    runner measured over the same steps' rows, and the relative error; measured and error are missing (an
+    empty cell) where the run measured nothing."""
+    layout = memory.layout
+    predicted = np.max([memory.plan_bytes(plan, cost) for plan in plans], axis=(0, 2))  # [dp, pp]
+    rows = micro_batches[micro_batches["step"].isin([p.step for p in plans])]
+    if MEASURED_PEAK in rows.columns:
+        measured = pd.to_numeric(rows[MEASURED_PEAK], errors="coerce").groupby(
+            [rows["dp_rank"], rows["stage"]]).max()
+    else:
+        measured = pd.Series(dtype=float)
+    index = pd.MultiIndex.from_product([range(layout.dp), range(layout.pp)], names=["dp_rank", "stage"])
+    got = (measured.reindex(index) * GB).round().astype("Int64")  # <NA>: an empty cell, never a NaN
+    want = pd.Series(predicted.reshape(-1), index=index).round().astype("Int64")
+    error = (100 * (want - got) / got).astype("Float64")
+    return pd.DataFrame({"predicted_bytes": want, "measured_bytes": got, "error_pct": error}).reset_index()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -169,18 +203,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Every run is replayed before anything is written: a bad run dir among several leaves no file behind.
     replayed = [replay(run_dir, args.profile, args.skip) for run_dir in args.run_dirs]
-    tables, summaries = [t for t, _ in replayed], [s for _, s in replayed]
+    tables, summaries = [t for t, _, _ in replayed], [s for _, _, s in replayed]
     base = summaries[0]
     for summary in summaries:
         summary["measured_speedup_vs_first"] = base["measured_step_ms_median"] / summary["measured_step_ms_median"]
         summary["sim_speedup_vs_first"] = base["sim_step_ms_median"] / summary["sim_step_ms_median"]
-    for run_dir, table, summary in zip(args.run_dirs, tables, summaries):
+    for run_dir, (table, memory, summary) in zip(args.run_dirs, replayed):
         _write_csv(table, run_dir / "compare.csv")
+        _write_csv(memory, run_dir / "memory.csv")
         write_json_atomic(run_dir / "compare.json", summary)
         print(table.round(2).to_string(index=False))
         print(f"{summary['policy']}: median |error| {summary['median_abs_error_pct']:.2f}% over "
               f"{summary['steps_compared']} steps (measured kept fractions); "
               f"{summary['median_abs_error_pct_plan_budgets']:.2f}% with the Plan's budgets")
+        print(f"{summary['policy']}: peak memory per (DP rank, stage), predicted (sim.memory) vs measured")
+        print(memory.round(3).astype(object).where(memory.notna(), "-").to_string(index=False))
     if len(summaries) > 1:
         cols = ["policy", "measured_step_ms_median", "sim_step_ms_median", "median_abs_error_pct",
                 "measured_speedup_vs_first", "sim_speedup_vs_first", "mean_coverage", "final_accuracy"]
