@@ -1,0 +1,163 @@
+"""``python -m runner.sensitivity`` on a tiny CPU checkpoint (the reference attention): a row per (sequence, layer,
+budget), per-layer figures through the tap that agree with the model's own layer mean, packed copies that measure
+what each budget alone measures, identical files from identical runs, one line for bad input; and the whole path,
+checkpoint -> runner.sensitivity -> calibrate.sensitivity -> sim.run with the fitted profile."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from calibrate import sensitivity as calibrate_sensitivity
+from runner import sensitivity
+from runner.attention import make_attention
+from runner.data import make_example
+from sim.sensitivity import RAW_COLUMNS, load_sensitivity_profile, raw_meta_path
+from pinned import PINNED_OVERRIDES
+from tiny import TINY_ONE_RANK
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = 2
+# The tiny run: two layers, block size 32, context 512.
+OVERRIDES = [o for o in TINY_ONE_RANK if not o.startswith("model.layers=")] + [f"model.layers={LAYERS}"]
+CPU = torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory) -> Path:
+    """A run dir with the checkpoint of one training step on the CPU."""
+    run_dir = tmp_path_factory.mktemp("sensitivity") / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    proc = subprocess.run([sys.executable, "-m", "runner.train", f"hydra.run.dir={run_dir}", *OVERRIDES, "steps=1",
+                           "runner.checkpoint_every=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def trained(checkpoint_dir):
+    return sensitivity.load_trained(checkpoint_dir, CPU, torch.float32)
+
+
+def measure(capsys, *argv) -> tuple[int, str]:
+    try:
+        code = sensitivity.main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_the_checkpoint_gives_its_model_task_and_block_size(trained):
+    assert sorted(trained.model.blocks) == ["0", "1"]
+    assert trained.task.name == "retrieval" and trained.task.n_keys == 16
+    assert trained.block_size == 32 and trained.steps == 1 and trained.seed == 5
+
+
+def test_the_tap_records_each_layer_and_their_mean_is_the_models(trained):
+    example = make_example(trained.task, trained.vocab, trained.seed, sensitivity.HELD_OUT, 256, 0.5)
+    tap = sensitivity.LayerTap(make_attention("kernel", trained.block_size))
+    cu = torch.tensor([0, 256], dtype=torch.int32)
+    with torch.no_grad():
+        out = trained.model(torch.as_tensor(example.tokens), cu, (torch.tensor([0.8]), None), torch.tensor([255]), tap)
+    assert len(tap.calls) == LAYERS
+    kept = np.array([k for k, _ in tap.calls])
+    coverage = np.array([c for _, c in tap.calls])
+    np.testing.assert_allclose(kept.mean(axis=0), out.kept_fraction.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(coverage.mean(axis=0), out.coverage.numpy(), rtol=1e-6)
+
+
+def test_packed_copies_measure_what_each_budget_alone_measures(trained):
+    tokens = make_example(trained.task, trained.vocab, trained.seed, sensitivity.HELD_OUT + 1, 256, 0.7).tokens
+    attend = make_attention("kernel", trained.block_size)
+    for mode, budgets in (("p", [0.5, 0.9]), ("kept", [0.1, 0.5])):
+        packed = sensitivity.forward_copies(trained, tokens, mode, budgets, attend, CPU)
+        for i, b in enumerate(budgets):
+            alone = sensitivity.forward_copies(trained, tokens, mode, [b], attend, CPU)
+            for layer in range(LAYERS):
+                np.testing.assert_allclose(packed[layer][0][i], alone[layer][0][0], rtol=1e-5)
+                np.testing.assert_allclose(packed[layer][1][i], alone[layer][1][0], rtol=1e-5)
+
+
+def test_the_csv_has_a_row_per_sequence_layer_and_budget_and_repeats_exactly(checkpoint_dir, tmp_path, capsys):
+    args = ["--lengths", "256,128", "--p", "0.5,0.9", "--kept", "0.25", "--sequences", "2", "--max-tokens", "300"]
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    assert measure(capsys, checkpoint_dir, *args, "--out", a)[0] == 0
+    assert measure(capsys, checkpoint_dir / "checkpoint.pt", *args, "--out", b)[0] == 0
+    assert a.read_bytes() == b.read_bytes()
+    raw = pd.read_csv(a)
+    assert list(raw.columns) == list(RAW_COLUMNS) and len(raw) == 4 * LAYERS * 3
+    assert sorted(raw["length"].unique()) == [128, 256] and sorted(raw["layer"].unique()) == [0, 1]
+    assert raw["seq_id"].min() == sensitivity.HELD_OUT and raw["seq_id"].nunique() == 4
+    top_p = raw[raw["mode"] == "p"]
+    assert (top_p["coverage"] >= top_p["budget"] - 1e-6).all()  # top-p keeps at least p of the routing mass
+    assert raw.groupby(["seq_id", "layer", "mode"])["kept_fraction"].is_monotonic_increasing.all()
+    facts = json.loads(raw_meta_path(a).read_text())
+    assert facts["task"] == {"retrieval": {"kind": "retrieval", "n_keys": 16, "n_values": 16, "max_pairs": 4,
+                                           "n_queries": 2}}
+    assert facts["model"]["layers"] == LAYERS and facts["block_size"] == 32 and facts["trained_steps"] == 1
+
+
+def _garbage(tmp_path: Path) -> Path:
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(b"not a checkpoint")
+    return path
+
+
+@pytest.mark.parametrize("source, args, needle", [
+    (lambda d, t: t / "missing.pt", [], "missing.pt: no such file"),
+    (lambda d, t: t, [], "checkpoint.pt: no such file"),
+    (lambda d, t: _garbage(t), [], "not a torch checkpoint"),
+    (lambda d, t: d, ["--lengths", "1024"], "--lengths: 1024 is outside [25, 512]"),
+    (lambda d, t: d, ["--lengths", "128,abc"], "--lengths '128,abc': not a comma-separated list"),
+    (lambda d, t: d, ["--p", "0,0.5"], "--p '0,0.5': 0.0 is not allowed; allowed: coverage targets in (0, 1]"),
+    (lambda d, t: d, ["--kept", "1"], "--kept '1': 1.0 is not allowed; allowed: kept fractions in (0, 1)"),
+    (lambda d, t: d, ["--sequences", "0"], "--sequences 0: allowed: a whole number >= 1"),
+    (lambda d, t: d, ["--attention", "flash"], "--attention 'flash': unknown; allowed: kernel, triton, naive"),
+    (lambda d, t: d, ["--device", "tpu"], "--device 'tpu': unknown; allowed: auto, cuda, cpu"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(checkpoint_dir, tmp_path, capsys, source, args, needle):
+    out = tmp_path / "raw.csv"
+    argv = [source(checkpoint_dir, tmp_path), "--lengths", "128", *args, "--out", out]
+    code, err = measure(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert not out.exists() and not raw_meta_path(out).exists()
+
+
+def test_checkpoint_to_simulator(checkpoint_dir, tmp_path, capsys):
+    """The whole path on the CPU: measure, fit, and simulate with the fitted profile."""
+    raw, profile = tmp_path / "raw.csv", tmp_path / "sensitivity_tiny.json"
+    assert measure(capsys, checkpoint_dir, "--lengths", "128,256", "--p", "0.5,0.9", "--kept", "0.1,0.25",
+                   "--sequences", "4", "--out", raw)[0] == 0
+    assert calibrate_sensitivity.main([str(raw), "--out", str(profile)]) == 0
+    written = json.loads(profile.read_text())
+    assert written["fit"]["tasks"]["retrieval"]["sequences"] == {"fit": 6, "heldout": 2, "clipped": 0}
+    assert written["meta"]["task"]["retrieval"]["n_keys"] == 16
+    model = load_sensitivity_profile(str(profile))
+    assert model.task == "retrieval" and model.lengths[0] == 128 and model.lengths[-1] == 256
+    run_dir = tmp_path / "sim"
+    sim = subprocess.run([sys.executable, "-m", "sim.run", f"hydra.run.dir={run_dir}", *PINNED_OVERRIDES, "steps=2",
+                          "workload.global_batch=16", f"workload.sensitivity_profile={profile}", "baseline=null"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    plans = [json.loads(line) for line in (run_dir / "plans.jsonl").read_text().splitlines()]
+    s = np.array([a["sensitivity"] for plan in plans for a in plan["assignments"]])
+    lengths = np.array([a["length"] for plan in plans for a in plan["assignments"]])
+    # every draw inside the profile's spread: within 6 standard deviations of its mean in logit space
+    z = np.log(s / (1 - s))
+    assert np.all(np.abs(z - model.mean(lengths)) <= 6 * model.std(lengths) + 1e-6)
