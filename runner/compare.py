@@ -9,12 +9,13 @@ layout, twice:
   is kept (what a policy comparison in the simulator sees).
 
 Prints per-step predicted vs measured step time and the median absolute % error (warm-up steps, which
-compile kernels, skipped), and writes ``compare.csv`` and ``compare.json`` into the run dir. Beside it, the
-peak memory per (DP rank, pipeline stage) over the compared steps: ``sim.memory`` for the same Plans, layout,
-block size and memory config as the run's, against what the runner measured on CUDA (``peak_memory_gb`` of
-``micro_batches.csv``; empty for a CPU run), with the relative error, printed and written to ``memory.csv``. Given several
-run dirs (the first is the baseline), also the measured speedup, coverage and retrieval accuracy of each
-against the first; ``--out`` writes all of it as one CSV (per step) and JSON (per run).
+compile kernels, skipped; each step's Triton compilations beside it), and writes ``compare.csv`` and
+``compare.json`` into the run dir. Then the peak memory per (DP rank, pipeline stage) over the compared steps:
+``sim.memory`` for the same Plans, layout, block size and memory config as the run's, against what the runner
+measured on CUDA (``peak_memory_gb`` of ``micro_batches.csv``; empty for a CPU run), with the relative error,
+printed and written to ``memory.csv``. Given several run dirs (the first is the baseline), also the measured
+speedup, coverage and retrieval accuracy of each against the first; ``--out`` writes all of it as one CSV
+(per step) and JSON (per run), and every run's memory table as ``<stem>_memory.csv`` beside them.
 """
 from __future__ import annotations
 
@@ -139,6 +140,7 @@ def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, pd.Dat
             "sim_plan_ms": engine.step(plan).record.step_ms,
         })
     table = steps[["step", "step_ms"]].rename(columns={"step_ms": "measured_ms"}).merge(pd.DataFrame(rows), on="step")
+    table["compilations"] = _compilations(run_dir / "train.csv", table["step"])
     table["error_pct"] = 100 * (table["sim_ms"] - table["measured_ms"]) / table["measured_ms"]
     table["plan_error_pct"] = 100 * (table["sim_plan_ms"] - table["measured_ms"]) / table["measured_ms"]
     scored = table[table["step"] >= table["step"].min() + skip]
@@ -158,11 +160,25 @@ def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, pd.Dat
         "median_abs_error_pct_plan_budgets": float(np.median(np.abs(scored["plan_error_pct"]))),
         "measured_step_ms_median": float(scored["measured_ms"].median()),
         "sim_step_ms_median": float(scored["sim_ms"].median()),
+        # Triton compilations in the compared steps (a step that compiles is no cost model's); null: not recorded
+        "compilations_in_compared_steps": None if scored["compilations"].isna().any()
+        else int(scored["compilations"].sum()),
         # over (DP rank, stage); null where nothing was measured (a CPU run)
         "peak_memory_max_abs_error_pct": float(errors.max()) if len(errors) else None,
         **{key: run_summary[key] for key in SUMMARY_KEYS},
     }
     return table.assign(policy=summary["policy"]), memory, summary
+
+
+def _compilations(path: Path, step: pd.Series) -> pd.Series:
+    """Each step's Triton compilations from the runner's train.csv, missing (an empty cell) where the run
+    recorded none (runs older than the count, or no train.csv)."""
+    if path.is_file():
+        train = pd.read_csv(path)
+        if "compilations" in train.columns:
+            by_step = pd.to_numeric(train.set_index("step")["compilations"], errors="coerce")
+            return step.map(by_step).astype("Int64")
+    return pd.Series(pd.NA, index=step.index, dtype="Int64")
 
 
 def memory_table(memory: MemoryModel, cost, plans: list[Plan], micro_batches: pd.DataFrame) -> pd.DataFrame:
@@ -220,12 +236,20 @@ def main(argv: list[str] | None = None) -> int:
         print(memory.round(3).astype(object).where(memory.notna(), "-").to_string(index=False))
     if len(summaries) > 1:
         cols = ["policy", "measured_step_ms_median", "sim_step_ms_median", "median_abs_error_pct",
-                "measured_speedup_vs_first", "sim_speedup_vs_first", "mean_coverage", "final_accuracy"]
+                "measured_speedup_vs_first", "sim_speedup_vs_first", "mean_coverage", "final_accuracy",
+                "compilations_in_compared_steps", "peak_memory_max_abs_error_pct"]
         print(pd.DataFrame(summaries)[cols].round(4).to_string(index=False))
     if args.out:
         _write_csv(pd.concat(tables), args.out)
+        memories = [memory.assign(policy=summary["policy"]) for (_, memory, summary) in replayed]
+        _write_csv(pd.concat(memories), memory_path(args.out))
         write_json_atomic(args.out.with_suffix(".json"), {"profile": args.profile, "runs": summaries})
     return 0
+
+
+def memory_path(out: Path) -> Path:
+    """Where ``--out`` puts every run's memory table: beside it, ``<stem>_memory.csv``."""
+    return out.with_name(f"{out.stem}_memory.csv")
 
 
 def _write_csv(frame: pd.DataFrame, path: Path) -> None:
