@@ -1,32 +1,87 @@
 #!/usr/bin/env bash
-# The H200 fidelity experiment: one GPU (world size 1), 4 micro-batches per step, the real Triton kernel in
-# bf16, `baseline` (arrival order, fixed p=0.9) and `sparsebalance`, STEPS steps each. Run dirs are tarred
-# into $OUT/h200_runs.tgz (one archive is easier to copy back than many files); `python -m runner.compare <run dir>` then
-# replays them through the simulator on any machine. Extra arguments are Hydra overrides for both runs.
+# The H200 fidelity experiment in one call: `baseline` (arrival order, fixed p=0.9) and `sparsebalance` trained
+# by runner.train on NPROC GPUs of one host (default 1: world size 1, 4 micro-batches per step), the real Triton
+# kernel in bf16, STEPS steps each, then runner.compare replays both through the simulator:
+#   - step time, measured vs simulated, per step, with each step's Triton compilations (zero after the first
+#     steps: the kernels compile every variant a batch of these shapes can take at their first launch, so no
+#     whole-run warm-up is needed; SKIP leaves the compiling steps out of the errors);
+#   - peak memory per (DP rank, pipeline stage): sim.memory for the same Plans against
+#     torch.cuda.max_memory_allocated per micro-batch and stage.
 #
-# Model: qwen2.5-3b's layer shape (the calibrated one) with 8 of its 36 layers so that a step takes about a
-# second; vocab scaled by the same 8/36 because sim.cost spreads the embedding/LM-head FLOPs over the layers,
-# so the per-layer features (and hence the calibrated per-layer times) stay exactly qwen2.5-3b's. Sequences are
-# capped at 16K so that a micro-batch of four stays far inside the GPU's memory (about 110 KB/token/layer).
+# Model: qwen2.5-3b's layer shape (the calibrated one, time and memory) with LAYERS of its 36 layers; the
+# vocabulary scaled by LAYERS/36, because sim.cost spreads the embedding/LM-head FLOPs over the layers, so the
+# per-layer features (and the calibrated per-layer times) stay exactly qwen2.5-3b's. Sequences up to 16K.
+# Memory is priced as the runner holds it: the measured per-token terms (memory.profile), bf16 weights, the
+# gradient and DDP's bucket copy of it (grad_bytes=4), AdamW's two bf16 moments and no fp32 master copy
+# (optimizer_bytes=4), whole optimiser states on every replica (sharding=ddp), and logits only at the
+# answer positions (logits_bytes=0).
+#
+# Writes under $OUT (7 files, nothing deeper): h200_experiment.log (everything printed), h200_runs.tgz (both
+# run dirs with their compare.csv/.json and memory.csv; tarred again after every run, so a timeout keeps what
+# is done), compare.csv and compare.json (both runs' steps and summaries), compare_memory.csv (the memory
+# table), environment.txt (GPU, driver, torch and Triton versions), status.txt (the exit code of each part).
+# Nothing is fetched: Hydra, OmegaConf, ANTLR, SimPy and tqdm come from the wheels in .whl/ (carried; ignored by
+# git) where the machine lacks them. Extra arguments are Hydra overrides for both runs (the CPU check runs it
+# with a tiny model: docs/runner.md).
 set -uo pipefail
-STEPS=${STEPS:-20}
-RUN_LIMIT_S=${RUN_LIMIT_S:-130}
-RUNS=${RUNS:-/tmp/runner_runs}
-OUT=${OUT:-$RUNS}
-COMMON=(cluster.gpus_per_node=1 layout.micro_batches=4 model=qwen2.5-3b model.layers=8 model.vocab=33763
-        workload=longtail workload.global_batch=16 workload.max_len=16384 cost=calibrated steps="$STEPS")
-status=0
-# A throwaway copy of the baseline run first fills Triton's on-disk kernel cache, so that neither measured
-# run pays JIT compilation, which the simulator does not model (WARMUP=0 skips it). It must be the whole run:
-# Triton specialises kernels on integer arguments, so new batches bring new compilations (2 steps were not
-# enough on the H200, see runner/results/h200.md).
-if [ "${WARMUP:-1}" = 1 ]; then
-  timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m runner.train \
-    policy=baseline hydra.run.dir="$RUNS/../warmup" "${COMMON[@]}" "$@" || status=1
-fi
-for policy in baseline sparsebalance; do
-  timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m runner.train \
-    policy="$policy" hydra.run.dir="$RUNS/$policy" "${COMMON[@]}" "$@" || status=1
-  tar czf "$OUT/h200_runs.tgz" -C "$RUNS" .  # after each run: a later timeout keeps what is done
-done
-exit $status
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/h200_experiment}
+RUNS=${RUNS:-/tmp/h200_runs}
+STEPS=${STEPS:-10}
+SKIP=${SKIP:-2}
+LAYERS=${LAYERS:-4}
+NPROC=${NPROC:-1}
+RUN_LIMIT_S=${RUN_LIMIT_S:-150}  # a guard against a hang: a run takes about a minute
+PROFILE=${PROFILE:-calibrate/profiles/h200.json}
+mkdir -p "$OUT" "$RUNS"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+experiment() {
+  if ! python3 -c "import hydra, omegaconf, simpy, tqdm" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "no nvidia-smi"
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    git log -1 --format='commit %H' 2>/dev/null || true
+  } | tee "$OUT/environment.txt"
+
+  COMMON=(cluster.gpus_per_node="$NPROC" layout.micro_batches=4 model=qwen2.5-3b "model.layers=$LAYERS"
+          "model.vocab=$((151936 * LAYERS / 36))" workload=longtail workload.global_batch=16 workload.max_len=16384
+          cost=calibrated memory.profile=calibrate/profiles/h200_memory.json memory.sharding=ddp memory.grad_bytes=4
+          memory.optimizer_bytes=4 memory.logits_bytes=0 "steps=$STEPS")
+  : >"$OUT/status.txt"
+  status=0
+  for policy in baseline sparsebalance; do
+    rm -rf "${RUNS:?}/$policy"
+    timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m runner.train \
+      policy="$policy" hydra.run.dir="$RUNS/$policy" "${COMMON[@]}" "$@"
+    code=$?
+    echo "runner.train $policy: exit $code" | tee -a "$OUT/status.txt"
+    [ "$code" = 0 ] || status=1
+    tar czf "$OUT/h200_runs.tgz" -C "$RUNS" baseline sparsebalance 2>/dev/null
+  done
+  python3 -m runner.compare "$RUNS/baseline" "$RUNS/sparsebalance" --profile "$PROFILE" --skip "$SKIP" \
+    --out "$OUT/compare.csv"
+  code=$?
+  echo "runner.compare: exit $code" | tee -a "$OUT/status.txt"
+  [ "$code" = 0 ] || status=1
+  tar czf "$OUT/h200_runs.tgz" -C "$RUNS" baseline sparsebalance 2>/dev/null
+  # Compilations after the first SKIP steps make those steps slower than any cost model; they must be zero.
+  [ "$code" = 0 ] && python3 - "$OUT/compare.json" <<'EOF' | tee -a "$OUT/status.txt"
+import json, sys
+runs = json.load(open(sys.argv[1]))["runs"]
+bad = [r["policy"] for r in runs if r["compilations_in_compared_steps"] != 0]
+print("compilations after the skipped steps:", {r["policy"]: r["compilations_in_compared_steps"] for r in runs},
+      "FAIL" if bad else "ok")
+sys.exit(1 if bad else 0)
+EOF
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "exit $status" | tee -a "$OUT/status.txt"
+  return $status
+}
+
+experiment "$@" 2>&1 | tee "$OUT/h200_experiment.log"
+exit "${PIPESTATUS[0]}"
