@@ -14,6 +14,9 @@ and budgets besides the tensors), so every micro-batch has its own shape. No sha
 every rank holds the same Plan (its digest is checked every step), so a receiver knows the token count of
 each micro-batch and allocates ``[tokens, hidden]`` itself.
 
+Each operation (a micro-batch's forward or backward) starts by resetting the CUDA allocator's peak and ends by
+reading it, so that a micro-batch's peak is the most this stage held while it ran (``MemoryProbe``).
+
 Empty micro-batches (a replica the Plan gives fewer micro-batches than the layout has) run as one token
 with zero loss weight, so that every replica executes the same forwards, backwards and collectives
 (FSDP gathers weights in each); the Results record them as empty.
