@@ -11,7 +11,7 @@ is dense).
 Written into the run dir (or ``--out``), both at once after every forward has run:
 * ``eval.csv``: per (length, p, sequence): items (pairs or chains), answers, correct answers, accuracy,
   and the kernel's kept fraction and coverage for the sequence, averaged over the layers;
-* ``eval_summary.csv``, also printed: per (length, p): accuracy over all answers with its 95% Wilson
+* ``eval_summary.csv``, also printed: per (length, p), with the steps trained: accuracy over all answers with its 95% Wilson
   interval (scipy; answers counted as independent trials), mean kept fraction and coverage, ``chance``
   (one over the number of values) and ``item_chance``, what answering with the value of a random one of
   the sequence's own items scores (one over its items, a little more where values repeat): a model
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     per_sequence = evaluate(model, task, sequences, args.p, args.seed, trained.block_size, args.attention,
                             args.batch_tokens, device)
     summary = summarise(per_sequence, task)
+    summary.insert(0, "steps", trained.steps)  # tables of several runs compare runs of equal steps
     write_csv(per_sequence, out_dir / "eval.csv")
     write_csv(summary, out_dir / "eval_summary.csv")
     print(f"{path}: {task.name} task, {trained.steps} steps trained, {args.sequences} held-out sequences "
