@@ -172,7 +172,8 @@ def measure(trained: Trained, sequences: list[HeldOut], modes: dict[str, list[fl
         for mode, budgets in modes.items():
             for start in range(0, len(budgets), per_forward):
                 chunk = budgets[start:start + per_forward]
-                for layer, (kept, coverage) in zip(layers, forward_copies(trained, tokens, mode, chunk, attend, device)):
+                calls = forward_copies(trained, tokens, mode, chunk, attend, device)
+                for layer, (kept, coverage) in zip(layers, calls):
                     rows.extend(
                         {**asdict(seq), "task": trained.task.name, "layer": layer, "mode": mode, "budget": b,
                          "kept_fraction": float(k), "coverage": float(c)}
@@ -207,7 +208,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.lengths = _numbers(args.lengths, "--lengths", int, "whole numbers of tokens >= 1", lambda n: n >= 1)
     args.p = _numbers(args.p, "--p", float, "coverage targets in (0, 1]", lambda p: 0 < p <= 1)
-    args.kept = _numbers(args.kept, "--kept", float, "kept fractions in (0, 1)", lambda k: 0 < k < 1) if args.kept else []
+    args.kept = (_numbers(args.kept, "--kept", float, "kept fractions in (0, 1)", lambda k: 0 < k < 1)
+                 if args.kept else [])
     for flag in ("sequences", "max_tokens"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: allowed: a whole number >= 1")

@@ -172,7 +172,8 @@ def test_a_task_the_profile_lacks_is_one_line(task, needle):
 
 @pytest.mark.parametrize("overrides, needle", [
     (["workload.sensitivity_profile=tests/fixtures/missing.json"], "no such file"),
-    (["workload.sensitivity_task=retrieval"], "workload.sensitivity_task='retrieval' needs workload.sensitivity_profile"),
+    (["workload.sensitivity_task=retrieval"],
+     "workload.sensitivity_task='retrieval' needs workload.sensitivity_profile"),
 ])
 def test_the_cli_refuses_in_one_line_and_writes_nothing(tmp_path, overrides, needle):
     run_dir = tmp_path / "run"
