@@ -229,8 +229,9 @@ def per_layer(layers: pd.DataFrame) -> list[dict]:
              "sequences": int(len(g))} for layer, g in layers.groupby("layer")]
 
 
-def fit_task(task: str, sequences: pd.DataFrame, layers: pd.DataFrame) -> tuple[dict, dict]:
-    """The task's profile entry (the chosen model) and its report."""
+def fit_task(task: str, sequences: pd.DataFrame, layers: pd.DataFrame, measured: int) -> tuple[dict, dict]:
+    """The task's profile entry (the chosen model) and its report; ``measured`` sequences were measured, those
+    that kept every block at every budget (no sparse point: too short for the block size) have no exponent."""
     test_mask = held_out_mask(sequences)
     fit, test = sequences[~test_mask], sequences[test_mask]
     check_fittable(task, fit, test)
@@ -241,7 +242,8 @@ def fit_task(task: str, sequences: pd.DataFrame, layers: pd.DataFrame) -> tuple[
              "logit_std": [_num(v) for v in chosen.logit_std]}
     varied = sequences["data_sensitivity"].nunique() > 1
     report = {
-        "sequences": {"fit": int(len(fit)), "heldout": int(len(test)), "clipped": int(sequences["clipped"].sum())},
+        "sequences": {"fit": int(len(fit)), "heldout": int(len(test)), "clipped": int(sequences["clipped"].sum()),
+                      "dense": measured - int(len(sequences))},
         "chosen": choose(errors),
         "heldout": {**errors, "constant_rmse_logit": _num(_rmse(to_logit(test["s"]) - to_logit(fit["s"]).mean()))},
         "by_length": by_length(sequences, chosen),
@@ -260,7 +262,8 @@ def build_profile(raw: pd.DataFrame, facts: list[dict], fit_command: str) -> dic
     layer_s = exponents(raw, [*CURVE, "layer"])
     tasks, reports = {}, {}
     for task, sequences in seq_s.groupby("task"):
-        tasks[task], reports[task] = fit_task(task, sequences, layer_s[layer_s["task"] == task])
+        measured = int(raw.loc[raw["task"] == task, "seq_id"].nunique())
+        tasks[task], reports[task] = fit_task(task, sequences, layer_s[layer_s["task"] == task], measured)
     return {
         "schema_version": SENSITIVITY_SCHEMA_VERSION,
         "kind": KIND,

@@ -78,7 +78,7 @@ def test_a_linear_logit_is_recovered_chosen_and_drawn_by_the_simulator(tmp_path,
     profile = json.loads(out.read_text())
     report = profile["fit"]["tasks"]["retrieval"]
     assert report["chosen"] == "linear"
-    assert report["sequences"] == {"fit": 48, "heldout": 16, "clipped": 0}
+    assert report["sequences"] == {"fit": 48, "heldout": 16, "clipped": 0, "dense": 0}
     # an exact power law per layer and per sequence
     assert profile["fit"]["power_law"]["sequence"]["median_rel_err_coverage"] == pytest.approx(0, abs=1e-6)
     assert profile["fit"]["power_law"]["sequence"]["points"] == 64 * 3
@@ -115,6 +115,18 @@ def test_layers_with_different_exponents_are_reported_per_layer(tmp_path, capsys
     layers = json.loads(out.read_text())["fit"]["tasks"]["retrieval"]["per_layer"]
     assert [row["layer"] for row in layers] == [0, 1]
     assert layers[0]["mean_s"] == pytest.approx(0.3, abs=0.02) and layers[1]["mean_s"] == pytest.approx(0.7, abs=0.02)
+
+
+def test_a_sequence_kept_dense_at_every_budget_has_no_exponent_and_is_counted(tmp_path, capsys):
+    csv = tmp_path / "raw.csv"
+    frame = synthetic(csv, linear, 0.3)
+    first = frame["seq_id"] == frame["seq_id"].min()
+    frame.loc[first, ["kept_fraction", "coverage"]] = 1.0
+    frame.to_csv(csv, index=False)
+    out = tmp_path / "p.json"
+    assert run(capsys, csv, "--out", out)[0] == 0
+    counts = json.loads(out.read_text())["fit"]["tasks"]["retrieval"]["sequences"]
+    assert counts["dense"] == 1 and counts["fit"] + counts["heldout"] == 31
 
 
 def test_the_fit_is_the_same_from_the_same_files(tmp_path, capsys):

@@ -146,7 +146,7 @@ def test_checkpoint_to_simulator(checkpoint_dir, tmp_path, capsys):
                    "--sequences", "4", "--out", raw)[0] == 0
     assert calibrate_sensitivity.main([str(raw), "--out", str(profile)]) == 0
     written = json.loads(profile.read_text())
-    assert written["fit"]["tasks"]["retrieval"]["sequences"] == {"fit": 6, "heldout": 2, "clipped": 0}
+    assert written["fit"]["tasks"]["retrieval"]["sequences"] == {"fit": 6, "heldout": 2, "clipped": 0, "dense": 0}
     assert written["meta"]["task"]["retrieval"]["n_keys"] == 16
     model = load_sensitivity_profile(str(profile))
     assert model.task == "retrieval" and model.lengths[0] == 128 and model.lengths[-1] == 256
