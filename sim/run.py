@@ -1,10 +1,14 @@
 """``python -m sim.run policy=<name> ...``: simulate a policy, compare with the baseline, write Results.
 
+``-m`` sweeps run their jobs on the joblib launcher unless another is named (hydra/launcher=slurm); each job
+returns its ``objective``, which hydra/sweeper=dst_optuna maximises over DST's parameters.
+
 Bad input is reported as one line on stderr with a non-zero exit and leaves no run directory behind.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import shutil
 import sys
@@ -15,6 +19,7 @@ from pathlib import Path
 import hydra
 import pandas as pd
 from hydra import compose, initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -179,25 +184,53 @@ def check_composition(argv: list[str]) -> None:
     if sweeper._target_ != OPTUNA_SWEEPER:
         return check_jobs(sweep_jobs(params + job_overrides), " (in the sweep job: {})")
     check_optuna(sweeper)
-    check_jobs(search_corners(params + job_overrides), " (at a corner of the search space: {})", trial=True)
+    check_search_space(params + job_overrides)
 
 
-def check_jobs(jobs: list[list[str]], label: str, trial: bool = False) -> None:
-    """Compose and check each job's config; ``label`` names the job in the error (``{}``: its overrides).
-    An Optuna trial also needs a baseline: its value is the speedup over it."""
+def check_jobs(jobs: list[list[str]], label: str) -> None:
+    """Compose and check each job's config; ``label`` names the job in the error (``{}``: its overrides)."""
     for job in jobs:
         where = label.format(" ".join(job))
-        try:
-            cfg = OmegaConf.to_object(compose_config(job))
-        except (HydraException, OmegaConfBaseException) as exc:
-            raise ConfigError(_reason(exc) + where) from None
-        try:
-            check_job(cfg)
-        except ConfigError as exc:
-            raise ConfigError(f"{exc}{where}") from None
-        if trial and not cfg.baseline:
-            raise ConfigError(f"baseline=null: an Optuna trial's value is the speedup over the baseline; "
-                              f"allowed: {', '.join(group_options('policy'))}{where}")
+        check_composed(composed(job, where), where)
+
+
+def composed(job: list[str], where: str) -> DictConfig:
+    try:
+        return compose_config(job)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_reason(exc) + where) from None
+
+
+def check_composed(cfg: DictConfig, where: str, trial: bool = False) -> None:
+    """``check_job`` on a composed config, ``where`` appended to its error. An Optuna trial also needs a
+    baseline: its value is the speedup over it."""
+    try:
+        typed = OmegaConf.to_object(cfg)
+        check_job(typed)
+    except (ConfigError, OmegaConfBaseException) as exc:
+        raise ConfigError(f"{str(exc).splitlines()[0]}{where}") from None
+    if trial and not typed.baseline:
+        raise ConfigError(f"baseline=null: an Optuna trial's value is the speedup over the baseline; "
+                          f"allowed: {', '.join(group_options('policy'))}{where}")
+
+
+def check_search_space(overrides: list[str]) -> None:
+    """Check every corner of an Optuna search space (``search_corners``). Composing is the slow part, so each
+    choice of config groups is composed once and each corner's values are applied to a copy of it, with
+    Hydra's own override rules (composition applies the same after merging the groups)."""
+    parsed = parse(overrides)
+    values = [o for o in parsed if o.is_sweep_override() and not (CONF_DIR / o.key_or_group).is_dir()]
+    fixed = [o.input_line for o in parsed if o not in values]
+    for job in search_corners(fixed):
+        groups = composed(job, f" (at a corner of the search space: {' '.join(job)})")
+        for corner in itertools.product(*map(corner_values, values)):
+            where = f" (at a corner of the search space: {' '.join([*job, *corner])})"
+            cfg = copy.deepcopy(groups)
+            try:
+                ConfigLoaderImpl._apply_overrides_to_config(parse(list(corner)), cfg)
+            except (HydraException, OmegaConfBaseException) as exc:
+                raise ConfigError(_reason(exc) + where) from None
+            check_composed(cfg, where, trial=True)
 
 
 def _reason(exc: Exception) -> str:
