@@ -45,6 +45,8 @@ from sim.workload import Workload
 
 # Held-out sequence ids start here: a training run numbers its sequences step * global_batch + i, far below.
 HELD_OUT = 1 << 40
+# The checkpoint's config keys the measurement reads, with their types.
+CONFIG_KEYS = {"seed": int, "model": dict, "workload": dict, "cost": dict, "cluster": dict, "runner.task": dict}
 DEFAULT_MAX_TOKENS = 131072  # tokens per forward: the copies of a sequence are split over forwards beyond this
 
 
@@ -76,13 +78,10 @@ def load_trained(source: Path, device: torch.device, dtype: torch.dtype) -> Trai
     path = checkpoint_file(source)
     try:
         ckpt = checkpoint._read(path)
-        checkpoint.check_structure(ckpt)
+        check_weights(ckpt)
     except checkpoint.Invalid as exc:
         raise ConfigError(f"checkpoint {path}: {exc}") from None
     cfg = ckpt["config"]
-    missing = [k for k in ("seed", "model", "workload", "cost", "cluster", "runner.task") if k not in cfg]
-    if missing:
-        raise ConfigError(f"checkpoint {path}: its config lacks {', '.join(missing)}; allowed: a runner checkpoint")
     model = make_model(OmegaConf.create({"model": cfg["model"], "seed": cfg["seed"]}))
     try:
         model.load_state_dict(ckpt["model"])
@@ -91,6 +90,25 @@ def load_trained(source: Path, device: torch.device, dtype: torch.dtype) -> Trai
                           f"({str(exc).splitlines()[0]})") from None
     return Trained(model.to(device=device, dtype=dtype).eval(), TaskConfig(**cfg["runner.task"]), cfg,
                    ckpt["next_step"], training_block_size(cfg))
+
+
+def check_weights(ckpt) -> None:
+    """What the measurement reads, with the types it uses: the format and version, the weights, the steps trained
+    and the config keys below. The training history is not read, so a checkpoint whose records an older runner
+    wrote is measured all the same."""
+    if not isinstance(ckpt, dict) or ckpt.get("format") != checkpoint.FORMAT:
+        raise checkpoint.Invalid(f"not a runner checkpoint; allowed: format {checkpoint.FORMAT!r}")
+    if ckpt.get("version") != checkpoint.VERSION:
+        raise checkpoint.Invalid(f"checkpoint version {ckpt.get('version')!r}; this runner reads version "
+                                 f"{checkpoint.VERSION}")
+    weights, cfg, steps = ckpt.get("model"), ckpt.get("config"), ckpt.get("next_step")
+    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise checkpoint.Invalid("model is not a dict of tensors")
+    if type(steps) is not int or steps < 1:
+        raise checkpoint.Invalid(f"next_step={steps!r}; allowed: a whole number >= 1")
+    missing = [k for k in CONFIG_KEYS if not isinstance(cfg, dict) or not isinstance(cfg.get(k), CONFIG_KEYS[k])]
+    if missing:
+        raise checkpoint.Invalid(f"its config lacks {', '.join(missing)} (or has them of another type)")
 
 
 def _structured(schema: type, values: dict):

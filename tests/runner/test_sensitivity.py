@@ -118,10 +118,28 @@ def _garbage(tmp_path: Path) -> Path:
     return path
 
 
+def _edited(checkpoint_dir: Path, tmp_path: Path, edit) -> Path:
+    content = torch.load(checkpoint_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+    edit(content)
+    path = tmp_path / "checkpoint.pt"
+    torch.save(content, path)
+    return path
+
+
+def test_a_checkpoint_whose_history_an_older_runner_wrote_is_measured(checkpoint_dir, tmp_path, capsys):
+    path = _edited(checkpoint_dir, tmp_path, lambda c: c["history"]["train"][0].pop("loss"))
+    out = tmp_path / "raw.csv"
+    assert measure(capsys, path, "--lengths", "128", "--sequences", "1", "--p", "0.9", "--out", out)[0] == 0
+    assert len(pd.read_csv(out)) == LAYERS
+
+
 @pytest.mark.parametrize("source, args, needle", [
     (lambda d, t: t / "missing.pt", [], "missing.pt: no such file"),
     (lambda d, t: t, [], "checkpoint.pt: no such file"),
     (lambda d, t: _garbage(t), [], "not a torch checkpoint"),
+    (lambda d, t: _edited(d, t, lambda c: c.update(version=1)), [], "checkpoint version 1; this runner reads version 2"),
+    (lambda d, t: _edited(d, t, lambda c: c["config"].pop("runner.task")), [], "its config lacks runner.task"),
+    (lambda d, t: _edited(d, t, lambda c: c["model"].popitem()), [], "its weights do not fit its model config"),
     (lambda d, t: d, ["--lengths", "1024"], "--lengths: 1024 is outside [25, 512]"),
     (lambda d, t: d, ["--lengths", "128,abc"], "--lengths '128,abc': not a comma-separated list"),
     (lambda d, t: d, ["--p", "0,0.5"], "--p '0,0.5': 0.0 is not allowed; allowed: coverage targets in (0, 1]"),
