@@ -9,8 +9,9 @@ forwarded without gradients once per mode, its copies packed side by side, one p
 keeps them apart, so each copy is the sequence alone at that budget, every layer at it, as training runs a
 Plan's budget). The model gets the attention of runner/attention.py wrapped in a tap that records what the
 kernel's selection reports at each call, i.e. per layer, so the model needs no change. One row per
-(sequence, layer, budget) goes to the CSV (``sim.sensitivity.RAW_COLUMNS``), written at the end with the run's
-facts beside it (``<stem>.meta.json``); ``python -m calibrate.sensitivity`` fits it.
+(sequence, layer, budget) goes to the CSV (``sim.sensitivity.RAW_COLUMNS``): the run's facts are written beside it
+first (``<stem>.meta.json``), then the CSV, rewritten after each length, shortest first, so that a run cut short
+keeps the lengths it finished; ``python -m calibrate.sensitivity`` fits it.
 
 On a GPU the kernel runs in bf16 as in training; on the CPU its PyTorch reference in fp32 (tests).
 """
@@ -21,6 +22,7 @@ import datetime as dt
 import platform
 import shlex
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +30,6 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from runner import checkpoint
 from runner.attention import BACKENDS, make_attention
@@ -179,25 +180,39 @@ def forward_copies(trained: Trained, tokens: np.ndarray, mode: str, budgets: lis
     return tap.calls
 
 
-def measure(trained: Trained, sequences: list[HeldOut], modes: dict[str, list[float]], attend,
-            device: torch.device, max_tokens: int) -> pd.DataFrame:
+def measure_sequence(trained: Trained, seq: HeldOut, modes: dict[str, list[float]], attend, device: torch.device,
+                     max_tokens: int) -> list[dict]:
+    """The rows of one sequence: every layer at every budget of every mode."""
     layers = [int(name) for name in trained.model.blocks]
+    tokens = make_example(trained.task, trained.vocab, trained.seed, seq.seq_id, seq.length, seq.data_sensitivity).tokens
+    per_forward = max(1, max_tokens // seq.length)
     rows = []
-    for seq in tqdm(sequences, desc="sequences", leave=False, disable=not sys.stderr.isatty()):
-        tokens = make_example(trained.task, trained.vocab, trained.seed, seq.seq_id, seq.length,
-                              seq.data_sensitivity).tokens
-        per_forward = max(1, max_tokens // seq.length)
-        for mode, budgets in modes.items():
-            for start in range(0, len(budgets), per_forward):
-                chunk = budgets[start:start + per_forward]
-                calls = forward_copies(trained, tokens, mode, chunk, attend, device)
-                for layer, (kept, coverage) in zip(layers, calls):
-                    rows.extend(
-                        {**asdict(seq), "task": trained.task.name, "layer": layer, "mode": mode, "budget": b,
-                         "kept_fraction": float(k), "coverage": float(c)}
-                        for b, k, c in zip(chunk, kept, coverage)
-                    )
-    return pd.DataFrame(rows, columns=list(RAW_COLUMNS))
+    for mode, budgets in modes.items():
+        for start in range(0, len(budgets), per_forward):
+            chunk = budgets[start:start + per_forward]
+            calls = forward_copies(trained, tokens, mode, chunk, attend, device)
+            for layer, (kept, coverage) in zip(layers, calls):
+                rows.extend({**asdict(seq), "task": trained.task.name, "layer": layer, "mode": mode, "budget": b,
+                             "kept_fraction": float(k), "coverage": float(c)} for b, k, c in zip(chunk, kept, coverage))
+    return rows
+
+
+def measure_all(trained: Trained, sequences: list[HeldOut], modes: dict[str, list[float]], attend,
+                device: torch.device, max_tokens: int, out: Path) -> pd.DataFrame:
+    """Every sequence's rows, shortest lengths first; the CSV is rewritten (atomically) after each length, so
+    that a run cut short by a time limit keeps the lengths it finished."""
+    rows: list[dict] = []
+    for length in sorted({seq.length for seq in sequences}):
+        started = time.monotonic()
+        batch = [seq for seq in sequences if seq.length == length]
+        for seq in batch:
+            rows += measure_sequence(trained, seq, modes, attend, device, max_tokens)
+        frame = pd.DataFrame(rows, columns=list(RAW_COLUMNS))
+        with atomic_path(out) as tmp:
+            frame.to_csv(tmp, index=False, float_format=FLOAT_FORMAT)
+        print(f"length {length}: {len(batch)} sequences in {time.monotonic() - started:.1f} s", file=sys.stderr,
+              flush=True)
+    return frame
 
 
 # ---------------------------------------------------------------------- command line
@@ -275,11 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     check_lengths(args.lengths, trained)
     modes = {mode: budgets for mode, budgets in zip(MODES, (args.p, args.kept)) if budgets}
     attend = make_attention(args.attention, trained.block_size)
-    raw = measure(trained, held_out(trained, args.lengths, args.sequences), modes, attend, device, args.max_tokens)
     command = shlex.join(["python", "-m", "runner.sensitivity", *(sys.argv[1:] if argv is None else argv)])
     write_json_atomic(raw_meta_path(args.out), run_facts(args, trained, device, command))
-    with atomic_path(args.out) as tmp:
-        raw.to_csv(tmp, index=False, float_format=FLOAT_FORMAT)
+    raw = measure_all(trained, held_out(trained, args.lengths, args.sequences), modes, attend, device,
+                      args.max_tokens, args.out)
     summary = raw.groupby(["length", "mode", "budget"])[["kept_fraction", "coverage"]].mean()
     print(summary.to_string(float_format=lambda x: f"{x:.4f}"))
     print(f"wrote {len(raw)} rows ({len(raw.seq_id.unique())} sequences x {len(trained.model.blocks)} layers x "

@@ -112,6 +112,25 @@ def test_the_csv_has_a_row_per_sequence_layer_and_budget_and_repeats_exactly(che
     assert facts["model"]["layers"] == LAYERS and facts["block_size"] == 32 and facts["trained_steps"] == 1
 
 
+def test_a_run_cut_short_keeps_the_lengths_it_finished(checkpoint_dir, tmp_path, capsys, monkeypatch):
+    real = sensitivity.measure_sequence
+
+    def stop_at_256(trained, seq, *args):
+        if seq.length == 256:
+            raise KeyboardInterrupt  # a time limit's kill
+        return real(trained, seq, *args)
+
+    monkeypatch.setattr(sensitivity, "measure_sequence", stop_at_256)
+    out = tmp_path / "raw.csv"
+    with pytest.raises(KeyboardInterrupt):
+        sensitivity.main([str(checkpoint_dir), "--lengths", "128,256", "--p", "0.9", "--sequences", "2",
+                          "--out", str(out)])
+    raw = pd.read_csv(out)
+    assert raw["length"].unique().tolist() == [128] and len(raw) == 2 * LAYERS
+    assert json.loads(raw_meta_path(out).read_text())["lengths"] == [128, 256]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.csv", "raw.meta.json"]
+
+
 def _garbage(tmp_path: Path) -> Path:
     path = tmp_path / "checkpoint.pt"
     path.write_bytes(b"not a checkpoint")
