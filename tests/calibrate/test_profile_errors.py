@@ -1,5 +1,8 @@
 """Bad profile files at the front door: ``python -m sim.run cost.profile=<file>`` exits 2 with one
-``error:`` line naming the key and its value, no traceback, and no run directory left behind."""
+``error:`` line naming the key and its value, no traceback, and no run directory left behind.
+
+The cases call sim.run's entry point in this process (the refusal happens before Hydra's app starts); one case
+and the good profile run it as a process."""
 from __future__ import annotations
 
 import json
@@ -11,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pinned import PINNED_PROFILE
+from sim.run import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,27 +67,47 @@ CASES = [
 ]
 
 
-def sim_run(profile: Path, run_dir: Path) -> subprocess.CompletedProcess:
+def sim_run(profile: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    command = [sys.executable, "-m", "sim.run", f"cost.profile={profile}", f"hydra.run.dir={run_dir}"]
+    command = [sys.executable, "-m", "sim.run", f"cost.profile={profile}", f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+def sim_run_here(profile: Path, run_dir: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["sim.run", f"cost.profile={profile}", f"hydra.run.dir={run_dir}"])
+    with pytest.raises(SystemExit) as exc:
+        cli()
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def check_refusal(code: int, stdout: str, stderr: str, needle: str, profile: Path, run_dir: Path) -> None:
+    lines = stderr.splitlines()
+    assert code == 2, stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert needle in lines[0] and f"cost.profile='{profile}'" in lines[0], lines[0]
+    assert "Traceback" not in stderr + stdout
+    assert not run_dir.exists()
+
+
 @pytest.mark.parametrize("content, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_profile_is_one_error_line_and_leaves_nothing(tmp_path, content, needle):
+def test_bad_profile_is_one_error_line_and_leaves_nothing(tmp_path, content, needle, monkeypatch, capsys):
+    profile = tmp_path / "bad.json"
+    profile.write_text(content)
+    check_refusal(*sim_run_here(profile, tmp_path / "run", monkeypatch, capsys), needle, profile, tmp_path / "run")
+
+
+def test_the_process_exits_with_the_one_line(tmp_path):
+    _, content, needle = CASES[0]
     profile = tmp_path / "bad.json"
     profile.write_text(content)
     run = sim_run(profile, tmp_path / "run")
-    lines = run.stderr.splitlines()
-    assert run.returncode == 2, run.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
-    assert needle in lines[0] and f"cost.profile='{profile}'" in lines[0], lines[0]
-    assert "Traceback" not in run.stderr + run.stdout
-    assert not (tmp_path / "run").exists()
+    check_refusal(run.returncode, run.stdout, run.stderr, needle, profile, tmp_path / "run")
 
 
 def test_the_pinned_profile_itself_runs(tmp_path):
     """The cases above fail for what was changed, not for what they start from."""
-    run = sim_run(PINNED_PROFILE, tmp_path / "run")
+    run = sim_run(PINNED_PROFILE, tmp_path / "run", "steps=2", "baseline=null")
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "run" / "summary.json").is_file()
