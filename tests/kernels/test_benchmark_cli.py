@@ -1,5 +1,6 @@
 """``python -m benchmarks.attention`` on a machine without a GPU, and with bad lists: one-line errors, no
-traceback; its interleaved timing rounds."""
+traceback; its interleaved timing rounds. The entry points run in this process (argparse's exits), but for the
+no-GPU case, which runs the module as a process."""
 from __future__ import annotations
 
 import subprocess
@@ -28,7 +29,6 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
     (["--graph-max-tokens", "-1"], "argument --graph-max-tokens: '-1': expected a token count (an integer >= 0)"),
 ], ids=["lengths-not-int", "lengths-zero", "sparsity-one", "rounds-zero", "rounds-not-int", "graph-tokens-negative"])
 def test_bad_lists_are_one_line_errors(args, message, capsys):
-    """In-process (argparse's exit); test_no_gpu_is_one_line runs the module as a process."""
     with pytest.raises(SystemExit) as exc:
         bm.main(args)
     assert exc.value.code == 2
@@ -82,14 +82,13 @@ single,8192,1,0.5,0.5,triton_sparse,0.5,1.25,,,,
 """
 
 
-def test_results_table_from_a_grid_csv(tmp_path):
+def test_results_table_from_a_grid_csv(tmp_path, capsys):
     """The README's table: ours (speedup over Flex) per case and sparsity, the graph timing as its own row,
     missing points as '-', dense against cuDNN; one line per selection mode. No GPU needed."""
     path = tmp_path / "grid.csv"
     path.write_text(GRID_CSV)
-    out = run_module("--table", str(path))
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [
+    bm.main(["--table", str(path)])
+    assert capsys.readouterr().out.splitlines() == [
         "| fwd+bwd ms (FlexAttention's time / ours) | sparsity 0 | sparsity 0.5 | dense: cuDNN's time / ours |",
         "| --- | --- | --- | --- |",
         "| packed 64K (3 documents) | - | 3.00 (2.00x) | - |",
@@ -110,30 +109,33 @@ packed64k,16:16,62567,49,,0.9,0.1,flex_flash_exact,,,,,"absent: ModuleNotFoundEr
 """
 
 
-def test_fair_table_from_a_fair_csv(tmp_path):
+def test_fair_table_from_a_fair_csv(tmp_path, capsys):
     """The fair grid's table: ours on each batch, every Flex construction (and cuDNN) against ours on the
     batch it starts from, why an implementation is absent, the padded batch's size."""
     path = tmp_path / "fair.csv"
     path.write_text(FAIR_CSV)
-    out = run_module("--table", str(path))
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    bm.main(["--table", str(path)])
+    lines = capsys.readouterr().out.splitlines()
     assert lines[2] == "| 16:16 | 0.9 | 2.00 (250) | 2.10 (240) | 8.00 (4.00x) | 2.20 (1.10x) | 2.10 (1.00x) | - | - |"
     assert lines[4:] == ["* Flex FLASH, aligned, exact blocks: absent: ModuleNotFoundError('flash_attn')",
                          "* padded batch: 65536 tokens for 62567 (4.7% more), 49 documents"]
 
 
-def test_missing_table_csv_is_one_line(tmp_path):
-    out = run_module("--table", str(tmp_path / "none.csv"))
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.splitlines()[-1].endswith("none.csv': no such file (a grid CSV of this benchmark)")
+def test_missing_table_csv_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bm.main(["--table", str(tmp_path / "none.csv")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("none.csv': no such file (a grid CSV of this benchmark)")
 
 
-def test_kernel_ptx_names_a_missing_reference_directory_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "benchmarks.kernel_ptx", str(tmp_path / "out"), "--compare",
-                          str(tmp_path / "missing")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.splitlines()[-1].endswith("is not a directory (write one first: python -m "
+def test_kernel_ptx_names_a_missing_reference_directory_in_one_line(tmp_path, monkeypatch, capsys):
+    from benchmarks import kernel_ptx
+
+    monkeypatch.setattr(sys, "argv", ["kernel_ptx", str(tmp_path / "out"), "--compare", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit) as exc:
+        kernel_ptx.main()
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("is not a directory (write one first: python -m "
                                                 "benchmarks.kernel_ptx REF_DIR)")
     assert not (tmp_path / "out").exists()
 
