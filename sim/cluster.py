@@ -6,10 +6,10 @@ tier, otherwise the inter-node tier (the slowest link bounds a ring).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sim.config import ClusterConfig, LayoutConfig, validate
-
 from sim.core import ConfigError
 
 
@@ -68,12 +68,14 @@ class Cluster:
     peak_tflops: float
     hbm_tbps: float
     grad_bytes: int
+    grad_bucket_mb: float = 0.0  # MiB per gradient bucket; 0: one all-reduce of the whole stage
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig) -> Cluster:
         validate(cfg, "cluster.")
         tiers = {name: Tier(getattr(cfg, name).bandwidth_gbps, getattr(cfg, name).latency_us) for name in ("intra", "inter")}
-        return cls(cfg.gpus_per_node, tiers["intra"], tiers["inter"], cfg.peak_tflops, cfg.hbm_tbps, cfg.grad_bytes)
+        return cls(cfg.gpus_per_node, tiers["intra"], tiers["inter"], cfg.peak_tflops, cfg.hbm_tbps, cfg.grad_bytes,
+                   cfg.grad_bucket_mb)
 
     @staticmethod
     def gpus(cfg: ClusterConfig) -> int:
@@ -94,6 +96,12 @@ class Cluster:
         """Gradients of one pipeline stage, reduced over its dp x cp replicas (CP ranks hold the same weights)."""
         n = layout.dp * layout.cp
         return self.allreduce_ms(params_per_stage * self.grad_bytes, n, span=n)
+
+    def grad_buckets(self, params_per_stage: float) -> int:
+        """How many buckets a stage's gradients are reduced in (DDP: ``bucket_cap_mb`` MiB each)."""
+        if self.grad_bucket_mb == 0:
+            return 1
+        return max(1, math.ceil(params_per_stage * self.grad_bytes / (self.grad_bucket_mb * 2**20)))
 
     def cp_ring_ms(self, shard_bytes: float, cp: int) -> float:
         """CP ring exchange: each rank passes a KV shard on cp - 1 times."""

@@ -125,13 +125,15 @@ def balance_bounds(cfg: DictConfig, plans: list[str]) -> tuple[float, float]:
         mb = cost.micro_batch_costs(arrays.length, kept, group, slots, layout)
         even = np.full((1, layout.micro_batches), 1.0 / slots)
         p2p = cost.hand_off_ms(mb.tokens, layout).sum() * even
-        evens.append(pipeline_time(mb.fwd_ms.sum() * even, mb.bwd_ms.sum() * even, p2p, layout.pp) + engine.allreduce_ms)
+        evens.append(pipeline_time(mb.fwd_ms.sum() * even, mb.bwd_ms.sum() * even, p2p, layout.pp)
+                     + engine.exposed_allreduce_ms(float(mb.bwd_ms.sum()) / slots))
         longest = int(np.argmax(arrays.length))
         alone = cost.micro_batch_costs(arrays.length[[longest]], kept[[longest]], np.zeros(1, dtype=np.int64), 1, layout)
         latency = pipeline_time(alone.fwd_ms[None], alone.bwd_ms[None],
                                 cost.hand_off_ms(alone.tokens, layout)[None], layout.pp)
         no_bubble = float(mb.fwd_ms.sum() + mb.bwd_ms.sum()) / layout.dp
-        bounds.append(max(no_bubble, latency) + engine.allreduce_ms)
+        # the last gradient bucket is reduced after the last backward, whatever the placement
+        bounds.append(max(no_bubble, latency) + engine.bucket_ms)
     return float(np.mean(evens)), float(np.mean(bounds))
 
 

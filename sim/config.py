@@ -127,6 +127,9 @@ class ClusterConfig:
     intra: TierConfig = field(default_factory=TierConfig)  # inside a node
     inter: TierConfig = field(default_factory=TierConfig)  # between nodes
     grad_bytes: int = bounded(2, Bound(1, 8))  # bytes per gradient element in the DP all-reduce
+    # Gradients are reduced in buckets of this many MiB as the last backward produces them (DDP's
+    # bucket_cap_mb), overlapping the rest of that backward; 0: one all-reduce after it.
+    grad_bucket_mb: float = bounded(25.0, Bound(0, 1e6))
     hbm_gb: float = bounded(MISSING, POSITIVE)  # HBM capacity per GPU, GB (1e9 bytes); sim.memory plans inside it
 
 

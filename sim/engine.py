@@ -11,8 +11,11 @@ of the number of sequences:
 * stages exchange activations/gradients through events that fire a p2p transfer after the sender
   finishes; the stage order is 1F1B (warm-up forwards, steady one-forward-one-backward, cool-down);
   with pp = 1 this is plain gradient accumulation;
-* the gradient all-reduce starts when every rank is done (the barrier); a rank's idle time before
-  the barrier (pipeline waits included) is the bubble.
+* each stage's gradients are all-reduced over its replicas in buckets (``cluster.grad_bucket_mb``, as
+  DDP's) while its last backward produces them, taken as produced evenly through that backward; a bucket
+  is reduced once every replica has it and the one before it is done (one communication stream). The step
+  ends when the last stage's last bucket is reduced; a rank's idle time before the slowest rank finishes
+  (pipeline waits included) is the bubble.
 
 All sequence-level work is vectorised with numpy before the event loop.
 """
@@ -59,6 +62,11 @@ def one_f_one_b(stage: int, pp: int, m: int) -> list[tuple[bool, int]]:
     for i in range(m - warmup):
         ops += [(True, warmup + i), (False, i)]
     return ops + [(False, i) for i in range(m - warmup, m)]
+
+
+def last_micro_batches(pp: int, m: int) -> list[int]:
+    """The micro-batch whose backward each stage runs last under 1F1B."""
+    return [one_f_one_b(stage, pp, m)[-1][1] for stage in range(pp)] if m else []
 
 
 @dataclass(frozen=True)
@@ -130,8 +138,7 @@ def run_pipeline(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, tra
     env.run()
 
     barrier = finish.max(initial=0.0)
-    last_mb = [one_f_one_b(stage, pp, m)[-1][1] for stage in range(pp)] if m else []
-    for stage, mb in enumerate(last_mb):
+    for stage, mb in enumerate(last_micro_batches(pp, m)):
         idle[:, mb, stage] += barrier - finish[:, stage]
     events.sort()
     return Timeline(idle, finish, events)
@@ -150,7 +157,24 @@ class Engine:
         self.cost = cost
         self.cluster = cluster
         self.memory = memory  # None: no memory figures (NaN in the records)
-        self.allreduce_ms = cluster.grad_allreduce_ms(total_params(cost.model) / layout.pp, layout)
+        params = total_params(cost.model) / layout.pp
+        self.buckets = cluster.grad_buckets(params)
+        self.bucket_ms = cluster.grad_allreduce_ms(params / self.buckets, layout)
+
+    def reduced_ms(self, start: np.ndarray, busy: np.ndarray) -> float:
+        """When every stage's gradients are reduced, given each (rank, stage)'s last backward: its start and
+        busy ms, [dp, pp]. With B buckets of t ms each, bucket j (of 0..B-1) is ready on a rank at
+        start + busy (j+1)/B and done at (j+1) t + max over i <= j of (latest readiness of bucket i - i t);
+        the last bucket's end is the larger of the last readiness plus t and the first readiness plus B t."""
+        t, b = self.bucket_ms, self.buckets
+        last = (start + busy).max(axis=0) + t
+        first = (start + busy / b).max(axis=0) + b * t
+        return float(np.maximum(last, first).max(initial=0.0))
+
+    def exposed_allreduce_ms(self, last_bwd_ms: float) -> float:
+        """The reduction's time past the end of compute when every replica's last backward takes this long."""
+        t, b = self.bucket_ms, self.buckets
+        return max(t, b * t - last_bwd_ms * (1 - 1 / b))
 
     def step(self, plan: Plan, trace: bool = False, busy_ms: tuple[np.ndarray, np.ndarray] | None = None) -> StepOutcome:
         """``busy_ms``: (fwd, bwd) ms per [dp, m, pp] in place of the cost model's compute times (measured ones,
@@ -167,7 +191,8 @@ class Engine:
         fwd, bwd = busy_ms if busy_ms is not None else (mb_cost.fwd_ms.reshape(dp, m), mb_cost.bwd_ms.reshape(dp, m))
         timeline = run_pipeline(fwd, bwd, p2p.reshape(dp, m), pp, trace)
         barrier = float(timeline.finish_ms.max(initial=0.0))
-        step_ms = barrier + self.allreduce_ms
+        last_bwd = np.broadcast_to(bwd.reshape(dp, m, -1), (dp, m, pp))[:, last_micro_batches(pp, m), np.arange(pp)]
+        step_ms = max(barrier, self.reduced_ms(timeline.finish_ms - last_bwd, last_bwd))
         tokens = int(arrays.length.sum())
         flops = training_flops(arrays.length, kept, cost.model, cost.block_size)
         # [dp, m, pp] GB of each stage while each micro-batch's backward runs (sim.memory)

@@ -20,7 +20,7 @@ from runner.replay import load_inputs, main, plans_of, run_replay
 from sim.cluster import Cluster, Layout
 from sim.compare import policy_variant
 from sim.core import compose_config
-from sim.engine import Engine, PlanArrays, run_pipeline
+from sim.engine import Engine, PlanArrays, last_micro_batches, run_pipeline
 from sim.results import FLOAT_FORMAT
 from sim.run import prepare, simulate
 
@@ -154,11 +154,19 @@ def test_per_stage_times_compose_through_the_engines_schedule(tmp_path, layout):
         fwd = np.where(filled, times_grid(times, plan.step, grid, "F"), 0.0)
         bwd = np.where(filled, times_grid(times, plan.step, grid, "B"), 0.0)
         p2p = setup.cost.hand_off_ms(tokens, layout_).reshape(dp, m)
-        expected = run_pipeline(fwd, bwd, p2p, pp).finish_ms.max() + engine.allreduce_ms
+        expected = composed_ms(engine, fwd, bwd, p2p, pp)
         assert step_ms[plan.step] == float(FLOAT_FORMAT % expected)
         if pp > 1:  # the stages' own times matter: the same work with every stage at its mean differs
-            mean = run_pipeline(fwd.mean(axis=2), bwd.mean(axis=2), p2p, pp).finish_ms.max() + engine.allreduce_ms
+            mean = composed_ms(engine, fwd.mean(axis=2)[..., None].repeat(pp, 2), bwd.mean(axis=2)[..., None].repeat(pp, 2),
+                               p2p, pp)
             assert abs(mean - expected) > 1e-6
+
+
+def composed_ms(engine, fwd, bwd, p2p, pp):
+    """The step from busy times [dp, m, pp]: the 1F1B pipeline, then the bucketed gradient reduction."""
+    finish = run_pipeline(fwd, bwd, p2p, pp).finish_ms
+    last = bwd[:, last_micro_batches(pp, fwd.shape[1]), np.arange(pp)]
+    return max(finish.max(), engine.reduced_ms(finish - last, last))
 
 
 def times_grid(times, step, grid, phase):
