@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The learning recipe on one H200 (conf/experiment/learning.yaml: conf/model/tiny.yaml, 256 to 8K tokens, 32
 # sequences per step, the Triton kernel in bf16): the multihop task under the baseline policy, then the
-# retrieval task under baseline and sparsebalance for the same STEPS over SEEDS. Every run's final checkpoint
+# retrieval task under baseline and sparsebalance for the same STEPS over SEEDS (by default 70% of the steps the
+# multihop run reached in RUN_LIMIT_S, in multiples of 20). Every run's final checkpoint
 # is evaluated by runner.evaluate on held-out sequences of EVAL_LENGTHS under each EVAL_P.
 #
 # $OUT gets: learning_runs.tgz (each run dir without its checkpoint: train.csv, steps.csv, sequences.csv,
@@ -36,10 +37,20 @@ train() {
 }
 
 EXTRA=("$@")
-train multihop_baseline_s0 runner.task.kind=multihop policy=baseline seed=0
+# The multihop run goes first with more steps than its time allows; how far it got sets STEPS (unless given)
+# for the retrieval runs, so that each of them finishes its STEPS inside RUN_LIMIT_S and every policy and
+# seed is compared after the same number of steps.
+train multihop_baseline_s0 runner.task.kind=multihop policy=baseline seed=0 steps=20000 runner.checkpoint_every=20
+if [ -z "${STEPS:-}" ]; then
+  done_steps=$(($(wc -l < "$RUNS/multihop_baseline_s0/train.csv") - 1))
+  STEPS=$(( (done_steps * 7 / 10) / 20 * 20 ))
+  [ "$STEPS" -ge 20 ] || STEPS=20
+fi
+echo "== retrieval runs: $STEPS steps each" | tee -a "$OUT/learning.log"
 for seed in $SEEDS; do
   for policy in baseline sparsebalance; do
-    train "retrieval_${policy}_s${seed}" runner.task.kind=retrieval policy="$policy" seed="$seed"
+    train "retrieval_${policy}_s${seed}" runner.task.kind=retrieval policy="$policy" seed="$seed" steps="$STEPS" \
+      runner.checkpoint_every="$STEPS"
   done
 done
 
