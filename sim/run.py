@@ -177,7 +177,8 @@ def check_composition(argv: list[str]) -> None:
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     job_overrides = [a for a in overrides if not a.startswith("hydra.")]
     if not any(arg in ("-m", "--multirun") for arg in argv):
-        hydra_config(overrides)
+        if len(job_overrides) < len(overrides):  # hydra.* values: checked on the hydra node, not in the job
+            hydra_config(overrides)
         return check_jobs([job_overrides], "")
     sweeper = hydra_config([o.input_line for o in parse(overrides) if not o.is_sweep_override()]).sweeper
     params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]

@@ -18,8 +18,7 @@ from sim.run import COVERAGE_TOLERANCE, check_composition, hydra_config, objecti
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("micro_batches.csv", "steps.csv", "summary.json", "plans.jsonl")
-SEARCH_KEYS = ("policy.sparsity.params.floor", "policy.sparsity.params.cap", "policy.sparsity.params.levels",
-               "++policy.sparsity.params.coverage_weight")
+SEARCH_KEYS = ("policy.sparsity.params.floor", "policy.sparsity.params.cap", "policy.sparsity.params.levels")
 
 
 def sim_run(*args) -> subprocess.Popen:
@@ -120,11 +119,13 @@ def test_the_corners_of_a_search_space_are_its_choices_and_both_ends():
      "hydra.sweeper.direction=up is not allowed; allowed: minimize, maximize"),
     (["hydra/sweeper=dst_optuna", "baseline=null"], "baseline=null: an Optuna trial's value is the speedup over the baseline"),
     (["hydra/sweeper=dst_optuna", "policy.sparsity.params.floor=interval(0.5, 0.95)"],
-     "need 0 < floor <= p <= cap <= 1, got floor=0.95, p=0.9, cap=0.9 (at a corner of the search space: "),
+     "need 0 < floor <= p <= cap <= 1, got floor=0.95, p=0.9, cap=0.95 (at a corner of the search space: "),
+    (["hydra/sweeper=dst_optuna", "policy.sparsity.params.nope=choice(1, 2)"],
+     "Could not override 'policy.sparsity.params.nope'. (Key 'nope' is not in struct) (at a corner of the search space: "),
     (["hydra/sweeper=dst_optuna", "policy.sparsity.params.floor=interval(0.5"], "no viable alternative"),
     (["policy=dst", "policy.sparsity.params.floor=interval(0.5, 0.8)"],
      "the basic sweeper runs choices and ranges, not intervals (an Optuna sweeper samples those)"),
-], ids=["launcher", "launcher-option", "sweeper", "n_trials", "direction", "no-baseline", "corner", "syntax", "basic-interval"])
+], ids=["launcher", "launcher-option", "sweeper", "n_trials", "direction", "no-baseline", "corner", "unknown-key", "syntax", "basic-interval"])
 def test_bad_launcher_and_sweeper_options_are_one_line(args, message):
     with pytest.raises(ConfigError) as error:
         check_composition(["-m", "steps=2", *args])
