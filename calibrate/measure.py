@@ -6,9 +6,7 @@ that whole layers use; tests pass CPU stand-ins. Features are fitted on the kept
 actually realised (the diagonal block is always kept, counts round), so those are what the rows record.
 
 Inputs are handed over as the runner does: the documents once per micro-batch (``VarlenBatch``), budgets
-on the host. With ``graph=True`` (CUDA-graph timing) a backward cannot be replayed alone, since its
-forward must be captured with it: it is timed as forward + backward, less the forward; the budgets sit in
-pinned memory so that their copy to the GPU can be captured.
+on the host.
 """
 from __future__ import annotations
 
@@ -35,7 +33,6 @@ class Measurer:
         dtype: torch.dtype = torch.bfloat16,
         block_size: int = 64,
         seed: int = 0,
-        graph: bool = False,
     ):
         self.shapes = {s.name: s for s in shapes}
         self.kernel = kernel
@@ -45,7 +42,6 @@ class Measurer:
         self.dtype = dtype
         self.block_size = block_size
         self.seed = seed
-        self.graph = graph
         self._blocks: dict[str, Block] = {}
 
     def measure(self, point: GridPoint) -> list[dict]:
@@ -66,8 +62,7 @@ class Measurer:
         return torch.cat([ends.new_zeros(1), ends])
 
     def _host(self, values) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.float32)
-        return t.pin_memory() if self.graph and self.device != "cpu" else t
+        return torch.tensor(values, dtype=torch.float32)
 
     def _kept(self, point: GridPoint) -> torch.Tensor:
         return self._host(point.kept_fractions)
@@ -75,12 +70,9 @@ class Measurer:
     def _expected(self, term: str, point: GridPoint) -> float:
         return estimate_term_ms(term, point, self.shapes[point.model])
 
-    def _backward(self, forward, out, grad_out, fwd: Timing, expected_ms: float, leaves) -> Timing:
-        """The backward of ``out`` (= ``forward()``): alone, or as forward + backward less ``fwd`` when graphed."""
-        if not self.graph:
-            return self.bench(lambda: out.backward(grad_out, retain_graph=True), expected_ms, grad_to_none=leaves)
-        both = self.bench(lambda: forward().backward(grad_out), expected_ms + fwd.median_ms, grad_to_none=leaves)
-        return both.minus(fwd)
+    def _backward(self, out, grad_out, expected_ms: float, leaves) -> Timing:
+        """The backward of ``out`` alone, its graph kept for the next repetition."""
+        return self.bench(lambda: out.backward(grad_out, retain_graph=True), expected_ms, grad_to_none=leaves)
 
     # -- terms --------------------------------------------------------------------------------------
     def _attention(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
@@ -105,8 +97,7 @@ class Measurer:
         grad_out = torch.randn_like(out)
         timings = {"select": self.bench(select, self._expected("select", point)),
                    "attn_fwd": self.bench(forward, self._expected("attn_fwd", point))}
-        timings["attn_bwd"] = self._backward(forward, out, grad_out, timings["attn_fwd"],
-                                             self._expected("attn_bwd", point), [q, k, v])
+        timings["attn_bwd"] = self._backward(out, grad_out, self._expected("attn_bwd", point), [q, k, v])
         return timings, tuple(sel.kept_fraction.tolist())
 
     def _layer(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
@@ -120,8 +111,7 @@ class Measurer:
         y = forward()
         grad_y = torch.randn_like(y)
         timings = {"layer_fwd": self.bench(forward, self._expected("layer_fwd", point))}
-        timings["layer_bwd"] = self._backward(forward, y, grad_y, timings["layer_fwd"],
-                                              self._expected("layer_bwd", point), [x, *block.parameters()])
+        timings["layer_bwd"] = self._backward(y, grad_y, self._expected("layer_bwd", point), [x, *block.parameters()])
         return timings, point.kept_fractions
 
     def _layer_full(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:

@@ -28,19 +28,19 @@ from calibrate.grid import GridPoint, build_grid
 from sim.shapes import ModelShape, load_shapes, model_names
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / "h200_raw.csv"
+# The layer shapes the simulator's profile prices (conf/model/ also holds the runner's small learning model).
+CALIBRATED_MODELS = ("llama3-8b", "qwen2.5-3b")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m calibrate.run", description=__doc__.splitlines()[0])
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="raw measurements, appended per point")
-    ap.add_argument("--models", nargs="*", default=None, help="conf/model/ names (default: all)")
+    ap.add_argument("--models", nargs="*", default=list(CALIBRATED_MODELS),
+                    help=f"conf/model/ names (default: {' '.join(CALIBRATED_MODELS)})")
     ap.add_argument("--block-size", type=int, default=128, help="kernel block size in tokens (the simulator's, conf/cost)")
     ap.add_argument("--max-tokens", type=int, default=None, help="only points with at most this many tokens")
     ap.add_argument("--time-budget-s", type=float, default=None, help="start no new point after this long")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: Triton interpreter, fp32")
-    ap.add_argument("--timing", default="events", choices=("events", "graph"),
-                    help="events: do_bench (host launch cost included where a call is host-bound); graph: "
-                         "do_bench_cudagraph (GPU time, as when the host runs ahead of the GPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the grid and its estimated cost, time nothing")
     ap.add_argument("--code-version", default=None,
                     help="commit of the kernel and layer code being timed (GPU boxes get a copy without .git)")
@@ -94,8 +94,7 @@ def estimated_seconds(points: list[GridPoint], shapes: dict[str, ModelShape]) ->
     return total_ms / 1e3
 
 
-def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int | None, n_points: int,
-                     timing_mode: str = "events") -> dict:
+def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int | None, n_points: int) -> dict:
     return {
         "models": {s.name: vars(s) for s in shapes},
         "block_size": block_size,
@@ -108,7 +107,6 @@ def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int 
         "max_tokens": max_tokens,
         "points": n_points,
         "do_bench": {"warmup_ms": timing.WARMUP_MS, "rep_ms": timing.REP_MS, "min_reps": timing.MIN_REPS},
-        "timing": timing_mode,
     }
 
 
@@ -177,7 +175,7 @@ def comm_figures(device: str) -> dict | str:
     return measure_comm(gpus)
 
 
-def make_measurer(shapes: list[ModelShape], device: str, block_size: int, timing_mode: str = "events"):
+def make_measurer(shapes: list[ModelShape], device: str, block_size: int):
     if device == "cpu":
         # The interpreter must be chosen before Triton is imported; it has no bf16 arithmetic, hence fp32.
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -192,10 +190,9 @@ def make_measurer(shapes: list[ModelShape], device: str, block_size: int, timing
     warnings.simplefilter("default", kernel.SelectionFallbackWarning)
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    graph = device == "cuda" and timing_mode == "graph"
-    bench = timing.bench_cpu if device != "cuda" else timing.bench_gpu_graph if graph else timing.bench_gpu
+    bench = timing.bench_gpu if device == "cuda" else timing.bench_cpu
     attention = make_attention("kernel", block_size)
-    return Measurer(shapes, kernel, attention, bench, device=device, dtype=dtype, block_size=block_size, graph=graph)
+    return Measurer(shapes, kernel, attention, bench, device=device, dtype=dtype, block_size=block_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                              "--device cpu (Triton interpreter, fp32: for tests, not a profile)")
     command = shlex.join(["python", "-m", "calibrate.run", *(sys.argv[1:] if argv is None else argv)])
     entry = {"command": command, "code_version": args.code_version, **machine_facts(args.device),
-             "grid": grid_description(shapes, args.block_size, args.max_tokens, len(points), args.timing)}
+             "grid": grid_description(shapes, args.block_size, args.max_tokens, len(points))}
     write_meta(args.csv, entry | {"points_measured": None, "points_left": len(todo)})
     started = time.monotonic()
-    measured = measure_all(todo, make_measurer(shapes, args.device, args.block_size, args.timing), args.csv, args.time_budget_s)
+    measured = measure_all(todo, make_measurer(shapes, args.device, args.block_size), args.csv, args.time_budget_s)
     write_meta(args.csv, entry | {"points_measured": measured, "points_left": len(todo) - measured,
                                   "seconds": round(time.monotonic() - started, 1), "comm": comm_figures(args.device)},
                replace_last=True)

@@ -1,9 +1,7 @@
 """Timing one callable: median and spread in ms.
 
-On a GPU this is ``triton.testing.do_bench`` (device events, warm-up, L2 flushed before each repetition:
-host launch cost included where the call is host-bound), or ``do_bench_cudagraph`` (``--timing graph``:
-the calls replayed from a CUDA graph, GPU time only, which is what a step costs when the host runs ahead
-of the GPU). On the CPU (tests, interpreter dry runs) do_bench has no device to time, so a host clock stands in; those
+On a GPU this is ``triton.testing.do_bench`` (device events, warm-up, L2 flushed before each repetition).
+On the CPU (tests, interpreter dry runs) do_bench has no device to time, so a host clock stands in; those
 numbers only check the plumbing and are never fitted.
 """
 from __future__ import annotations
@@ -32,16 +30,6 @@ class Timing:
         p20, p50, p80 = np.quantile(t, [0.2, 0.5, 0.8])
         return cls(float(p50), float(p20), float(p80), len(t))
 
-    def minus(self, part: Timing) -> Timing:
-        """The remainder of a call timed together with ``part`` (a backward timed as forward + backward): the
-        median less the part's median, the spread this call's own."""
-        rest = self.median_ms - part.median_ms
-        if not rest > 0:
-            raise ValueError(f"timed {self.median_ms:.4g} ms together with a {part.median_ms:.4g} ms part: "
-                             "nothing left to attribute to the rest")
-        offset = part.median_ms
-        return Timing(rest, max(self.p20_ms - offset, 0.0), self.p80_ms - offset, self.reps)
-
 
 def bench_gpu(fn: Callable[[], object], expected_ms: float, grad_to_none: list | None = None) -> Timing:
     """do_bench with the repetition window stretched so that even long calls get MIN_REPS repetitions."""
@@ -50,14 +38,6 @@ def bench_gpu(fn: Callable[[], object], expected_ms: float, grad_to_none: list |
     rep = max(REP_MS, MIN_REPS * expected_ms)
     times = do_bench(fn, warmup=WARMUP_MS, rep=rep, grad_to_none=grad_to_none, return_mode="all")
     return Timing.of(times)
-
-
-def bench_gpu_graph(fn: Callable[[], object], expected_ms: float, grad_to_none: list | None = None) -> Timing:
-    """do_bench_cudagraph: GPU time of ``fn`` replayed from a CUDA graph, ten replays of a window of calls."""
-    from triton.testing import do_bench_cudagraph
-
-    rep = max(REP_MS, MIN_REPS * expected_ms)
-    return Timing.of(do_bench_cudagraph(fn, rep=rep, grad_to_none=grad_to_none, return_mode="all"))
 
 
 def bench_cpu(fn: Callable[[], object], expected_ms: float, grad_to_none: list | None = None) -> Timing:

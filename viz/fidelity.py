@@ -40,7 +40,7 @@ def _compare_table(run: Run, skip: int | None) -> pd.DataFrame:
     else:
         skip = 1 if skip is None else skip
         try:
-            table, _ = replay(run.path, DEFAULT_PROFILE, skip)
+            table, _, _ = replay(run.path, DEFAULT_PROFILE, skip)
         except ConfigError as exc:
             raise PlotError(str(exc)) from None
     missing = [c for c in ("step", "measured_ms", "sim_ms", "sim_plan_ms") if c not in table.columns]

@@ -27,7 +27,7 @@ TRUE = {t: {f: 0.0 for f in PROFILE_FEATURES[t]} | c for t, c in {
 
 @pytest.fixture(scope="module")
 def shapes():
-    return load_shapes()
+    return load_shapes(list(run.CALIBRATED_MODELS))
 
 
 @pytest.fixture(scope="module")

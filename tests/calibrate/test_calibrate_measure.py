@@ -69,29 +69,3 @@ def test_bench_cpu_returns_quantiles_of_min_reps_calls():
     assert len(calls) == timing.MIN_REPS + 1 and t.reps == timing.MIN_REPS
     assert 0 <= t.p20_ms <= t.median_ms <= t.p80_ms
 
-
-def test_graph_timing_attributes_forward_plus_backward_less_the_forward():
-    """Graphed, a backward is timed with its forward and the forward's time is taken off: a stub bench that
-    returns the call's own declared cost shows which calls were timed and what each row records."""
-    seen = []
-
-    def stub(fn, expected_ms, grad_to_none=None):
-        fn()
-        seen.append(round(expected_ms, 9))
-        return timing.Timing(expected_ms, expected_ms * 0.9, expected_ms * 1.1, 3)
-
-    graphed = Measurer([TINY], kernel, make_attention("kernel", BLOCK), stub, device="cpu", dtype=torch.float32,
-                       block_size=BLOCK, graph=True)
-    point = GridPoint("attn", "tiny", (256, 128), (0.25, 1.0))
-    rows = {r["term"]: float(r["median_ms"]) for r in graphed.measure(point)}
-    fwd, bwd = (graphed._expected(t, point) for t in ("attn_fwd", "attn_bwd"))
-    assert seen == [round(graphed._expected("select", point), 9), round(fwd, 9), round(fwd + bwd, 9)]
-    assert rows["attn_fwd"] == pytest.approx(fwd, rel=1e-5) and rows["attn_bwd"] == pytest.approx(bwd, rel=1e-5)
-
-
-def test_minus_keeps_the_spread_and_refuses_nothing_left():
-    both = timing.Timing(3.0, 2.5, 4.0, 5)
-    rest = both.minus(timing.Timing(1.0, 0.9, 1.1, 5))
-    assert (rest.median_ms, rest.p20_ms, rest.p80_ms, rest.reps) == (2.0, 1.5, 3.0, 5)
-    with pytest.raises(ValueError, match="nothing left"):
-        both.minus(timing.Timing(3.0, 3.0, 3.0, 5))

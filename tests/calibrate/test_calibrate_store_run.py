@@ -32,7 +32,7 @@ class FakeMeasurer:
 
 @pytest.fixture
 def points():
-    return build_grid(load_shapes())[:12]
+    return build_grid(load_shapes(list(run.CALIBRATED_MODELS)))[:12]
 
 
 def test_killed_run_keeps_points_and_rerun_measures_only_the_rest(tmp_path, points):
@@ -81,7 +81,7 @@ def test_csv_with_foreign_columns_is_refused(tmp_path):
 
 
 def test_grid_keys_unique_lengths_within_context_and_validation_outside_grid():
-    shapes = load_shapes()
+    shapes = load_shapes(list(run.CALIBRATED_MODELS))
     points = build_grid(shapes)
     assert len({p.key for p in points}) == len(points)
     context = {s.name: s.max_context for s in shapes}
@@ -95,7 +95,7 @@ def test_grid_keys_unique_lengths_within_context_and_validation_outside_grid():
 
 
 def test_heldout_points_are_interior_and_a_real_share():
-    shapes = load_shapes()
+    shapes = load_shapes(list(run.CALIBRATED_MODELS))
     for s in shapes:
         attn = grid.attention_points(s)
         held = [p for p in attn if p.split == "heldout"]
@@ -114,7 +114,7 @@ def test_dry_run_prints_estimate_and_writes_nothing(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--models", "llama3-8b", "gpt5"], "--models gpt5: no such model config; allowed: llama3-8b, qwen2.5-3b"),
+    (["--models", "llama3-8b", "gpt5"], "--models gpt5: no such model config; allowed: llama3-8b, qwen2.5-3b, tiny"),
     (["--block-size", "96"], "--block-size 96: the kernel is tuned for 64 or 128"),
     (["--max-tokens", "0"], "--max-tokens 0: must be > 0"),
     (["--time-budget-s", "-5"], "--time-budget-s -5.0: must be > 0"),

@@ -171,14 +171,3 @@ def test_a_failed_rank_ends_the_job_within_the_timeout(tmp_path, kind, layout):
         assert line.endswith(f"Ranks 1 failed to pass monitoredBarrier in {DIAGNOSIS_TIMEOUTS * FAULT_TIMEOUT_S * 1000} ms"), line
     else:
         assert "exitcode  : 17" in proc.stderr
-
-
-def test_runner_config_mirrors_the_simulators_groups():
-    """conf/runner.yaml copies conf/config.yaml's group defaults: one override list must mean the same to both."""
-    import yaml
-
-    def groups(name):
-        defaults = yaml.safe_load((ROOT / "conf" / name).read_text())["defaults"]
-        return [d for d in defaults if isinstance(d, dict)]
-
-    assert groups("runner.yaml") == groups("config.yaml")
