@@ -120,7 +120,7 @@ def load(path: Path, world_size: int, config: dict) -> dict:
     Every member's CRC is checked (a changed byte anywhere is refused); the tensors are memory-mapped, so
     that checking a checkpoint before training holds none of its weights in memory."""
     with naming(path):
-        ckpt = _read(path)
+        ckpt = read(path)
         check_structure(ckpt)
     if len(ckpt["rng"]) != world_size:
         raise ConfigError(f"runner.resume={path}: written by {len(ckpt['rng'])} ranks, this run has "
@@ -141,7 +141,7 @@ def naming(path: Path):
         raise ConfigError(f"runner.resume={path}: {exc}") from None
 
 
-def _read(path: Path):
+def read(path: Path):
     if path.is_dir():
         raise Invalid("a directory; allowed: a checkpoint file (<run dir>/checkpoint.pt)")
     if not path.is_file():

@@ -116,7 +116,7 @@ class Trained:
 def load(path: Path) -> Trained:
     """The checkpoint, its model and task config checked as training checks them."""
     try:
-        ckpt = checkpoint._read(path)
+        ckpt = checkpoint.read(path)
         checkpoint.check_structure(ckpt)
         config = ckpt["config"]
         model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
@@ -147,8 +147,11 @@ def build_model(trained: Trained, path: Path, device: torch.device) -> TinyLlama
 
 
 def pick_device(name: str) -> torch.device:
+    """``--device`` (auto, cuda, cpu) as a device, or one line saying why not."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cuda", "cpu"):
+        raise ConfigError(f"--device {name!r}: unknown; allowed: auto, cuda, cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible; allowed here: auto, cpu")
     return torch.device(name)

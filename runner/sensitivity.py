@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from runner import checkpoint
 from runner.attention import BACKENDS, make_attention
 from runner.data import TaskConfig, make_example
+from runner.evaluate import pick_device
 from runner.loop import make_model
 from runner.model import TinyLlama
 from sim.cluster import Cluster
@@ -78,7 +79,7 @@ def checkpoint_file(source: Path) -> Path:
 def load_trained(source: Path, device: torch.device, dtype: torch.dtype) -> Trained:
     path = checkpoint_file(source)
     try:
-        ckpt = checkpoint._read(path)
+        ckpt = checkpoint.read(path)
         check_weights(ckpt)
     except checkpoint.Invalid as exc:
         raise ConfigError(f"checkpoint {path}: {exc}") from None
@@ -249,16 +250,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.attention not in BACKENDS:
         raise ConfigError(f"--attention {args.attention!r}: unknown; allowed: {', '.join(BACKENDS)}")
     return args
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cuda", "cpu"):
-        raise ConfigError(f"--device {name!r}: unknown; allowed: auto, cuda, cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible; allowed here: auto, cpu")
-    return torch.device(name)
 
 
 def run_facts(args: argparse.Namespace, trained: Trained, device: torch.device, command: str) -> dict:

@@ -53,6 +53,20 @@ def resolve_path(path: str | Path) -> Path:
     return ROOT / given
 
 
+def read_json_config_file(path: str, key: str, where: str):
+    """The parsed JSON of a file a config key names; a missing, unreadable or malformed file is one ConfigError
+    line naming ``key`` and the path (``where``: where such files come from)."""
+    file = resolve_path(path)
+    if not file.is_file():
+        raise ConfigError(f"{key}={path!r}: no such file ({where})")
+    try:
+        return json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{key}={path!r}: not valid JSON ({exc})") from None
+    except (OSError, RecursionError) as exc:
+        raise ConfigError(f"{key}={path!r}: cannot be read ({type(exc).__name__})") from None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to; on success it is flushed to disk and renamed over

@@ -30,7 +30,7 @@ import numpy as np
 
 from sim.cluster import Cluster, Layout
 from sim.config import CostConfig, ModelConfig
-from sim.core import ConfigError, one_line_errors, resolve_path, write_json_atomic
+from sim.core import ConfigError, one_line_errors, read_json_config_file, resolve_path, write_json_atomic
 from sim.workload import Sequence
 
 PROFILE_SCHEMA_VERSION = 1
@@ -347,15 +347,7 @@ PROFILE_KEYS = ("schema_version", "gpu", "provisional", "meta", "block_size", "t
 
 def load_profile(path: str, key: str = "cost.profile") -> dict:
     """Read and validate a profile; any problem is one ConfigError line naming ``key``, the file and the value."""
-    file = resolve_path(path)
-    if not file.is_file():
-        raise ConfigError(f"{key}={path!r}: no such file (profiles live in calibrate/profiles/)")
-    try:
-        profile = json.loads(file.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{key}={path!r}: not valid JSON ({exc})") from None
-    except (OSError, RecursionError) as exc:
-        raise ConfigError(f"{key}={path!r}: cannot be read ({type(exc).__name__})") from None
+    profile = read_json_config_file(path, key, "profiles live in calibrate/profiles/")
     problem = _profile_problem(profile)
     if problem:
         raise ConfigError(f"{key}={path!r}: {problem}")

@@ -19,7 +19,6 @@ lists of different sizes, a non-finite value or a negative std) is refused in on
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from scipy.special import expit
 
-from sim.core import ConfigError, resolve_path
+from sim.core import ConfigError, read_json_config_file
 
 # The measurement ``python -m runner.sensitivity`` writes and ``python -m calibrate.sensitivity`` fits (the two may
 # not import each other): one row per (sequence, layer, budget); ``mode`` is ``p`` (top-p coverage target) or
@@ -94,15 +93,7 @@ def load_sensitivity_profile(path: str, task: str | None = None,
 
 def read_profile(path: str, key: str) -> dict:
     """The parsed profile, once it passes every check of ``profile_problem``."""
-    file = resolve_path(path)
-    if not file.is_file():
-        raise ConfigError(f"{key}={path!r}: no such file (profiles are written by python -m calibrate.sensitivity)")
-    try:
-        profile = json.loads(file.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{key}={path!r}: not valid JSON ({exc})") from None
-    except (OSError, RecursionError) as exc:
-        raise ConfigError(f"{key}={path!r}: cannot be read ({type(exc).__name__})") from None
+    profile = read_json_config_file(path, key, "profiles are written by python -m calibrate.sensitivity")
     problem = profile_problem(profile)
     if problem:
         raise ConfigError(f"{key}={path!r}: {problem}")
