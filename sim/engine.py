@@ -197,7 +197,8 @@ class Engine:
         flops = training_flops(arrays.length, kept, cost.model, cost.block_size)
         # [dp, m, pp] GB of each stage while each micro-batch's backward runs (sim.memory)
         memory_gb = (None if self.memory is None else
-                     self.memory.bytes_of(arrays.dp_rank, arrays.micro_batch, arrays.length, kept) / GB)
+                     self.memory.bytes_of(arrays.dp_rank, arrays.micro_batch, arrays.length, kept,
+                                          topk=~np.isnan(arrays.fixed_kf)) / GB)
         record = StepRecord(
             step=plan.step,
             step_ms=step_ms,
