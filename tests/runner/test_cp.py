@@ -1,0 +1,121 @@
+"""Context parallelism (runner/cp.py): the CP attention alone, in spawned gloo processes, against the whole
+micro-batch's attention in one process; then the runner's CP layouts end to end against one process."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kernels.sparse_attention import sparse_attention
+from runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+HQ, HKV, D = 4, 2, 16
+# name: (cp, sequence lengths, p, kept fraction); odd lengths, several documents, a block split over ranks
+CASES = {
+    "cp2-dense": (2, (37, 61, 18), 1.0, None),
+    "cp2-top-p": (2, (37, 61, 18), 0.6, None),
+    "cp3-top-p": (3, (83, 29, 45), 0.5, None),
+    "cp4-top-k": (4, (101, 40, 9 * 4 - 1), None, 0.4),
+    "cp3-mixed-p": (3, (70, 33), (1.0, 0.3), None),
+}
+ATOL = 2e-6  # fp32: the pieces and the merge sum in another order than one softmax over every key
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs(lengths):
+    """q, k, v, the output gradient and cu_seqlens of one micro-batch, the same on every rank."""
+    gen = torch.Generator().manual_seed(sum(lengths))
+    t = sum(lengths)
+    q, k, v, g = (torch.randn(t, h, D, generator=gen) for h in (HQ, HKV, HKV, HQ))
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+    return q, k, v, g, cu
+
+
+def _budgets(p, kf, n):
+    def per_seq(x):
+        return None if x is None else torch.tensor(x if isinstance(x, tuple) else (x,) * n, dtype=torch.float32)
+    return per_seq(p), per_seq(kf)
+
+
+def _worker(rank: int, cp: int, port: int, case: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    _, lengths, p, kf = CASES[case]
+    q, k, v, g, cu = _inputs(lengths)
+    shards = Shards.build(cu, cp, rank)
+    mine = shards.mine
+    ql, kl, vl = (x[mine].clone().requires_grad_() for x in (q, k, v))
+    ring = Ring(dist.new_group(list(range(cp))), tuple(range(cp)), rank)
+    o, kept, cov = make_cp_attention(BLOCK, ring)(ql, kl, vl, shards, _budgets(p, kf, len(lengths)))
+    o.backward(g[mine])
+    torch.save({"index": mine, "o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "kept": kept,
+                "coverage": cov}, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _reference(case: str):
+    _, lengths, p, kf = CASES[case]
+    q, k, v, g, cu = _inputs(lengths)
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    pp, kk = _budgets(p, kf, len(lengths))
+    o, sel = sparse_attention(q, k, v, cu, p=pp if kk is None else None, kept_fraction=kk, block_size=BLOCK,
+                              return_selection=True, backend="naive")
+    o.backward(g)
+    return o.detach(), q.grad, k.grad, v.grad, sel
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cp_attention_equals_the_whole_micro_batchs(case, tmp_path):
+    cp = CASES[case][0]
+    mp.spawn(_worker, args=(cp, _free_port(), case, str(tmp_path)), nprocs=cp, join=True)
+    o, dq, dk, dv, sel = _reference(case)
+    seen = torch.zeros(o.shape[0], dtype=torch.bool)
+    for rank in range(cp):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        i = got["index"]
+        seen[i] = True
+        for name, want in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+            torch.testing.assert_close(got[name], want[i], rtol=0, atol=ATOL, msg=f"{name} on cp rank {rank}")
+        torch.testing.assert_close(got["kept"], sel.kept_fraction, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got["coverage"], sel.coverage, rtol=0, atol=1e-6)
+    assert seen.all()
+    if CASES[case][2] != 1.0:  # the case exercises a selection that drops blocks
+        assert float(sel.kept_fraction.min()) < 1.0
+
+
+def test_zigzag_chunks_are_equal_and_pair_early_with_late():
+    assert shard_bounds(10, 2).tolist() == [0, 2, 5, 7, 10]
+    shards = Shards.build(torch.tensor([0, 10, 17], dtype=torch.int32), 2, 0)
+    assert shards.index[0].tolist() == [0, 1, 7, 8, 9, 10, 15, 16]
+    assert shards.index[1].tolist() == [2, 3, 4, 5, 6, 11, 12, 13, 14]
+    assert shards.positions(1).tolist() == [2, 3, 4, 5, 6, 1, 2, 3, 4]
+    assert shards.offsets[1] == (0, 5, 9)
+
+
+def test_a_piece_without_keys_is_zero_and_merges_to_the_others():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 16, generator=gen, requires_grad=True) for _ in range(3))
+    none = torch.zeros(2, 3, 3, dtype=torch.bool)
+    full = torch.ones(2, 3, 3, dtype=torch.bool)
+    o0, lse0 = attention_piece(q, k, v, none, 0.25)
+    o1, lse1 = attention_piece(q, k, v, full, 0.25)
+    assert torch.isinf(lse0).all() and (o0 == 0).all()
+    merged = merge_pieces([o0, o1], [lse0, lse1])
+    torch.testing.assert_close(merged, o1)
+    merged.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
