@@ -166,10 +166,18 @@ class MicroBatch:
     targets: torch.Tensor  # [n_answers]
     p: torch.Tensor  # [n] coverage targets, on the host
     kept_fraction: torch.Tensor | None  # [n] fixed kept fractions, when the policy set them, on the host
+    # Under context parallelism (runner.cp.shard_micro_batch): which tokens of the packed micro-batch this
+    # rank holds; tokens and target positions are then this rank's, cu_seqlens and budgets the micro-batch's
+    shards: object = None
 
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def docs(self):
+        """What the model takes as its documents: the shards under CP, else cu_seqlens."""
+        return self.cu_seqlens if self.shards is None else self.shards
 
 
 def pack(assignments: tuple[Assignment, ...], task: TaskConfig, vocab_size: int, seed: int,
@@ -202,12 +210,13 @@ def pack(assignments: tuple[Assignment, ...], task: TaskConfig, vocab_size: int,
     )
 
 
-def placeholder(device: torch.device) -> MicroBatch:
-    """A one-token micro-batch that stands in for an empty one (its loss weighs nothing), so that every
-    replica runs the same forwards, backwards and collectives."""
+def placeholder(device: torch.device, length: int = 1) -> MicroBatch:
+    """A micro-batch of one ``length``-token sequence (one token; under CP one per zigzag chunk) that stands in
+    for an empty one (its loss weighs nothing), so that every replica runs the same forwards, backwards and
+    collectives."""
     return MicroBatch(
-        tokens=torch.tensor([BOS], device=device),
-        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+        tokens=torch.full((length,), BOS, device=device),
+        cu_seqlens=torch.tensor([0, length], dtype=torch.int32),
         target_positions=torch.tensor([0], device=device),
         targets=torch.tensor([PAD], device=device),
         p=torch.tensor([1.0]),

@@ -2,7 +2,11 @@
 
 Ranks follow the simulator's placement (``sim.cluster``: ``rank = cp_rank + cp * (dp_rank + dp * stage)``),
 which is a row-major ``DeviceMesh`` of shape (pp, dp, cp). A stage's gradients are reduced over its
-replicas (the mesh's ``dp`` dimension); activations pass between neighbouring stages of one replica.
+replicas: the mesh's ``dp`` dimension, and with context parallelism its dp x cp ranks, since every CP rank
+of a replica holds the stage's whole weights and computes a part of their gradient (the data-parallel
+dimension with cp folded into it, as torchtitan reduces them). The cp ranks of one replica's stage form
+the ring of runner/cp.py. Activations pass between neighbouring stages of one replica, CP rank to the same
+CP rank.
 
 A rank that dies or hangs must end the job with a clear error rather than a silent hang: every collective
 and transfer runs under the configured timeout, and a step whose communication fails asks a gloo
@@ -19,8 +23,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from runner.cp import Ring
 from sim.cluster import Layout
 
 # NVLink multicast (NVLS) is kept off on every launch: the lent multi-GPU machines must not use it, and the
@@ -57,9 +62,6 @@ def check_world(world: World, dp: int, cp: int, pp: int) -> None:
         raise ValueError(
             f"world size {world.size} does not match the layout dp*cp*pp = {dp}*{cp}*{pp} = {dp * cp * pp}"
         )
-    if cp != 1:
-        raise ValueError(f"layout.cp={cp}: the runner implements data and pipeline parallelism; allowed: cp=1 "
-                         "(context parallelism exists in the simulator only)")
 
 
 class Comm:
@@ -83,11 +85,38 @@ class Comm:
         self.monitor = dist.new_group(backend="gloo", timeout=self.timeout)
         self.mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.cp), mesh_dim_names=("pp", "dp", "cp"))
         self.stage, self.dp_rank, self.cp_rank = self.mesh.get_coordinate()
-        self.replicas = self.mesh["dp"]  # the ranks holding this stage's weights (cp = 1)
         stride = layout.dp * layout.cp
+        self.replicas = self.mesh["dp"] if layout.cp == 1 else self._replica_mesh(stride)
+        self.ring = self._ring() if layout.cp > 1 else None
         self.prev = world.rank - stride if self.stage > 0 else None
         self.next = world.rank + stride if self.stage < layout.pp - 1 else None
         self.ends = self._ends_group(stride)
+
+    @property
+    def first_replica(self) -> bool:
+        """Whether this rank is its stage's first holder of the weights (the one whose state is saved)."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
+    def _replica_mesh(self, stride: int) -> DeviceMesh:
+        """The dp x cp ranks of this rank's stage (contiguous under the placement), a 1-D mesh for DDP and
+        FSDP. Its group is made here with the run's timeout, which the mesh's own groups do not carry."""
+        mine = None
+        for stage in range(self.layout.pp):
+            ranks = list(range(stage * stride, (stage + 1) * stride))
+            group = dist.new_group(ranks, timeout=self.timeout)
+            if self.world.rank in ranks:
+                mine = group
+        return DeviceMesh.from_group(mine, self.device.type, mesh_dim_names=("dp_cp",))
+
+    def _ring(self) -> Ring:
+        """The cp ranks of this rank's replica and stage, in cp order, with the run's timeout."""
+        cp, mine = self.layout.cp, None
+        for first in range(0, self.world.size, cp):
+            ranks = list(range(first, first + cp))
+            group = dist.new_group(ranks, timeout=self.timeout)
+            if self.world.rank in ranks:
+                mine = Ring(group, tuple(ranks), self.world.rank - first)
+        return mine
 
     def _ends_group(self, stride: int):
         """The first and the last stage of this rank's replica (the two holders of a tied embedding), or None.

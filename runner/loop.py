@@ -42,6 +42,7 @@ from tqdm import tqdm
 from kernels.sparse_attention import compile_count
 from runner import checkpoint
 from runner.attention import make_attention
+from runner.cp import make_cp_attention, shard_micro_batch
 from runner.data import TaskConfig, n_answers, pack, placeholder
 from runner.dist import Comm
 from runner.model import ModelShape, StageSpan, TinyLlama
@@ -75,8 +76,7 @@ class Trainer:
         # Fused AdamW takes plain device tensors; FSDP's parameters are DTensors (foreach instead).
         fused = device.type == "cuda" and cfg.runner.data_parallel == "ddp"
         self.optimizer = make_optimizer(self.model.parameters(), cfg, fused=fused)
-        self.driver = StageDriver(self.model, comm, make_attention(cfg.runner.attention, self.block_size), dtype,
-                                  device)
+        self.driver = StageDriver(self.model, comm, self._attention(), dtype, device)
         self.history = {"steps": [], "micro_batches": [], "plans": [], "train": [], "sequences": []}
         self.start_step = 0
         if cfg.runner.resume:
@@ -101,10 +101,10 @@ class Trainer:
         t0 = time.perf_counter()
         assigned = [plan.micro_batch(self.comm.dp_rank, mb) for mb in range(self.layout.micro_batches)]
         n_global = n_answers(plan.assignments, self.task)
-        # DDP and FSDP average over the replicas; this weight turns that into the sum over the global batch.
+        # DDP and FSDP average over the replicas (dp x cp ranks: each CP rank scores the answers among its own
+        # tokens); this weight turns that into the sum over the global batch.
         weight = self.model.replicas / n_global
-        work = [Work(self._pack(a), weight) if a else Work(placeholder(self.device), 0.0, empty=True)
-                for a in assigned]
+        work = [Work(self._pack(a), weight) if a else Work(self._pack(a), 0.0, empty=True) for a in assigned]
         data_ms = (time.perf_counter() - t0) * 1e3
 
         self.comm.sync()
@@ -133,8 +133,17 @@ class Trainer:
             return None
         return self._record_step(step, plan, gathered, n_global)
 
+    def _attention(self):
+        """The kernel through its API; under CP the ring attention over the replica's cp ranks (runner/cp.py)."""
+        if self.comm.ring is not None:
+            return make_cp_attention(self.block_size, self.comm.ring)
+        return make_attention(self.cfg.runner.attention, self.block_size)
+
     def _pack(self, assignments):
-        return pack(assignments, self.task, self.cfg.model.vocab, self.cfg.seed, self.device)
+        """This rank's share of a micro-batch: all of it, or under CP its zigzag chunks of every sequence."""
+        batch = (pack(assignments, self.task, self.cfg.model.vocab, self.cfg.seed, self.device) if assignments
+                 else placeholder(self.device, 2 * self.layout.cp))
+        return batch if self.comm.ring is None else shard_micro_batch(batch, self.layout.cp, self.comm.cp_rank)
 
     # ------------------------------------------------------------------ records
     def _local_record(self, step, plan, assigned, outcome: Outcome, clock: Clock) -> dict:
@@ -159,7 +168,8 @@ class Trainer:
                 if loss is not None:
                     loss_sum += float(loss)
                     correct += int(right)
-                for a, k, c in zip(assigned[mb], kept, cov):
+                # Under CP every rank of the replica has the whole sequences' stats; the first one records them.
+                for a, k, c in zip(assigned[mb] if self.comm.cp_rank == 0 else (), kept, cov):
                     sequences.append(asdict(SequenceRecord(
                         step=step, seq_id=a.seq_id, dp_rank=self.comm.dp_rank, micro_batch=mb, length=a.length,
                         sensitivity=a.sensitivity, p=a.budget.p, budget_kept_fraction=a.budget.kept_fraction,
@@ -183,6 +193,7 @@ class Trainer:
         if len(digests) != 1:
             raise RuntimeError(f"step {step}: ranks planned different global batches ({len(digests)} distinct Plans)")
         waits = self._fill_last_micro_batches(gathered)
+        rows = merge_cp_ranks([r for g in gathered for r in g["rows"]])
         sequences = merge_stages([s for g in gathered for s in g["sequences"]])
         lengths = np.array([s["length"] for s in sequences])
         kept = np.array([s["kept_fraction"] for s in sequences])
@@ -220,7 +231,7 @@ class Trainer:
         )
         h = self.history
         h["steps"].append(asdict(record))
-        h["micro_batches"].extend(r for g in gathered for r in g["rows"])
+        h["micro_batches"].extend(rows)
         h["plans"].append(plan.to_json())
         row = asdict(train)
         h["train"].append(row)
@@ -272,7 +283,7 @@ class Trainer:
         """Every stage's whole weights and optimiser state (from its first replica), merged on rank 0."""
         with self.comm.guard(f"the checkpoint after step {next_step - 1}"):
             state = self.model.state(self.optimizer)
-            states = self.comm.gather_to_first(state if self.comm.dp_rank == 0 else None)
+            states = self.comm.gather_to_first(state if self.comm.first_replica else None)
             rng = self.comm.gather(checkpoint.rng_state())
         if self.rank == 0:
             model_state, optimizer_state = merge_states([s for s in states if s is not None])
@@ -291,6 +302,25 @@ class Trainer:
 
 def make_model(cfg: DictConfig, stage: StageSpan = StageSpan()) -> TinyLlama:
     return TinyLlama(ModelShape.from_config(cfg.model), stage, seed=cfg.seed)
+
+
+def merge_cp_ranks(rows: list[dict]) -> list[dict]:
+    """One row per (dp rank, micro-batch, stage), as the simulator's engine writes them: under CP the cp ranks
+    of a replica each run the micro-batch's shards, and its row takes the slowest of them (the most compute,
+    idle and exposed communication of any of its ranks); tokens, kept fraction and coverage are the
+    micro-batch's, the same on every one of them."""
+    merged: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["dp_rank"], row["micro_batch"], row["stage"])
+        if key not in merged:
+            merged[key] = dict(row)
+            continue
+        first = merged[key]
+        for column in ("compute_ms", "idle_ms", "comm_ms"):
+            first[column] = max(first[column], row[column])
+        peaks = [x for x in (first["peak_memory_gb"], row["peak_memory_gb"]) if not math.isnan(x)]
+        first["peak_memory_gb"] = max(peaks) if peaks else math.nan
+    return list(merged.values())
 
 
 def merge_stages(sequences: list[dict]) -> list[dict]:

@@ -22,10 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.sparse_attention import VarlenBatch
+from runner.cp import Shards
 from sim.shapes import ModelShape
 
 # attention(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], docs, budgets) -> (o [T,Hq,D], kept [n], coverage [n]);
-# docs: a kernels.sparse_attention.VarlenBatch (TinyLlama's) or a cu_seqlens [n+1] tensor
+# docs: a kernels.sparse_attention.VarlenBatch (TinyLlama's), a cu_seqlens [n+1] tensor, or under context
+# parallelism the micro-batch's runner.cp.Shards (T: this rank's tokens)
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -142,8 +144,13 @@ class TinyLlama(nn.Module):
         ``[T, vocab]`` projection would dominate memory at long context."""
         # The documents are read and checked once here, for every layer's attention: one host read of
         # cu_seqlens per micro-batch (a device->host copy where a wrapper moved it to the GPU), not per layer.
-        docs = VarlenBatch.from_cu_seqlens(cu_seqlens)
-        positions = packed_positions(docs.cu_seqlens.to(tokens.device, non_blocking=True), tokens.shape[0])
+        # Under context parallelism ``cu_seqlens`` is the micro-batch's runner.cp.Shards: the tokens are this
+        # rank's zigzag chunks, at their positions in their whole sequences.
+        if isinstance(cu_seqlens, Shards):
+            docs, positions = cu_seqlens, cu_seqlens.positions().to(tokens.device, non_blocking=True)
+        else:
+            docs = VarlenBatch.from_cu_seqlens(cu_seqlens)
+            positions = packed_positions(docs.cu_seqlens.to(tokens.device, non_blocking=True), tokens.shape[0])
         rotary = rope_angles(positions, self.shape.head_dim, self.shape.rope_theta)
         x = self.embed(tokens) if self.stage.first else tokens
         kept_sum = cov_sum = 0.0

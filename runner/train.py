@@ -1,14 +1,16 @@
-"""``torchrun --nproc_per_node=N -m runner.train policy=<name> ...``: real dp x pp training under a Plan.
+"""``torchrun --nproc_per_node=N -m runner.train policy=<name> ...``: real dp x cp x pp training under a Plan.
 
 Every rank builds the same Plan for every global batch with the same objects ``sim.run`` uses (workload,
 layout, cost model, policy registries), packs its replica's micro-batches from it, trains its pipeline
-stage (1F1B; DDP or FSDP over the stage's replicas; AdamW, bf16 on the GPU), and measures what the
+stage (1F1B; DDP or FSDP over the stage's dp x cp replicas; under CP its zigzag shards of every sequence,
+runner/cp.py; AdamW, bf16 on the GPU), and measures what the
 simulator predicts: per micro-batch compute time, waits on neighbouring stages and on the slowest replica,
 the gradient reduction that outlasts the compute, tokens, and the kernel's kept fraction and coverage;
 plus loss and retrieval accuracy. Rank 0 writes the simulator's Results files into the Hydra run dir.
 
 Bad input (world size vs layout, unknown policy or data parallelism, a workload that does not fit the
-model's context or the task, a runner key out of range, a checkpoint this run cannot continue) is one
+model's context or the task, sequences too short for the CP chunks, a runner key out of range, a
+checkpoint this run cannot continue) is one
 ``error:`` line and
 exit code 2 before Hydra makes a run dir or any process group exists; a rank that dies or hangs ends the
 job with a ``RankFailure`` line and exit code 1 within ``runner.timeout_s``.
@@ -52,7 +54,18 @@ class Planner:
     cost: object
 
     def plan(self, step: int):
-        return plan_step(self.batching, self.sparsity, self.workload.batch(step), self.layout, self.cost, step)
+        plan = plan_step(self.batching, self.sparsity, self.workload.batch(step), self.layout, self.cost, step)
+        check_one_budget(plan)
+        return plan
+
+
+def check_one_budget(plan) -> None:
+    """The runner gives every shard of a sequence its one ``budget``; per-CP-shard budgets it refuses."""
+    shard_budgets = next((a for a in plan.assignments if a.cp_budgets), None)
+    if shard_budgets is not None:
+        raise ConfigError(f"step {plan.step}: the policy set per-CP-shard budgets (Assignment.cp_budgets) for "
+                          f"sequence {shard_budgets.seq_id}; allowed: none (the runner applies each sequence's "
+                          "budget to all its shards)")
 
 
 def build_planner(cfg: DictConfig, world: World) -> tuple[Planner, Cluster]:
@@ -66,6 +79,7 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[Planner, Cluster]:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     check_attention(cfg.runner.attention, device_type(cfg.runner.device))
+    check_context_parallel(layout.cp, cfg)
     if cfg.runner.data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"runner.data_parallel={cfg.runner.data_parallel!r} is unknown; allowed: "
                           f"{', '.join(DATA_PARALLEL)}")
@@ -81,6 +95,18 @@ def check_attention(backend: str, device: str) -> None:
             "runner.attention='triton' on the CPU runs only under TRITON_INTERPRET=1 (the Triton interpreter); "
             f"allowed on the CPU: {', '.join(b for b in BACKENDS if b != 'triton')}"
         )
+
+
+def check_context_parallel(cp: int, cfg: DictConfig) -> None:
+    """What CP needs (runner/cp.py): a zigzag chunk of at least one token, and its attention pieces in torch."""
+    if cp == 1:
+        return
+    if cfg.workload.min_len < 2 * cp:
+        raise ConfigError(f"workload.min_len={cfg.workload.min_len} is shorter than 2 x layout.cp = {2 * cp} "
+                          f"tokens; allowed: >= {2 * cp} (every sequence is cut into 2 x cp zigzag chunks)")
+    if cfg.runner.attention == "triton":
+        raise ConfigError(f"runner.attention='triton' with layout.cp={cp}: the CP attention runs its pieces in "
+                          "PyTorch (the kernel attends whole sequences); allowed with cp > 1: kernel, naive")
 
 
 def device_type(name: str) -> str:

@@ -47,18 +47,28 @@ LAYOUTS = {  # name: (processes, pipeline stages, data parallelism, other overri
     "pp2xdp2-ddp": (4, 2, "ddp", []),
     "pp2xdp2-fsdp": (4, 2, "fsdp", []),
 }
+# Context parallelism (runner/cp.py), kept apart so that test_parallel.py runs the layouts above only.
+CP_LAYOUTS = {
+    "cp2-ddp": (2, 1, "ddp", ["layout.cp=2"]),
+    "cp2-fsdp": (2, 1, "fsdp", ["layout.cp=2"]),
+    "cp2xdp2-ddp": (4, 1, "ddp", ["layout.cp=2"]),
+    "cp2xdp2-fsdp": (4, 1, "fsdp", ["layout.cp=2"]),
+    # every dimension at once: tied embedding across stages, a ring per (replica, stage)
+    "pp2xcp2-fsdp": (4, 2, "fsdp", ["layout.cp=2"]),
+}
+ALL_LAYOUTS = {**LAYOUTS, **CP_LAYOUTS}
 LR = 1e-2
 RTOL = 1e-5  # of each gradient's largest entry; fp32 sums in another order differ by ~1e-7
 
 
 def layout_overrides(name: str) -> list[str]:
-    nproc, pp, _, extra = LAYOUTS[name]
+    nproc, pp, _, extra = ALL_LAYOUTS[name]
     return [*SHARED, f"cluster.gpus_per_node={nproc}", f"layout.pp={pp}", *extra]
 
 
 def launch(name: str, run_dir: Path, *overrides: str) -> None:
     """The layout under torchrun, through grad_probe.py (which saves the first step's gradients)."""
-    nproc, _, data_parallel, _ = LAYOUTS[name]
+    nproc, _, data_parallel, _ = ALL_LAYOUTS[name]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "tests/runner/grad_probe.py", f"hydra.run.dir={run_dir}", *layout_overrides(name), *RUNNER,
            f"runner.data_parallel={data_parallel}", f"runner.lr={LR}", *overrides]
@@ -128,7 +138,7 @@ def check_plans(name: str, run_dir: Path) -> None:
 
 
 def check_rows(name: str, run_dir: Path) -> None:
-    plan, pp = plans_of(run_dir)[0], LAYOUTS[name][1]
+    plan, pp = plans_of(run_dir)[0], ALL_LAYOUTS[name][1]
     rows = pd.read_csv(run_dir / "micro_batches.csv")
     keys = rows[["dp_rank", "micro_batch", "stage"]].drop_duplicates()
     assert len(keys) == len(rows) == plan.dp * plan.micro_batches * pp

@@ -7,11 +7,16 @@ import socket
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from equivalence import (
+    ALL_LAYOUTS, CP_LAYOUTS, check_compare, check_loss_and_gradients, check_plans, check_rows, launch, one_process,
+    one_step_run, plans_of,
+)
 from kernels.sparse_attention import sparse_attention
 from runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
 
@@ -119,3 +124,45 @@ def test_a_piece_without_keys_is_zero_and_merges_to_the_others():
     torch.testing.assert_close(merged, o1)
     merged.sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+# ---------------------------------------------------------------------- end to end (equivalence.py)
+@pytest.fixture(scope="module", params=list(CP_LAYOUTS))
+def run(request, tmp_path_factory) -> tuple[str, Path]:
+    return one_step_run(request.param, tmp_path_factory)
+
+
+def test_cp_trains_what_one_process_trains(run):
+    check_loss_and_gradients(run[1])
+
+
+def test_cp_plans_are_the_simulators(run):
+    check_plans(*run)
+
+
+def test_cp_results_have_a_row_per_replica_micro_batch_and_stage(run):
+    check_rows(*run)
+
+
+def test_compare_replays_the_cp_run(run):
+    check_compare(run[1])
+
+
+def test_cp_records_the_whole_sequences_selection(run):
+    """Each sequence once, with the kept fraction and coverage the whole sequence's selection has, as a cp = 1
+    run of the same Plan records them."""
+    name, run_dir = run
+    plan = plans_of(run_dir)[0]
+    recorded = pd.read_csv(run_dir / "sequences.csv").set_index("seq_id")
+    assert sorted(recorded.index) == sorted(a.seq_id for a in plan.assignments)
+    rows = pd.read_csv(run_dir / "micro_batches.csv")
+    assert rows["tokens"].sum() == sum(a.length for a in plan.assignments) * ALL_LAYOUTS[name][1]
+
+
+@pytest.mark.parametrize("run", ["cp2xdp2-fsdp"], indirect=True)
+def test_a_resumed_cp_run_continues_the_single_process_loss_curve(run, tmp_path):
+    name, half = run
+    resumed = tmp_path / "resumed"
+    launch(name, resumed, "steps=3", f"runner.resume={half / 'checkpoint.pt'}")
+    losses, _ = one_process(plans_of(resumed))
+    assert list(pd.read_csv(resumed / "train.csv")["loss"]) == pytest.approx(losses, rel=1e-5)
