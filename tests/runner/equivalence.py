@@ -114,6 +114,28 @@ def one_process(plans: list[Plan]) -> tuple[list[float], dict[str, torch.Tensor]
     return losses, first
 
 
+@torch.no_grad()
+def first_step_selection(plan: Plan) -> dict[int, tuple[float, float]]:
+    """Per sequence of the Plan, the kept fraction and coverage (means over the layers) that one process's whole
+    model selects from the initial weights, which the first step's forwards use."""
+    register()
+    cfg = compose_config([*SHARED, *RUNNER, "cluster.gpus_per_node=1"], config_name="runner")
+    task = TaskConfig(**cfg.runner.task)
+    model = TinyLlama(ModelShape.from_config(cfg.model), seed=cfg.seed)
+    attend = make_attention("kernel", cfg.cost.block_size)
+    stats = {}
+    for rank in range(plan.dp):
+        for mb in range(plan.micro_batches):
+            assigned = plan.micro_batch(rank, mb)
+            if not assigned:
+                continue
+            b = pack(assigned, task, cfg.model.vocab, cfg.seed, torch.device("cpu"))
+            out = model(b.tokens, b.cu_seqlens, (b.p, b.kept_fraction), b.target_positions, attend)
+            for a, kept, coverage in zip(assigned, out.kept_fraction.tolist(), out.coverage.tolist()):
+                stats[a.seq_id] = (kept, coverage)
+    return stats
+
+
 def plans_of(run_dir: Path) -> list[Plan]:
     return [Plan.from_json(line) for line in (run_dir / "plans.jsonl").read_text().splitlines()]
 

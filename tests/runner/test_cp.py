@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +17,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from equivalence import (
-    ALL_LAYOUTS, CP_LAYOUTS, check_compare, check_loss_and_gradients, check_plans, check_rows, launch, one_process,
-    one_step_run, plans_of,
+    ALL_LAYOUTS, CP_LAYOUTS, ROOT, check_compare, check_loss_and_gradients, check_plans, check_rows,
+    first_step_selection, launch, layout_overrides, one_process, one_step_run, plans_of, RUNNER,
 )
 from kernels.sparse_attention import sparse_attention
 from runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
+from runner.dist import World
+from runner.train import check_inputs, check_one_budget
+from sim.core import ConfigError
+from sim.plan import Assignment, Budget, Plan
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +162,11 @@ def test_cp_records_the_whole_sequences_selection(run):
     plan = plans_of(run_dir)[0]
     recorded = pd.read_csv(run_dir / "sequences.csv").set_index("seq_id")
     assert sorted(recorded.index) == sorted(a.seq_id for a in plan.assignments)
+    expected = first_step_selection(plan)
+    assert min(kept for kept, _ in expected.values()) < 1.0  # the baseline's p = 0.9 drops blocks
+    for seq_id, (kept, coverage) in expected.items():
+        assert recorded.loc[seq_id, "kept_fraction"] == pytest.approx(kept, abs=1e-6), seq_id
+        assert recorded.loc[seq_id, "coverage"] == pytest.approx(coverage, abs=1e-6), seq_id
     rows = pd.read_csv(run_dir / "micro_batches.csv")
     assert rows["tokens"].sum() == sum(a.length for a in plan.assignments) * ALL_LAYOUTS[name][1]
 
@@ -166,3 +178,43 @@ def test_a_resumed_cp_run_continues_the_single_process_loss_curve(run, tmp_path)
     launch(name, resumed, "steps=3", f"runner.resume={half / 'checkpoint.pt'}")
     losses, _ = one_process(plans_of(resumed))
     assert list(pd.read_csv(resumed / "train.csv")["loss"]) == pytest.approx(losses, rel=1e-5)
+
+
+# ---------------------------------------------------------------------- bad input and failures
+@pytest.mark.parametrize("overrides, world, message", [
+    # the shortest sequences the task allows (9 tokens: one record, one query) are too short for 2 x 5 chunks
+    (["layout.cp=5", "cluster.gpus_per_node=5", "workload.min_len=9", "runner.task.max_pairs=1",
+      "runner.task.n_queries=1"], 5, "workload.min_len=9 is shorter than 2 x layout.cp = 10 tokens; allowed: >= 10"),
+    (["runner.attention=triton"], 2, "runner.attention='triton' with layout.cp=2: the CP attention runs its pieces"),
+])
+def test_cp_refuses_what_it_cannot_run_in_one_line(overrides, world, message, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton backend passes its own CPU check
+    with pytest.raises(ConfigError) as exc:
+        check_inputs([*layout_overrides("cp2-ddp"), *RUNNER, *overrides], World(rank=0, size=world, local_rank=0))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_per_cp_shard_budgets_are_refused_in_one_line():
+    plan = Plan(step=3, dp=1, micro_batches=1, assignments=(
+        Assignment(7, 128, 0.5, 0, 0, Budget(p=0.9), cp_budgets=(Budget(p=0.5), Budget(p=1.0))),))
+    with pytest.raises(ConfigError) as exc:
+        check_one_budget(plan)
+    assert str(exc.value).startswith("step 3: the policy set per-CP-shard budgets (Assignment.cp_budgets) for "
+                                     "sequence 7; allowed: none")
+    check_one_budget(Plan(step=3, dp=1, micro_batches=1, assignments=(Assignment(7, 128, 0.5, 0, 0),)))
+
+
+def test_a_hung_cp_rank_ends_the_job_within_the_timeout(tmp_path):
+    """The healthy rank waits in the ring of the first layer (the pooled blocks' all-reduce of the cp group)."""
+    timeout_s = 5
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/runner/faulty_train.py", f"hydra.run.dir={tmp_path}", *layout_overrides("cp2-ddp"), *RUNNER,
+           "steps=3", f"runner.timeout_s={timeout_s}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUNNER_FAULT": "hang",
+           "RUNNER_FAULT_RANK": "1", "RUNNER_FAULT_STEP": "1"}
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and time.monotonic() - started < 200
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert lines and lines[0].startswith(f"error: rank 0: step 1 failed or timed out after {timeout_s} s"), lines
+    assert lines[0].endswith(f"Ranks 1 failed to pass monitoredBarrier in {2 * timeout_s * 1000} ms"), lines
