@@ -69,12 +69,6 @@ def test_a_bad_runner_value_is_one_line(override, message, monkeypatch):
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_context_parallelism_is_refused_in_one_line():
-    with pytest.raises(ConfigError) as exc:
-        check_inputs([*OVERRIDES, "cluster.gpus_per_node=2", "layout.cp=2"], World(rank=0, size=2, local_rank=0))
-    assert str(exc.value).startswith("layout.cp=2: the runner implements data and pipeline parallelism; allowed: cp=1")
-
-
 def test_a_sweep_is_checked_job_by_job_before_any_runs():
     with pytest.raises(ConfigError, match=r"runner.lr=-1.0 is out of range"):
         check_inputs(["-m", *OVERRIDES, "runner.lr=1e-3,-1"], ONE_RANK)
