@@ -19,7 +19,6 @@ from omegaconf import OmegaConf
 
 from pinned import PINNED_PROFILE
 from runner import compare
-from runner.dist import World
 from runner.train import check_inputs
 from sim.core import ConfigError, compose_config
 from sim.run import simulate
