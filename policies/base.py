@@ -166,7 +166,7 @@ def reorder(plan: Plan, orders: np.ndarray) -> Plan:
     """The plan with rank r running its packed micro-batch orders[r, j] at position j."""
     position = np.argsort(orders, axis=1)  # [rank, packed micro-batch] -> position
     moved = [Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, int(position[a.dp_rank, a.micro_batch]),
-                        a.budget, a.cp_budgets) for a in plan.assignments]
+                        a.budget) for a in plan.assignments]
     moved.sort(key=lambda a: (a.dp_rank, a.micro_batch))
     return replace(plan, assignments=tuple(moved))
 
@@ -177,6 +177,6 @@ def uniform_budget_plan(plan: Plan, budget: Budget) -> Plan:
         return plan
     # Plan.with_budgets without the id map: `fixed` runs this for every sequence of every step.
     return replace(plan, assignments=tuple(
-        Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, budget, a.cp_budgets)
+        Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, budget)
         for a in plan.assignments
     ))

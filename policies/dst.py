@@ -124,7 +124,7 @@ def with_levels(plan: Plan, levels: np.ndarray, budgets: list[Budget]) -> Plan:
     """The plan with budgets[levels[i]] for its i-th assignment (Plan.with_budgets without the id map:
     this runs for every sequence of every step)."""
     assignments = tuple(
-        Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, budgets[k], a.cp_budgets)
+        Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, budgets[k])
         for a, k in zip(plan.assignments, levels.tolist())
     )
     return replace(plan, assignments=assignments)

@@ -131,7 +131,7 @@ def fitted(plan: Plan, layout: Layout, cost: CostModel, kept: np.ndarray) -> Pla
     improve_ranks(timer, rank, mb, list(range(layout.dp)))
     if layout.dp > 1:
         swap_between_ranks(timer, rank, mb, layout.dp)
-    moved = [Assignment(x.seq_id, x.length, x.sensitivity, int(r), int(j), x.budget, x.cp_budgets)
+    moved = [Assignment(x.seq_id, x.length, x.sensitivity, int(r), int(j), x.budget)
              for x, r, j in zip(a, rank.tolist(), mb.tolist())]
     moved.sort(key=lambda x: (x.dp_rank, x.micro_batch))
     return replace(plan, assignments=tuple(moved))

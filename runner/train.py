@@ -54,18 +54,7 @@ class Planner:
     cost: object
 
     def plan(self, step: int):
-        plan = plan_step(self.batching, self.sparsity, self.workload.batch(step), self.layout, self.cost, step)
-        check_one_budget(plan)
-        return plan
-
-
-def check_one_budget(plan) -> None:
-    """The runner gives every shard of a sequence its one ``budget``; per-CP-shard budgets it refuses."""
-    shard_budgets = next((a for a in plan.assignments if a.cp_budgets), None)
-    if shard_budgets is not None:
-        raise ConfigError(f"step {plan.step}: the policy set per-CP-shard budgets (Assignment.cp_budgets) for "
-                          f"sequence {shard_budgets.seq_id}; allowed: none (the runner applies each sequence's "
-                          "budget to all its shards)")
+        return plan_step(self.batching, self.sparsity, self.workload.batch(step), self.layout, self.cost, step)
 
 
 def build_planner(cfg: DictConfig, world: World) -> tuple[Planner, Cluster]:

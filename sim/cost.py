@@ -31,6 +31,7 @@ import numpy as np
 from sim.cluster import Cluster, Layout
 from sim.config import CostConfig, ModelConfig
 from sim.core import ConfigError, one_line_errors, read_json_config_file, resolve_path, write_json_atomic
+from sim.cp_shards import slowest_rank_extra
 from sim.workload import Sequence
 
 PROFILE_SCHEMA_VERSION = 1
@@ -222,7 +223,7 @@ class CostModel(ABC):
         kept = np.asarray(kept_fractions, dtype=np.float64)
         group = np.asarray(group, dtype=np.int64)
         per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
-        attn = self._group(per_seq, group, n_groups, layout.cp)
+        attn = self._group(per_seq, group, n_groups, layout.cp, lengths, kept)
         sparse = (kept < 1.0).astype(np.float64)
         select = self._group({k: v * sparse for k, v in per_seq.items()}, group, n_groups, layout.cp)
         tokens = attn["tokens"] * layout.cp  # back to the micro-batch's tokens (features are per CP rank)
@@ -246,12 +247,24 @@ class CostModel(ABC):
             tokens=tokens.astype(np.int64),
         )
 
-    @staticmethod
-    def _group(per_seq: dict, group: np.ndarray, n_groups: int, cp: int) -> dict[str, np.ndarray]:
+    def _group(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int,
+               lengths=None, kept=None) -> dict[str, np.ndarray]:
         """Sum per-sequence features per micro-batch (path_flops: the longest program); CP ranks each get 1/cp
-        of the work (zigzag sharding)."""
+        of the work (zigzag sharding balances the dense causal work).
+
+        Given the sequences' ``lengths`` and ``kept`` fractions, the kept blocks fall on the ranks as the
+        sparse selection puts them (``sim.cp_shards``), and the features are those of the micro-batch's
+        slowest rank, since the ring synchronises the ranks every layer. That is the rank with the most kept
+        FLOPs: the other features (tokens, causal blocks, programs, the longest program) stay 1/cp, as the
+        selection does not change which tokens and blocks a rank holds, and every attention term's time
+        grows with ``flops`` (and with ``path_flops``, the larger of ``flops / WAVE`` and the longest
+        program), its coefficients being >= 0.
+        """
         out = {k: np.bincount(group, weights=v, minlength=n_groups) / cp for k, v in per_seq.items()}
         out["const"] = np.minimum(out["const"] * cp, 1.0)  # one kernel call per non-empty micro-batch
+        if lengths is not None and cp > 1:
+            out["flops"] = out["flops"] + slowest_rank_extra(per_seq["flops"], lengths, kept, group, n_groups, cp,
+                                                             self.block_size)
         longest = np.zeros(n_groups)
         np.maximum.at(longest, group, per_seq["path_flops"])
         out["path_flops"] = _path_flops(out["flops"], longest / cp)

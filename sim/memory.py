@@ -464,7 +464,7 @@ def _best_move(memory, rows, rank, mb, state, worst: int, inside: bool):
 
 
 def _moved(plan: Plan, rank: np.ndarray, mb: np.ndarray) -> Plan:
-    moved = [Assignment(a.seq_id, a.length, a.sensitivity, int(r), int(j), a.budget, a.cp_budgets)
+    moved = [Assignment(a.seq_id, a.length, a.sensitivity, int(r), int(j), a.budget)
              for a, r, j in zip(plan.assignments, rank.tolist(), mb.tolist())]
     moved.sort(key=lambda a: (a.dp_rank, a.micro_batch))  # stable: a micro-batch keeps its order
     return replace(plan, assignments=tuple(moved))

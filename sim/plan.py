@@ -32,10 +32,7 @@ class Budget:
 
 @dataclass(frozen=True, slots=True, init=False)
 class Assignment:
-    """One sequence placed on (dp_rank, micro_batch) with its budget.
-
-    ``cp_budgets`` optionally holds one Budget per CP shard (empty: ``budget`` everywhere).
-    """
+    """One sequence placed on (dp_rank, micro_batch) with its budget (every CP shard of it runs under it)."""
 
     seq_id: int
     length: int
@@ -43,21 +40,19 @@ class Assignment:
     dp_rank: int
     micro_batch: int
     budget: Budget = Budget()
-    cp_budgets: tuple[Budget, ...] = ()
 
     def __init__(self, seq_id: int, length: int, sensitivity: float, dp_rank: int, micro_batch: int,
-                 budget: Budget = Budget(), cp_budgets: tuple[Budget, ...] = ()) -> None:
+                 budget: Budget = Budget()) -> None:
         # Written out instead of generated: a frozen dataclass's __init__ stores every field through
         # object.__setattr__, and every step builds two Assignments per sequence (batching, then the
         # budgets). Storing through the slot descriptors is ~40% cheaper and the class stays frozen.
-        seq_id_, length_, sensitivity_, dp_rank_, micro_batch_, budget_, cp_budgets_ = _ASSIGNMENT_SLOTS
+        seq_id_, length_, sensitivity_, dp_rank_, micro_batch_, budget_ = _ASSIGNMENT_SLOTS
         seq_id_(self, seq_id)
         length_(self, length)
         sensitivity_(self, sensitivity)
         dp_rank_(self, dp_rank)
         micro_batch_(self, micro_batch)
         budget_(self, budget)
-        cp_budgets_(self, cp_budgets)
 
 
 # The slot descriptors' setters in field order (the test suite checks that __init__ takes exactly these fields).
@@ -86,7 +81,7 @@ class Plan:
             self,
             assignments=tuple(
                 Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch,
-                           budgets.get(a.seq_id, a.budget), a.cp_budgets)
+                           budgets.get(a.seq_id, a.budget))
                 for a in self.assignments
             ),
         )
@@ -97,19 +92,22 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         raw = json.loads(text)
-        assignments = tuple(
-            Assignment(
-                **{
-                    **a,
-                    "budget": Budget(**a["budget"]),
-                    "cp_budgets": tuple(Budget(**b) for b in a["cp_budgets"]),
-                }
-            )
-            for a in raw["assignments"]
-        )
+        assignments = tuple(_assignment_from_json(a) for a in raw["assignments"])
         return cls(
             step=raw["step"],
             dp=raw["dp"],
             micro_batches=raw["micro_batches"],
             assignments=assignments,
         )
+
+
+def _assignment_from_json(a: dict) -> Assignment:
+    """An Assignment from its JSON object. Plans of earlier versions carry an empty ``cp_budgets`` list (a
+    per-CP-shard budget that no policy set), which reads as nothing; a non-empty one is rejected rather than
+    ignored, since every shard runs under the one ``budget``."""
+    fields_ = dict(a)
+    legacy = fields_.pop("cp_budgets", [])
+    if legacy:
+        raise ValueError(f"assignment of sequence {fields_.get('seq_id')!r} has cp_budgets={legacy!r}; "
+                         "per-CP-shard budgets are not supported (every shard runs under the one budget)")
+    return Assignment(**{**fields_, "budget": Budget(**fields_["budget"])})

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from sim.policy import BATCHING, SPARSITY, make_batching, make_sparsity
 from policies.karmarkar_karp import kk_partition, ldm_partition
-from sim.plan import Assignment, Budget
+from sim.plan import Assignment, Budget, Plan
 from sim.cluster import Cluster, Layout
 from sim.core import ConfigError, compose_config
 from sim.cost import make_cost
@@ -89,10 +89,23 @@ def test_assignment_init_matches_its_fields():
         inspect.Parameter.empty if f.default is MISSING else f.default for f in fields(Assignment)
     ]
     a = Assignment(1, 2, 0.5, 3, 4, Budget(p=0.9))
-    assert (a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, a.budget, a.cp_budgets) == (
-        1, 2, 0.5, 3, 4, Budget(p=0.9), ())
+    assert (a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, a.budget) == (
+        1, 2, 0.5, 3, 4, Budget(p=0.9))
     with pytest.raises(FrozenInstanceError):
         a.budget = Budget()
+
+
+# A plans.jsonl line as sim.run wrote it while Assignment still had per-CP-shard budgets.
+EARLIER_PLAN = ('{"assignments":[{"budget":{"kept_fraction":null,"p":0.9},"cp_budgets":[],"dp_rank":0,'
+                '"length":4096,"micro_batch":1,"sensitivity":0.5,"seq_id":7}],"dp":1,"micro_batches":2,"step":3}')
+
+
+def test_plans_of_earlier_versions_stay_readable():
+    plan = Plan.from_json(EARLIER_PLAN)
+    assert plan == Plan(step=3, dp=1, micro_batches=2, assignments=(Assignment(7, 4096, 0.5, 0, 1, Budget(p=0.9)),))
+    assert plan.to_json() == EARLIER_PLAN.replace('"cp_budgets":[],', "")
+    with pytest.raises(ValueError, match="^assignment of sequence 7 has cp_budgets="):
+        Plan.from_json(EARLIER_PLAN.replace('"cp_budgets":[]', '"cp_budgets":[{"kept_fraction":null,"p":0.5}]'))
 
 
 def test_registries_hold_the_baselines():

@@ -23,9 +23,8 @@ from equivalence import (
 from kernels.sparse_attention import sparse_attention
 from runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
 from runner.dist import World
-from runner.train import check_inputs, check_one_budget
+from runner.train import check_inputs
 from sim.core import ConfigError
-from sim.plan import Assignment, Budget, Plan
 
 pytestmark = pytest.mark.slow
 
@@ -192,16 +191,6 @@ def test_cp_refuses_what_it_cannot_run_in_one_line(overrides, world, message, mo
     with pytest.raises(ConfigError) as exc:
         check_inputs([*layout_overrides("cp2-ddp"), *RUNNER, *overrides], World(rank=0, size=world, local_rank=0))
     assert message in str(exc.value) and "\n" not in str(exc.value)
-
-
-def test_per_cp_shard_budgets_are_refused_in_one_line():
-    plan = Plan(step=3, dp=1, micro_batches=1, assignments=(
-        Assignment(7, 128, 0.5, 0, 0, Budget(p=0.9), cp_budgets=(Budget(p=0.5), Budget(p=1.0))),))
-    with pytest.raises(ConfigError) as exc:
-        check_one_budget(plan)
-    assert str(exc.value).startswith("step 3: the policy set per-CP-shard budgets (Assignment.cp_budgets) for "
-                                     "sequence 7; allowed: none")
-    check_one_budget(Plan(step=3, dp=1, micro_batches=1, assignments=(Assignment(7, 128, 0.5, 0, 0),)))
 
 
 def test_a_hung_cp_rank_ends_the_job_within_the_timeout(tmp_path):
