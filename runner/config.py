@@ -8,16 +8,24 @@ data generation reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
 from runner.data import TaskConfig
-from sim.config import NON_NEGATIVE, POSITIVE, Bound, RunConfig, bounded
+from sim.config import FRACTION, NON_NEGATIVE, POSITIVE, Bound, RunConfig, bounded
 
 # Process-group and collective timeouts become timedeltas and C++ milliseconds: a week is far beyond any
 # step, and far below where those overflow.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+class LRSchedule(str, Enum):
+    """What follows the warmup (runner.loop.lr_factor): the peak LR to the end, or a cosine to the floor."""
+
+    constant = "constant"
+    cosine = "cosine"
 
 
 @dataclass
@@ -27,6 +35,9 @@ class RunnerSettings:
     data_parallel: str = "ddp"  # runner.parallel.DATA_PARALLEL: ddp (DistributedDataParallel) | fsdp (FSDP2 fully_shard)
     lr: float = bounded(1e-3, POSITIVE)
     weight_decay: float = bounded(0.0, NON_NEGATIVE)
+    lr_schedule: LRSchedule = LRSchedule.constant
+    warmup_steps: int = bounded(0, NON_NEGATIVE)  # linear from lr / warmup_steps to lr; 0: lr from the start
+    min_lr_ratio: float = bounded(0.0, FRACTION)  # cosine: the share of lr it decays to by the run's end
     # dist init, every collective and transfer, and the barrier that names missing ranks after a failure
     timeout_s: float = bounded(300.0, Bound(0, MAX_TIMEOUT_S, lo_open=True))
     checkpoint_every: int = bounded(0, NON_NEGATIVE)  # steps between checkpoints (and one at the end); 0: none

@@ -25,6 +25,7 @@ loader would do it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -37,11 +38,13 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from kernels.sparse_attention import compile_count
 from runner import checkpoint
 from runner.attention import make_attention
+from runner.config import LRSchedule
 from runner.cp import make_cp_attention, shard_micro_batch
 from runner.data import TaskConfig, n_answers, pack, placeholder
 from runner.dist import Comm
@@ -55,9 +58,11 @@ from sim.cost import training_flops
 from sim.memory import GB
 from sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord, coverage_fields
 
-# Config keys a checkpoint must agree on to be resumed (steps may grow; paths and timeouts may change).
-RESUME_KEYS = ("seed", "policy", "model", "workload", "cost", "cluster", "layout")
-RESUME_RUNNER_KEYS = ("attention", "data_parallel", "lr", "weight_decay", "task")
+# Config keys a checkpoint must agree on to be resumed (steps may grow under a constant LR schedule; paths and
+# timeouts may change). The checkpoint records steps too: a decaying schedule's curve spans them.
+RESUME_KEYS = ("seed", "policy", "model", "workload", "cost", "cluster", "layout", "steps")
+RESUME_RUNNER_KEYS = ("attention", "data_parallel", "lr", "weight_decay", "lr_schedule", "warmup_steps",
+                      "min_lr_ratio", "task")
 
 
 class Trainer:
@@ -76,6 +81,8 @@ class Trainer:
         # Fused AdamW takes plain device tensors; FSDP's parameters are DTensors (foreach instead).
         fused = device.type == "cuda" and cfg.runner.data_parallel == "ddp"
         self.optimizer = make_optimizer(self.model.parameters(), cfg, fused=fused)
+        # Before a resume: a checkpoint's optimiser state loads into param groups that have the scheduler's key.
+        self.scheduler = make_scheduler(self.optimizer, cfg)
         self.driver = StageDriver(self.model, comm, self._attention(), dtype, device)
         self.history = {"steps": [], "micro_batches": [], "plans": [], "train": [], "sequences": []}
         self.start_step = 0
@@ -117,6 +124,7 @@ class Trainer:
             self.driver.memory.reset()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
             end = clock.mark()
             optimizer_peak = self.driver.memory.peak()
         self.comm.sync()
@@ -295,6 +303,8 @@ class Trainer:
         ckpt = checkpoint.load(path, self.comm.world.size, resume_config(self.cfg))
         check_continuation(ckpt, path, self.cfg, self.planner)
         self.model.load(self.optimizer, ckpt["model"], ckpt["optimizer"])
+        # The LR curve goes on from the checkpoint's next step, scaling the base LR its param groups restored.
+        self.scheduler = make_scheduler(self.optimizer, self.cfg, done_steps=ckpt["next_step"])
         checkpoint.set_rng_state(ckpt["rng"][self.rank])
         self.history = ckpt["history"]
         self.start_step = ckpt["next_step"]
@@ -337,6 +347,27 @@ def make_optimizer(params, cfg: DictConfig, fused: bool) -> torch.optim.Optimize
     return torch.optim.AdamW(params, lr=cfg.runner.lr, weight_decay=cfg.runner.weight_decay, fused=fused)
 
 
+def lr_factor(step: int, schedule: LRSchedule, warmup_steps: int, steps: int, min_lr_ratio: float) -> float:
+    """The LR of step ``step`` (from 0) as a share of ``runner.lr``: a linear warmup whose first step has
+    1 / warmup_steps and whose last has all of it, then all of it to the end (constant), or a cosine from it
+    to ``min_lr_ratio`` at ``steps`` (cosine)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if LRSchedule(schedule) is LRSchedule.constant:
+        return 1.0
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, done_steps: int = 0) -> LambdaLR:
+    """``runner.lr_schedule`` over the run's steps (``lr_factor``), at step ``done_steps``: a resumed run's
+    starts where the checkpoint's stopped, from the base LR (``initial_lr``) of the restored param groups."""
+    r = cfg.runner
+    factor = functools.partial(lr_factor, schedule=r.lr_schedule, warmup_steps=r.warmup_steps, steps=cfg.steps,
+                               min_lr_ratio=r.min_lr_ratio)
+    return LambdaLR(optimizer, factor, last_epoch=done_steps - 1)
+
+
 def resume_config(cfg: DictConfig) -> dict:
     """What a checkpoint records of its run's config and a resumed run must agree on."""
     full = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain data: no Enum objects
@@ -361,16 +392,29 @@ def check_continuation(ckpt: dict, path: Path, cfg: DictConfig, planner) -> None
     if cfg.steps <= done:
         raise ConfigError(f"steps={cfg.steps}: the checkpoint runner.resume={path} has trained {done} steps "
                           f"already; allowed: steps > {done}")
+    check_schedule_steps(ckpt, path, cfg)
     with torch.device("meta"):
         model = make_model(cfg)
-    # Fused AdamW takes device parameters only; the state dict's layout does not depend on it.
+    # Fused AdamW takes device parameters only; the state dict's layout does not depend on it. The scheduler
+    # adds its key (initial_lr) to the param groups, as the run that wrote the checkpoint had it.
     optimizer = make_optimizer(model.parameters(), cfg, fused=False)
+    make_scheduler(optimizer, cfg)
     with checkpoint.naming(path):
         checkpoint.check_compatible(ckpt, model, optimizer)
         for step, recorded in enumerate(ckpt["history"]["plans"]):
             if planner.plan(step).to_json() != recorded:
                 raise checkpoint.Invalid(f"its Plan of step {step} is not the one this config plans; "
                                          "allowed: a checkpoint this config wrote")
+
+
+def check_schedule_steps(ckpt: dict, path: Path, cfg: DictConfig) -> None:
+    """A decaying LR curve spans the run's steps: a resumed run continues it only with the same steps."""
+    planned = ckpt["config"].get("steps")
+    schedule = LRSchedule(cfg.runner.lr_schedule)
+    if schedule is not LRSchedule.constant and cfg.steps != planned:
+        raise ConfigError(f"steps={cfg.steps}: the checkpoint runner.resume={path} decays its LR "
+                          f"(runner.lr_schedule={schedule.value}) over steps={planned}; allowed: steps={planned} "
+                          "(only a constant schedule's run may grow)")
 
 
 def _write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:

@@ -30,7 +30,8 @@ from sim.core import ConfigError
 from tiny import ONE_RANK, TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERRIDES = [*TINY_ONE_RANK, "runner.lr=1e-2"]
+# A warmup longer than the first run: the resumed run must continue the LR curve, not restart it.
+OVERRIDES = [*TINY_ONE_RANK, "runner.lr=1e-2", "runner.warmup_steps=2"]
 
 
 def _free_port() -> int:
@@ -82,6 +83,7 @@ def test_resume_continues_exactly_where_the_uninterrupted_run_goes(runs):
     for index, state in full_state.items():
         for name, tensor in state.items():
             assert torch.equal(resumed_state[index][name], tensor), (index, name)
+    assert resumed["optimizer"]["param_groups"] == full["optimizer"]["param_groups"]  # the LR after step 1 too
     loss = [pd.read_csv(runs[r] / "train.csv")["loss"] for r in ("full", "resumed")]
     pd.testing.assert_series_equal(*loss, check_exact=True)
     assert (runs["resumed"] / "plans.jsonl").read_bytes() == (runs["full"] / "plans.jsonl").read_bytes()
@@ -270,6 +272,17 @@ def test_a_checkpoint_this_run_cannot_continue_is_one_line(good, tmp_path, overr
     with pytest.raises(ConfigError, match="allowed: ") as exc:
         check_inputs([*OVERRIDES, "steps=3", override, f"runner.resume={good}"], ONE_RANK)
     assert message in str(exc.value)
+
+
+def test_a_decaying_lr_schedule_resumes_only_with_the_steps_it_spans(good, tmp_path):
+    path = tmp_path / "cosine" / "checkpoint.pt"
+    content = read(good)
+    content["config"]["runner.lr_schedule"] = "cosine"
+    save_like(path, content)
+    with pytest.raises(ConfigError) as exc:
+        check_inputs([*OVERRIDES, "steps=3", "runner.lr_schedule=cosine", f"runner.resume={path}"], ONE_RANK)
+    assert str(exc.value) == (f"steps=3: the checkpoint runner.resume={path} decays its LR (runner.lr_schedule=cosine) "
+                              "over steps=1; allowed: steps=1 (only a constant schedule's run may grow)")
 
 
 @pytest.mark.parametrize("name", ["truncated to half", "a pickled payload"])

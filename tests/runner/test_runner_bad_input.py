@@ -35,6 +35,11 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
     ("runner.lr=nan", "runner.lr=nan is not allowed; it must be a finite number"),
     ("runner.lr=fast", "Value 'fast' of type 'str' could not be converted to Float"),
     ("runner.weight_decay=-0.1", "runner.weight_decay=-0.1 is out of range; allowed: >= 0"),
+    ("runner.lr_schedule=linear", "Invalid value 'linear', expected one of [constant, cosine]"),
+    ("runner.warmup_steps=-1", "runner.warmup_steps=-1 is out of range; allowed: >= 0"),
+    ("runner.warmup_steps=0.5", "Value '0.5' of type 'float' could not be converted to Integer"),
+    ("runner.min_lr_ratio=1.5", "runner.min_lr_ratio=1.5 is out of range; allowed: in [0, 1]"),
+    ("runner.min_lr_ratio=-0.1", "runner.min_lr_ratio=-0.1 is out of range; allowed: in [0, 1]"),
     ("runner.timeout_s=0", "runner.timeout_s=0.0 is out of range; allowed: in (0, 604800]"),
     ("runner.timeout_s=1e6", "runner.timeout_s=1000000.0 is out of range; allowed: in (0, 604800]"),
     ("runner.checkpoint_every=-1", "runner.checkpoint_every=-1 is out of range; allowed: >= 0"),
@@ -74,7 +79,8 @@ def test_a_sweep_is_checked_job_by_job_before_any_runs():
 
 
 def test_good_runner_values_pass():
-    check_inputs([*OVERRIDES, "runner.checkpoint_every=0", "runner.weight_decay=0", "runner.device=cpu"], ONE_RANK)
+    check_inputs([*OVERRIDES, "runner.checkpoint_every=0", "runner.weight_decay=0", "runner.device=cpu",
+                  "runner.lr_schedule=cosine", "runner.warmup_steps=10", "runner.min_lr_ratio=1"], ONE_RANK)
 
 
 def test_the_cli_answers_a_bad_runner_value_in_one_line_and_makes_no_run_dir(tmp_path):
