@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=None, help="only points with at most this many tokens")
     ap.add_argument("--time-budget-s", type=float, default=None, help="start no new point after this long")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: Triton interpreter, fp32")
+    ap.add_argument("--timing", default="busy", choices=("busy", "events"),
+                    help="busy: the GPU's summed kernel time per call (training runs ahead of the GPU); events: "
+                         "do_bench's device events around each call (host launch gaps included)")
     ap.add_argument("--dry-run", action="store_true", help="print the grid and its estimated cost, time nothing")
     ap.add_argument("--code-version", default=None,
                     help="commit of the kernel and layer code being timed (GPU boxes get a copy without .git)")
@@ -175,7 +178,7 @@ def comm_figures(device: str) -> dict | str:
     return measure_comm(gpus)
 
 
-def make_measurer(shapes: list[ModelShape], device: str, block_size: int):
+def make_measurer(shapes: list[ModelShape], device: str, block_size: int, clock: str = "busy"):
     if device == "cpu":
         # The interpreter must be chosen before Triton is imported; it has no bf16 arithmetic, hence fp32.
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -190,7 +193,8 @@ def make_measurer(shapes: list[ModelShape], device: str, block_size: int):
     warnings.simplefilter("default", kernel.SelectionFallbackWarning)
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    bench = timing.bench_gpu if device == "cuda" else timing.bench_cpu
+    gpu_bench = timing.bench_gpu_busy if clock == "busy" else timing.bench_gpu
+    bench = gpu_bench if device == "cuda" else timing.bench_cpu
     attention = make_attention("kernel", block_size)
     return Measurer(shapes, kernel, attention, bench, device=device, dtype=dtype, block_size=block_size)
 
@@ -213,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("error: --device cuda: this machine has no CUDA GPU; time on a GPU box, or pass "
                              "--device cpu (Triton interpreter, fp32: for tests, not a profile)")
     command = shlex.join(["python", "-m", "calibrate.run", *(sys.argv[1:] if argv is None else argv)])
-    entry = {"command": command, "code_version": args.code_version, **machine_facts(args.device),
+    entry = {"command": command, "code_version": args.code_version, "timing": args.timing,
+             **machine_facts(args.device),
              "grid": grid_description(shapes, args.block_size, args.max_tokens, len(points))}
     write_meta(args.csv, entry | {"points_measured": None, "points_left": len(todo)})
     started = time.monotonic()
-    measured = measure_all(todo, make_measurer(shapes, args.device, args.block_size), args.csv, args.time_budget_s)
+    measurer = make_measurer(shapes, args.device, args.block_size, args.timing)
+    measured = measure_all(todo, measurer, args.csv, args.time_budget_s)
     write_meta(args.csv, entry | {"points_measured": measured, "points_left": len(todo) - measured,
                                   "seconds": round(time.monotonic() - started, 1), "comm": comm_figures(args.device)},
                replace_last=True)
