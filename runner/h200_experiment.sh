@@ -34,17 +34,11 @@ NPROC=${NPROC:-1}
 RUN_LIMIT_S=${RUN_LIMIT_S:-150}  # a guard against a hang: a run takes about a minute
 PROFILE=${PROFILE:-calibrate/profiles/h200.json}
 mkdir -p "$OUT" "$RUNS"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+. runner/h200_env.sh
 
 experiment() {
-  if ! python3 -c "import hydra, omegaconf, simpy, tqdm" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl || exit 1
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  fi
   {
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "no nvidia-smi"
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    gpu_environment || exit 1
     git log -1 --format='commit %H' 2>/dev/null || true
   } | tee "$OUT/environment.txt"
 

@@ -27,15 +27,8 @@ DP8_DEADLINE_S=${DP8_DEADLINE_S:-120}
 WARMUP=${WARMUP:-1}
 POLICIES=${POLICIES:-baseline,lbb,verl,sparsebalance}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-
-if ! python3 -c "import hydra, omegaconf, simpy, tqdm" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+. runner/h200_env.sh
+gpu_environment || exit 1
 
 COMMON=(+experiment=paper "model.layers=$LAYERS" "model.vocab=$((151936 * LAYERS / 36))" "steps=$STEPS")
 status=0
