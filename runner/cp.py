@@ -34,9 +34,9 @@ every rank runs its backward hops in the same order. The price of leaving the ba
 layer holds every arriving shard (the whole sequence's K/V) and each piece's probabilities until its
 backward, where a hand-written ring backward would hold only its own shard and recompute.
 
-The pieces run in PyTorch (float32 math, as ``kernels.sparse_attention.naive``), on the CPU and on the GPU:
-the Triton kernel attends whole documents from their own first token, and an off-diagonal piece (queries of
-one chunk over the keys of an earlier one) is not such an attention.
+The pieces run in PyTorch (float32 math, as ``kernels.sparse_attention.naive``) on the CPU and the GPU: this
+ring is the reference (``runner.attention=naive``). The runner's default CP attention is the kernel over
+all-gathered keys and values (``runner.cp_kernel``), which needs no piece the kernel cannot compute.
 """
 from __future__ import annotations
 

@@ -1,22 +1,24 @@
-"""``python -m runner.cp_bench [--lengths ...] [--cp ...] [--p ...] [overrides]``: one CP rank's attention pieces
-on one device against what ``sim.cost`` predicts for that rank's attention.
+"""``python -m runner.cp_bench [--lengths ...] [--cp ...] [--p ...] [--kept ...] [overrides]``: one CP rank's
+attention on one device against what ``sim.cost`` predicts for that rank's attention.
 
-For one sequence of each length, CP degree and budget (top-p, or a fixed kept fraction), the whole sequence's selection comes from the
-kernel (``select_blocks``, as the CP selection reproduces it), and CP rank 0's work of one layer runs on the
-local device: its queries against every rank's K/V shard (``runner.cp.attention_piece``, masked by the
-sequence's selection and causality) and the log-sum-exp merge, then their backward. The ring's transfers
-are not run: this times the compute that the simulator prices as ``attn_fwd`` / ``attn_bwd`` per layer and
-CP rank (``micro_batch_cost(..., Layout(dp=1, cp=cp)).attn_*_ms / layers``). The kernel's whole-sequence
-forward and backward (cp = 1) is timed beside it. Timing: CUDA events on the GPU, the host clock on the CPU,
-the median of ``--repeats`` after one warm-up.
+For one sequence of each length, CP degree and budget (top-p, or a fixed kept fraction), the whole sequence's
+selection comes from the kernel (``select_blocks``), and CP rank 0's work of one layer runs on the local
+device, forward then backward, in both of the runner's CP attentions: the default (``runner.cp_kernel``:
+the kernel over the whole sequence with rank 0's queries in place and the selection cut to its rows;
+``kernel_fwd_ms`` / ``kernel_bwd_ms``) and the reference ring of PyTorch pieces (``runner.cp.attention_piece``
+over every rank's K/V shard and the log-sum-exp merge; ``fwd_ms`` / ``bwd_ms``). The ring's transfers are
+not run: this times the compute that the simulator prices as ``attn_fwd`` / ``attn_bwd`` per layer and CP
+rank (``micro_batch_cost(..., Layout(dp=1, cp=cp)).attn_*_ms / layers``). The kernel's whole-sequence
+forward and backward (cp = 1) is timed beside them. Timing: CUDA events on the GPU, the host clock on the
+CPU, the median of ``--repeats`` after one warm-up.
 
 Beside the times, each rank's share of the selection's kept work (key blocks x query tokens, averaged over KV
 heads) as the kernel's selection puts it on the zigzag shards, against ``sim.cp_shards``'s model of it
 (``slowest_share`` / ``predicted_slowest_share``: the most loaded rank's, which the cost model prices; both
 include the shards' block rounding, which the cost model leaves in its dense price).
 
-Writes ``--out`` (CSV): length, cp, p, kept fraction, measured and predicted forward and backward ms, their
-ratios, the kernel's whole-sequence times and the kept-work shares. Overrides are ``sim.run``'s config
+Writes ``--out`` (CSV): length, cp, budget, kept fraction, both attentions' measured and the predicted forward
+and backward ms, their ratios, the kernel's whole-sequence times and the kept-work shares. Overrides are ``sim.run``'s config
 (model, cost, block size).
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from kernels.sparse_attention import select_blocks, sparse_attention
+from kernels.sparse_attention import restrict_rows, select_blocks, sparse_attention
 from runner.cp import Shards, attention_piece, merge_pieces
 from sim.cluster import Layout
 from sim.core import ConfigError, compose_config, fail
@@ -86,6 +88,24 @@ def shares(sel, shards: Shards, block_size: int, length: int) -> tuple[list[floa
     return measured, [d + x for d, x in zip(dense, shift.tolist())]
 
 
+def time_kernel_rank(q, k, v, cu, sel, shards: Shards, device, repeats: int) -> tuple[float, float]:
+    """CP rank 0's attention as ``runner.cp_kernel`` computes it once the keys are gathered: the kernel over the
+    whole sequence with rank 0's queries in place and the selection cut to its rows (forward, backward ms)."""
+    mine = shards.mine.to(device)
+    rows = torch.zeros(sel.num_blocks, dtype=torch.bool, device=device)
+    rows[sel.layout.token_block[mine]] = True
+    restricted = restrict_rows(sel, rows)
+    placed = torch.zeros_like(q).index_copy(0, mine, q[mine]).requires_grad_()
+    kk, vv = (x.detach().requires_grad_() for x in (k, v))
+    grad = torch.zeros_like(q).index_copy(0, mine, torch.randn_like(q[mine]))
+
+    def forward():
+        return sparse_attention(placed, kk, vv, cu, selection=restricted)
+
+    fwd = timed(forward, device, repeats)
+    return fwd, timed(lambda: torch.autograd.backward(forward(), grad), device, repeats) - fwd
+
+
 def measure(length: int, cp: int, budget: dict, shape, block_size: int, device, dtype, repeats: int) -> dict:
     gen = torch.Generator(device=device).manual_seed(length)
     q = torch.randn(length, shape.heads, shape.head_dim, generator=gen, device=device, dtype=dtype)
@@ -119,11 +139,13 @@ def measure(length: int, cp: int, budget: dict, shape, block_size: int, device, 
 
     whole_fwd = timed(whole_forward, device, repeats)
     whole_bwd = timed(lambda: torch.autograd.backward(whole_forward(), whole_grad), device, repeats) - whole_fwd
+    kernel_fwd, kernel_bwd = time_kernel_rank(q, k, v, cu, sel, shards, device, repeats)
     kept = float(sel.kept_fraction[0])
     measured, model = shares(sel, shards, block_size, length)
     return {"length": length, "cp": cp, "p": budget.get("p", float("nan")),
             "kept_fraction_budget": budget.get("kept_fraction", float("nan")), "kept_fraction": kept,
-            "fwd_ms": fwd, "bwd_ms": bwd, "whole_kernel_fwd_ms": whole_fwd, "whole_kernel_bwd_ms": whole_bwd,
+            "fwd_ms": fwd, "bwd_ms": bwd, "kernel_fwd_ms": kernel_fwd, "kernel_bwd_ms": kernel_bwd,
+            "whole_kernel_fwd_ms": whole_fwd, "whole_kernel_bwd_ms": whole_bwd,
             "rank0_share": measured[0], "predicted_rank0_share": model[0],
             "slowest_share": max(measured), "predicted_slowest_share": max(model)}
 
@@ -168,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             for budget in budgets(args):
                 row = measure(length, cp, budget, shape, cost.block_size, device, dtype, args.repeats)
                 row.update(predicted(cost, row, shape.layers))
-                row["fwd_ratio"] = row["fwd_ms"] / row["predicted_fwd_ms"]
-                row["bwd_ratio"] = row["bwd_ms"] / row["predicted_bwd_ms"]
+                for kind in ("", "kernel_"):
+                    for pass_ in ("fwd", "bwd"):
+                        row[f"{kind}{pass_}_ratio"] = row[f"{kind}{pass_}_ms"] / row[f"predicted_{pass_}_ms"]
                 print(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                       flush=True)
                 rows.append(row)

@@ -43,9 +43,10 @@ from tqdm import tqdm
 
 from kernels.sparse_attention import compile_count
 from runner import checkpoint
-from runner.attention import make_attention
+from runner.attention import BACKENDS, make_attention
 from runner.config import LRSchedule
 from runner.cp import make_cp_attention, shard_micro_batch
+from runner.cp_kernel import make_cp_kernel_attention
 from runner.data import TaskConfig, n_answers, pack, placeholder
 from runner.dist import Comm
 from runner.model import ModelShape, StageSpan, TinyLlama
@@ -142,10 +143,14 @@ class Trainer:
         return self._record_step(step, plan, gathered, n_global)
 
     def _attention(self):
-        """The kernel through its API; under CP the ring attention over the replica's cp ranks (runner/cp.py)."""
-        if self.comm.ring is not None:
+        """The kernel through its API; under CP the kernel over all-gathered keys (runner/cp_kernel.py), or
+        with ``runner.attention=naive`` the ring of PyTorch pieces (runner/cp.py)."""
+        backend = self.cfg.runner.attention
+        if self.comm.ring is None:
+            return make_attention(backend, self.block_size)
+        if backend == "naive":
             return make_cp_attention(self.block_size, self.comm.ring)
-        return make_attention(self.cfg.runner.attention, self.block_size)
+        return make_cp_kernel_attention(self.block_size, self.comm.ring, BACKENDS[backend])
 
     def _pack(self, assignments):
         """This rank's share of a micro-batch: all of it, or under CP its zigzag chunks of every sequence."""

@@ -87,15 +87,12 @@ def check_attention(backend: str, device: str) -> None:
 
 
 def check_context_parallel(cp: int, cfg: DictConfig) -> None:
-    """What CP needs (runner/cp.py): a zigzag chunk of at least one token, and its attention pieces in torch."""
+    """What CP needs (runner/cp.py): a zigzag chunk of at least one token."""
     if cp == 1:
         return
     if cfg.workload.min_len < 2 * cp:
         raise ConfigError(f"workload.min_len={cfg.workload.min_len} is shorter than 2 x layout.cp = {2 * cp} "
                           f"tokens; allowed: >= {2 * cp} (every sequence is cut into 2 x cp zigzag chunks)")
-    if cfg.runner.attention == "triton":
-        raise ConfigError(f"runner.attention='triton' with layout.cp={cp}: the CP attention runs its pieces in "
-                          "PyTorch (the kernel attends whole sequences); allowed with cp > 1: kernel, naive")
 
 
 def device_type(name: str) -> str:

@@ -38,9 +38,9 @@ from .interface import select_blocks, sparse_attention, validate_inputs
 from .layout import BlockLayout, block_layout
 from .naive import dense_causal_varlen, select_blocks_naive, sparse_attention_naive
 from .options import KernelOptions
-from .selection import BlockSelection, SelectionFallbackWarning, selection_from_mask
+from .selection import BlockSelection, SelectionFallbackWarning, restrict_rows, selection_from_mask
 
 __all__ = ["sparse_attention", "select_blocks", "BlockSelection", "BlockLayout", "block_layout",
-           "selection_from_mask", "sparse_attention_naive", "dense_causal_varlen", "select_blocks_naive",
+           "selection_from_mask", "restrict_rows", "sparse_attention_naive", "dense_causal_varlen", "select_blocks_naive",
            "validate_inputs", "KernelOptions", "SelectionFallbackWarning", "VarlenBatch", "compile_count",
            "compiled_variants"]

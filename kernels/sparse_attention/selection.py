@@ -476,3 +476,21 @@ def selection_from_mask(block_mask: torch.Tensor, cu_seqlens: torch.Tensor, bloc
     causal = torch.tensor(lay.causal_blocks_per_doc(), dtype=torch.float32, device=dev) * Hkv
     cov = coverage if coverage is not None else torch.full((n,), float("nan"), device=dev)
     return _finalize(lay, Hkv, out[:, :, :w].contiguous(), cnt.to(torch.int32), kept / causal, cov)
+
+
+def restrict_rows(sel: BlockSelection, rows: torch.Tensor) -> BlockSelection:
+    """``sel`` with every query block outside ``rows`` (bool ``[NB]``) cut to its diagonal block.
+
+    A context-parallel rank that attends the whole micro-batch's keys computes only the rows it holds
+    tokens of; the other rows' outputs are dropped, and the diagonal is the least the kernel's layout lets a
+    row keep. The kept fraction and coverage stay the whole selection's.
+    """
+    keep = rows.to(device=sel.q2k_cnt.device, dtype=torch.bool)[None, :]
+    diag = sel.q2k_idx.gather(2, (sel.q2k_cnt.long() - 1).clamp_min(0)[..., None])  # lists end at the diagonal
+    idx = sel.q2k_idx.clone()
+    idx[..., :1] = torch.where(keep[..., None], idx[..., :1], diag)
+    cnt = torch.where(keep, sel.q2k_cnt, torch.ones_like(sel.q2k_cnt))
+    # slots past a row's count are unwritten in the fused selection; the block lookups read every slot
+    slot = torch.arange(idx.shape[-1], device=idx.device)
+    idx = torch.where(slot[None, None, :] < cnt[..., None], idx, 0)
+    return _finalize(sel.layout, sel.num_kv_heads, idx, cnt, sel.kept_fraction, sel.coverage)

@@ -1,5 +1,6 @@
-"""Context parallelism (runner/cp.py): the CP attention alone, in spawned gloo processes, against the whole
-micro-batch's attention in one process; then the runner's CP layouts end to end against one process."""
+"""Context parallelism (runner/cp.py, runner/cp_kernel.py): both CP attentions alone (the ring of PyTorch
+pieces and the kernel over all-gathered keys), in spawned gloo processes, against the whole micro-batch's
+attention in one process; then the runner's CP layouts end to end against one process."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ from equivalence import (
 )
 from kernels.sparse_attention import sparse_attention
 from runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
+from runner.cp_kernel import make_cp_kernel_attention
 from runner.dist import World
 from runner.train import check_inputs
 from sim.core import ConfigError
@@ -62,7 +64,13 @@ def _budgets(p, kf, n):
     return per_seq(p), per_seq(kf)
 
 
-def _worker(rank: int, cp: int, port: int, case: str, out: str) -> None:
+IMPLEMENTATIONS = {
+    "ring": lambda ring: make_cp_attention(BLOCK, ring),
+    "kernel": lambda ring: make_cp_kernel_attention(BLOCK, ring, "auto"),  # the kernel's reference on the CPU
+}
+
+
+def _worker(rank: int, cp: int, port: int, case: str, out: str, impl: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=cp)
@@ -72,7 +80,7 @@ def _worker(rank: int, cp: int, port: int, case: str, out: str) -> None:
     mine = shards.mine
     ql, kl, vl = (x[mine].clone().requires_grad_() for x in (q, k, v))
     ring = Ring(dist.new_group(list(range(cp))), tuple(range(cp)), rank)
-    o, kept, cov = make_cp_attention(BLOCK, ring)(ql, kl, vl, shards, _budgets(p, kf, len(lengths)))
+    o, kept, cov = IMPLEMENTATIONS[impl](ring)(ql, kl, vl, shards, _budgets(p, kf, len(lengths)))
     o.backward(g[mine])
     torch.save({"index": mine, "o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "kept": kept,
                 "coverage": cov}, Path(out) / f"rank{rank}.pt")
@@ -90,10 +98,11 @@ def _reference(case: str):
     return o.detach(), q.grad, k.grad, v.grad, sel
 
 
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_cp_attention_equals_the_whole_micro_batchs(case, tmp_path):
+def test_cp_attention_equals_the_whole_micro_batchs(case, impl, tmp_path):
     cp = CASES[case][0]
-    mp.spawn(_worker, args=(cp, _free_port(), case, str(tmp_path)), nprocs=cp, join=True)
+    mp.spawn(_worker, args=(cp, _free_port(), case, str(tmp_path), impl), nprocs=cp, join=True)
     o, dq, dk, dv, sel = _reference(case)
     seen = torch.zeros(o.shape[0], dtype=torch.bool)
     for rank in range(cp):
@@ -184,17 +193,15 @@ def test_a_resumed_cp_run_continues_the_single_process_loss_curve(run, tmp_path)
     # the shortest sequences the task allows (9 tokens: one record, one query) are too short for 2 x 5 chunks
     (["layout.cp=5", "cluster.gpus_per_node=5", "workload.min_len=9", "runner.task.max_pairs=1",
       "runner.task.n_queries=1"], 5, "workload.min_len=9 is shorter than 2 x layout.cp = 10 tokens; allowed: >= 10"),
-    (["runner.attention=triton"], 2, "runner.attention='triton' with layout.cp=2: the CP attention runs its pieces"),
 ])
-def test_cp_refuses_what_it_cannot_run_in_one_line(overrides, world, message, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton backend passes its own CPU check
+def test_cp_refuses_what_it_cannot_run_in_one_line(overrides, world, message):
     with pytest.raises(ConfigError) as exc:
         check_inputs([*layout_overrides("cp2-ddp"), *RUNNER, *overrides], World(rank=0, size=world, local_rank=0))
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_a_hung_cp_rank_ends_the_job_within_the_timeout(tmp_path):
-    """The healthy rank waits in the ring of the first layer (the pooled blocks' all-reduce of the cp group)."""
+    """The healthy rank waits in the first layer's ring exchange of the cp group."""
     timeout_s = 5
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "tests/runner/faulty_train.py", f"hydra.run.dir={tmp_path}", *layout_overrides("cp2-ddp"), *RUNNER,
