@@ -16,16 +16,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def sweep(tmp_path_factory) -> Path:
-    """Two policies, two steps: what ``python -m sim.run -m`` writes under multirun/."""
-    out = tmp_path_factory.mktemp("sweep") / "multirun"
+def sweep(once) -> Path:
+    """Two policies, two steps: what ``python -m sim.run -m`` writes under multirun/. Made once however many
+    xdist workers run its tests; they read it, and a test that damages it works on ``sweep_copy``."""
+    return once("sweep", _sweep) / "multirun"
+
+
+def _sweep(out: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "sim.run", "-m", "policy=baseline,kk", "steps=2", "layout.micro_batches=4",
-         f"hydra.sweep.dir={out}", *PINNED_OVERRIDES],
+         f"hydra.sweep.dir={out / 'multirun'}", *PINNED_OVERRIDES],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    return out
 
 
 @pytest.fixture

@@ -36,14 +36,18 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("memory") / "run"
+def cpu_run(once) -> Path:
+    """The run, made once per session (its tests may run on different xdist workers); tests that run
+    runner.compare, which writes into a run, work on a copy."""
+    return once("memory-records", _train)
+
+
+def _train(run_dir: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
     proc = subprocess.run([sys.executable, "-m", "runner.train", f"hydra.run.dir={run_dir}", *TINY_ONE_RANK,
                            f"steps={STEPS}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
 
 
 def raw(path: Path) -> pd.DataFrame:

@@ -27,15 +27,18 @@ TINY = ["model.hidden=32", "model.layers=4", "model.heads=2", "model.kv_heads=1"
 RUNNER = ["runner.task.n_keys=16", "runner.task.n_values=16", "runner.task.max_pairs=4"]
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("paper") / "run"
+def launch(run_dir: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", "-m", "runner.train",
            f"hydra.run.dir={run_dir}", *PAPER, *TINY, *RUNNER]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+
+
+@pytest.fixture(scope="module")
+def run_dir(once) -> Path:
+    """The 8-rank run, launched once per session: its three checks may run on different xdist workers."""
+    return once("paper", launch)
 
 
 def test_plans_are_the_simulators(run_dir):

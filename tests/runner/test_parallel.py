@@ -9,14 +9,16 @@ import pandas as pd
 import pytest
 
 from equivalence import (
-    LAYOUTS, check_compare, check_loss_and_gradients, check_plans, check_rows, launch, one_process, one_step_run,
-    plans_of,
+    LAYOUTS, check_compare, check_loss_and_gradients, check_plans, check_rows, launch, one_process, plans_of,
 )
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def run(request, tmp_path_factory) -> tuple[str, Path]:
-    return one_step_run(request.param, tmp_path_factory)
+def run(request, once) -> tuple[str, Path]:
+    """The layout's one-step run (equivalence.one_step_run), launched once per session: the four checks of a
+    layout may run on different xdist workers."""
+    name = request.param
+    return name, once(f"parallel-{name}", lambda run_dir: launch(name, run_dir, "runner.checkpoint_every=1"))
 
 
 def test_loss_and_gradients_are_the_single_process_ones(run):

@@ -38,15 +38,18 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory) -> Path:
-    """A run dir with the checkpoint of one training step on the CPU."""
-    run_dir = tmp_path_factory.mktemp("sensitivity") / "run"
+def checkpoint_dir(once) -> Path:
+    """A run dir with the checkpoint of one training step on the CPU, made once per session (its tests, which
+    only read it, may run on different xdist workers)."""
+    return once("sensitivity-checkpoint", _train)
+
+
+def _train(run_dir: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
     proc = subprocess.run([sys.executable, "-m", "runner.train", f"hydra.run.dir={run_dir}", *OVERRIDES, "steps=1",
                            "runner.checkpoint_every=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
 
 
 @pytest.fixture(scope="module")
