@@ -4,7 +4,6 @@ attention in one process; then the runner's CP layouts end to end against one pr
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import torch.multiprocessing as mp
 
 from equivalence import (
     ALL_LAYOUTS, CP_LAYOUTS, ROOT, check_compare, check_loss_and_gradients, check_plans, check_rows,
-    first_step_selection, launch, layout_overrides, one_process, one_step_run, plans_of, RUNNER,
+    first_step_selection, launch, layout_overrides, one_process, plans_of, RUNNER,
 )
 from kernels.sparse_attention import sparse_attention
 from runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
@@ -43,12 +42,6 @@ CASES = {
 ATOL = 2e-6  # fp32: the pieces and the merge sum in another order than one softmax over every key
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _inputs(lengths):
     """q, k, v, the output gradient and cu_seqlens of one micro-batch, the same on every rank."""
     gen = torch.Generator().manual_seed(sum(lengths))
@@ -70,21 +63,39 @@ IMPLEMENTATIONS = {
 }
 
 
-def _worker(rank: int, cp: int, port: int, case: str, out: str, impl: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, out: str) -> None:
+    """Every (case, implementation) in turn, on the ranks below the case's cp: each one a gloo world of its own
+    cp ranks (the file store in its own directory), as a spawn of cp processes has it, without the start-up
+    of new processes (which import torch and this module: more than the attention itself costs)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
-    _, lengths, p, kf = CASES[case]
-    q, k, v, g, cu = _inputs(lengths)
-    shards = Shards.build(cu, cp, rank)
-    mine = shards.mine
-    ql, kl, vl = (x[mine].clone().requires_grad_() for x in (q, k, v))
-    ring = Ring(dist.new_group(list(range(cp))), tuple(range(cp)), rank)
-    o, kept, cov = IMPLEMENTATIONS[impl](ring)(ql, kl, vl, shards, _budgets(p, kf, len(lengths)))
-    o.backward(g[mine])
-    torch.save({"index": mine, "o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "kept": kept,
-                "coverage": cov}, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    for case, (cp, lengths, p, kf) in CASES.items():
+        if rank >= cp:
+            continue
+        for impl, make in IMPLEMENTATIONS.items():
+            where = Path(out) / f"{case}-{impl}"
+            where.mkdir(exist_ok=True)
+            dist.init_process_group("gloo", init_method=f"file://{where / 'store'}", rank=rank, world_size=cp)
+            try:
+                q, k, v, g, cu = _inputs(lengths)
+                shards = Shards.build(cu, cp, rank)
+                mine = shards.mine
+                ql, kl, vl = (x[mine].clone().requires_grad_() for x in (q, k, v))
+                ring = Ring(dist.new_group(list(range(cp))), tuple(range(cp)), rank)
+                o, kept, cov = make(ring)(ql, kl, vl, shards, _budgets(p, kf, len(lengths)))
+                o.backward(g[mine])
+            except Exception as err:
+                raise RuntimeError(f"{case} with the {impl} CP attention, cp rank {rank}") from err
+            torch.save({"index": mine, "o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "kept": kept,
+                        "coverage": cov}, where / f"rank{rank}.pt")
+            dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cp_outputs(once) -> Path:
+    """Every case's CP outputs, each implementation's, from one spawn of as many processes as the widest case
+    has ranks, once per session (the cases' tests may run on different xdist workers)."""
+    widest = max(cp for cp, *_ in CASES.values())
+    return once("cp-attention", lambda out: mp.spawn(_worker, args=(str(out),), nprocs=widest, join=True))
 
 
 def _reference(case: str):
@@ -100,13 +111,12 @@ def _reference(case: str):
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_cp_attention_equals_the_whole_micro_batchs(case, impl, tmp_path):
+def test_cp_attention_equals_the_whole_micro_batchs(case, impl, cp_outputs):
     cp = CASES[case][0]
-    mp.spawn(_worker, args=(cp, _free_port(), case, str(tmp_path), impl), nprocs=cp, join=True)
     o, dq, dk, dv, sel = _reference(case)
     seen = torch.zeros(o.shape[0], dtype=torch.bool)
     for rank in range(cp):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        got = torch.load(cp_outputs / f"{case}-{impl}" / f"rank{rank}.pt", weights_only=True)
         i = got["index"]
         seen[i] = True
         for name, want in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -143,8 +153,11 @@ def test_a_piece_without_keys_is_zero_and_merges_to_the_others():
 
 # ---------------------------------------------------------------------- end to end (equivalence.py)
 @pytest.fixture(scope="module", params=list(CP_LAYOUTS))
-def run(request, tmp_path_factory) -> tuple[str, Path]:
-    return one_step_run(request.param, tmp_path_factory)
+def run(request, once) -> tuple[str, Path]:
+    """The layout's one-step run (equivalence.one_step_run), launched once per session: the checks of a
+    layout may run on different xdist workers."""
+    name = request.param
+    return name, once(f"cp-{name}", lambda run_dir: launch(name, run_dir, "runner.checkpoint_every=1"))
 
 
 def test_cp_trains_what_one_process_trains(run):
