@@ -94,8 +94,13 @@ class Replicated:
         mine = {k: v for k, v in model_sd.items() if k in names}
         groups = [{**g, "params": [n for n in g["params"] if n in own]} for g in optim_sd["param_groups"]]
         state = {k: v for k, v in optim_sd["state"].items() if k in own}
+        tuples = [[k for k, v in g.items() if isinstance(v, tuple)] for g in optimizer.param_groups]
         set_state_dict(self.module, optimizer, model_state_dict=mine,
                        optim_state_dict={"state": state, "param_groups": groups}, options=FULL)
+        # set_state_dict hands back lists where the optimiser keeps tuples (AdamW's betas): restored, the
+        # resumed optimiser's param groups are the uninterrupted run's, field for field
+        for group, keys in zip(optimizer.param_groups, tuples):
+            group.update({k: tuple(group[k]) for k in keys})
 
 
 def merge_states(states: list[tuple[dict, dict]]) -> tuple[dict, dict]:
