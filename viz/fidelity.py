@@ -13,13 +13,14 @@ from viz.runs import PlotError, Run
 from viz.style import policy_colours
 
 
-def fidelity_frame(runs: list[Run], skip: int | None = None) -> pd.DataFrame:
+def fidelity_frame(runs: list[Run], skip: int | None = None, profile: str = DEFAULT_PROFILE) -> pd.DataFrame:
     """Per step of each runner run: measured and simulator-predicted step time (runner.compare's table).
 
     ``predicted_ms`` replays the run's Plans with the kept fractions the kernel really selected (the time model
     alone); ``plan_ms`` with the Plans' own budgets (the coverage model decides what is kept, as in a policy
     sweep). The first ``skip`` steps of each run (kernel compilation) are left out: by default as many as
-    runner.compare left out of its scores (``compare.json``), else 1.
+    runner.compare left out of its scores (``compare.json``), else 1. A run without runner.compare's table is
+    replayed here under ``profile`` (runner.compare's default: the committed H200 profile).
     """
     measured = [r for r in runs if r.summary.get("source") == "runner"]
     if not measured:
@@ -27,10 +28,10 @@ def fidelity_frame(runs: list[Run], skip: int | None = None) -> pd.DataFrame:
             f"no runner Results among {len(runs)} run(s) (summary.json source='runner'); "
             "make some with `torchrun -m runner.train ...` then `python -m runner.compare <run dir>`"
         )
-    return pd.concat([_compare_table(r, skip) for r in measured], ignore_index=True)
+    return pd.concat([_compare_table(r, skip, profile) for r in measured], ignore_index=True)
 
 
-def _compare_table(run: Run, skip: int | None) -> pd.DataFrame:
+def _compare_table(run: Run, skip: int | None, profile: str) -> pd.DataFrame:
     """runner.compare's compare.csv, computed now if the run has none."""
     if (run.path / "compare.csv").is_file():
         table = pd.read_csv(run.path / "compare.csv")
@@ -40,7 +41,7 @@ def _compare_table(run: Run, skip: int | None) -> pd.DataFrame:
     else:
         skip = 1 if skip is None else skip
         try:
-            table, _, _ = replay(run.path, DEFAULT_PROFILE, skip)
+            table, _, _ = replay(run.path, profile, skip)
         except ConfigError as exc:
             raise PlotError(str(exc)) from None
     missing = [c for c in ("step", "measured_ms", "sim_ms", "sim_plan_ms") if c not in table.columns]

@@ -153,7 +153,7 @@ def fake_runner_run(job_dir, slower=1.1):
 def test_fidelity_replays_runner_runs(sweep_copy):
     fake_runner_run(sweep_copy / "1")
     runs = read_runs(sweep_copy)
-    frame = fidelity_frame(runs)
+    frame = fidelity_frame(runs, profile=str(PINNED_PROFILE))  # the profile the sweep was simulated with
     assert list(frame["step"]) == [1] and list(frame["group"]) == ["kk"]  # step 0 is warm-up
     assert (frame["measured_ms"] / frame["plan_ms"]).iloc[0] == pytest.approx(1.1, rel=1e-6)
     assert frame["predicted_ms"].iloc[0] != pytest.approx(frame["plan_ms"].iloc[0])
@@ -165,7 +165,7 @@ def test_fidelity_reads_runner_compare_output(sweep_copy):
     from runner import compare
 
     fake_runner_run(sweep_copy / "0", slower=2.0)
-    assert compare.main([str(sweep_copy / "0"), "--skip", "0"]) == 0
+    assert compare.main([str(sweep_copy / "0"), "--skip", "0", "--profile", str(PINNED_PROFILE)]) == 0
     frame = fidelity_frame(read_runs(sweep_copy))
     assert list(frame["step"]) == [0, 1]  # compare.json's skip, not the default
     assert list(frame["measured_ms"] / frame["plan_ms"]) == pytest.approx([2.0, 2.0], rel=1e-5)  # 6-digit CSV
