@@ -32,8 +32,9 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from kernels.sparse_attention import restrict_rows, select_blocks, sparse_attention
+from kernels.sparse_attention import select_blocks, sparse_attention
 from runner.cp import Shards, attention_piece, merge_pieces
+from runner.cp_kernel import own_rows
 from sim.cluster import Layout
 from sim.core import ConfigError, compose_config, fail
 from sim.cp_shards import kept_share_shift
@@ -92,9 +93,7 @@ def time_kernel_rank(q, k, v, cu, sel, shards: Shards, device, repeats: int) -> 
     """CP rank 0's attention as ``runner.cp_kernel`` computes it once the keys are gathered: the kernel over the
     whole sequence with rank 0's queries in place and the selection cut to its rows (forward, backward ms)."""
     mine = shards.mine.to(device)
-    rows = torch.zeros(sel.num_blocks, dtype=torch.bool, device=device)
-    rows[sel.layout.token_block[mine]] = True
-    restricted = restrict_rows(sel, rows)
+    restricted = own_rows(sel, mine)
     placed = torch.zeros_like(q).index_copy(0, mine, q[mine]).requires_grad_()
     kk, vv = (x.detach().requires_grad_() for x in (k, v))
     grad = torch.zeros_like(q).index_copy(0, mine, torch.randn_like(q[mine]))

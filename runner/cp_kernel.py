@@ -27,7 +27,7 @@ import torch
 from kernels.sparse_attention import restrict_rows, select_blocks, sparse_attention
 from runner.cp import Ring, RingShift, Shards
 
-__all__ = ["make_cp_kernel_attention"]
+__all__ = ["make_cp_kernel_attention", "own_rows"]
 
 
 def make_cp_kernel_attention(block_size: int, ring: Ring, backend: str):
@@ -43,14 +43,19 @@ def make_cp_kernel_attention(block_size: int, ring: Ring, backend: str):
                                   p=None if kept_fraction is not None else p, kept_fraction=kept_fraction,
                                   block_size=block_size)
         mine = index[ring.rank]
-        rows = torch.zeros(selection.num_blocks, dtype=torch.bool, device=q.device)
-        rows[selection.layout.token_block[mine]] = True
         placed = q.new_zeros(queries.shape).index_copy(0, mine, q)
-        o = sparse_attention(placed, kv[0], kv[1], shards.docs, selection=restrict_rows(selection, rows),
+        o = sparse_attention(placed, kv[0], kv[1], shards.docs, selection=own_rows(selection, mine),
                              backend=backend)
         return o[mine], selection.kept_fraction, selection.coverage
 
     return attend
+
+
+def own_rows(selection, mine: torch.Tensor):
+    """``selection`` cut (``restrict_rows``) to the query blocks holding any of the packed tokens ``mine``."""
+    rows = torch.zeros(selection.num_blocks, dtype=torch.bool, device=mine.device)
+    rows[selection.layout.token_block[mine]] = True
+    return restrict_rows(selection, rows)
 
 
 def gather(x: torch.Tensor, shards: Shards, ring: Ring, index: list[torch.Tensor], dim: int) -> torch.Tensor:
