@@ -117,6 +117,10 @@ def _summary(path: Path) -> dict:
 def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(per-step table, memory table, summary) of one run dir."""
     cfg, plans, steps, micro_batches, sequences, run_summary = load_run(run_dir)
+    if cfg.runner.one_process:
+        raise ConfigError(f"{run_dir} trained its layout's replicas one after another (runner.one_process=true): "
+                          "its times are not a distributed step's; allowed: a run with one process per GPU "
+                          "(python -m runner.replay times a Plan's replicas on one GPU)")
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
     # the run's own cost model: its block size is the one the kernel selected blocks at

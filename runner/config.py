@@ -42,6 +42,10 @@ class RunnerSettings:
     timeout_s: float = bounded(300.0, Bound(0, MAX_TIMEOUT_S, lo_open=True))
     checkpoint_every: int = bounded(0, NON_NEGATIVE)  # steps between checkpoints (and one at the end); 0: none
     resume: Optional[str] = None  # a checkpoint.pt to continue from
+    # Train every replica's micro-batches of the layout's Plans in this one process (world size 1, the whole
+    # model): the gradient the dp x cp x pp run computes, so that a layout's budgets can be trained on one
+    # device for accuracy studies. Its times are sequential, not a distributed step's.
+    one_process: bool = False
     task: TaskConfig = field(default_factory=TaskConfig)
 
 

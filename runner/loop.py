@@ -72,12 +72,14 @@ class Trainer:
         self.cfg, self.planner, self.cluster, self.comm = cfg, planner, cluster, comm
         self.device, self.run_dir = device, run_dir
         self.rank = comm.world.rank
-        self.layout = planner.layout
+        self.layout = planner.layout  # the Plans'; under runner.one_process this process holds all of it
+        self.one_process = cfg.runner.one_process
+        self.replicas = range(self.layout.dp) if self.one_process else (comm.dp_rank,)
         self.task = TaskConfig(**cfg.runner.task)
         self.block_size = planner.cost.block_size
         # The calibrated layer times are bf16; the CPU path is fp32 (no bf16 in the reference kernel).
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = make_model(cfg, StageSpan(comm.stage, self.layout.pp)).to(device=device, dtype=dtype)
+        model = make_model(cfg, StageSpan(comm.stage, comm.layout.pp)).to(device=device, dtype=dtype)
         self.model = Replicated(model, cfg.runner.data_parallel, comm)
         # Fused AdamW takes plain device tensors; FSDP's parameters are DTensors (foreach instead).
         fused = device.type == "cuda" and cfg.runner.data_parallel == "ddp"
@@ -107,12 +109,13 @@ class Trainer:
     def step(self, step: int) -> dict | None:
         plan = self.planner.plan(step)
         t0 = time.perf_counter()
-        assigned = [plan.micro_batch(self.comm.dp_rank, mb) for mb in range(self.layout.micro_batches)]
+        assigned = {r: [plan.micro_batch(r, mb) for mb in range(self.layout.micro_batches)] for r in self.replicas}
         n_global = n_answers(plan.assignments, self.task)
         # DDP and FSDP average over the replicas (dp x cp ranks: each CP rank scores the answers among its own
         # tokens); this weight turns that into the sum over the global batch.
         weight = self.model.replicas / n_global
-        work = [Work(self._pack(a), weight) if a else Work(self._pack(a), 0.0, empty=True) for a in assigned]
+        work = {r: [Work(self._pack(a), weight) if a else Work(self._pack(a), 0.0, empty=True) for a in mine]
+                for r, mine in assigned.items()}
         data_ms = (time.perf_counter() - t0) * 1e3
 
         self.comm.sync()
@@ -120,7 +123,9 @@ class Trainer:
         compiled = compile_count()
         clock.start()
         with self.comm.guard(f"step {step}"):
-            outcome = self.driver.step(work, clock)
+            # One process: the replicas one after another, their gradients accumulated (each replica's last
+            # backward reduces over a world of one, which leaves them as they are).
+            outcomes = {r: self.driver.step(mine, clock) for r, mine in work.items()}
             before_opt = clock.mark()
             self.driver.memory.reset()
             self.optimizer.step()
@@ -130,14 +135,23 @@ class Trainer:
             optimizer_peak = self.driver.memory.peak()
         self.comm.sync()
 
-        local = self._local_record(step, plan, assigned, outcome, clock)
-        local.update(start_wall=clock.wall0, end_wall=clock.wall(end), data_ms=data_ms,
-                     optimizer_ms=clock.ms(end) - clock.ms(before_opt),
-                     plan_sha256=hashlib.sha256(plan.to_json().encode()).hexdigest(),
-                     peak_bytes=most(*outcome.peaks.values(), outcome.tail_peak, optimizer_peak),
-                     compilations=compile_count() - compiled)
-        with self.comm.guard(f"the records of step {step}"):
-            gathered = self.comm.gather(local)
+        shared = dict(start_wall=clock.wall0, end_wall=clock.wall(end), data_ms=data_ms,
+                      optimizer_ms=clock.ms(end) - clock.ms(before_opt),
+                      plan_sha256=hashlib.sha256(plan.to_json().encode()).hexdigest(),
+                      compilations=compile_count() - compiled)
+        local = [{**self._local_record(step, plan, assigned[r], outcome, clock, r), **shared,
+                  "peak_bytes": most(*outcome.peaks.values(), outcome.tail_peak, optimizer_peak)}
+                 for r, outcome in outcomes.items()]
+        if self.one_process:
+            # Sequential replicas wait for nobody: every one's compute ends with the last one's.
+            last_end = max(r["compute_end_wall"] for r in local)
+            for r in local[1:]:
+                r.update(compute_end_wall=last_end, compilations=0)
+            local[0]["compute_end_wall"] = last_end
+            gathered = local
+        else:
+            with self.comm.guard(f"the records of step {step}"):
+                gathered = self.comm.gather(local[0])
         if self.rank != 0:
             return None
         return self._record_step(step, plan, gathered, n_global)
@@ -155,11 +169,11 @@ class Trainer:
     def _pack(self, assignments):
         """This rank's share of a micro-batch: all of it, or under CP its zigzag chunks of every sequence."""
         batch = (pack(assignments, self.task, self.cfg.model.vocab, self.cfg.seed, self.device) if assignments
-                 else placeholder(self.device, 2 * self.layout.cp))
-        return batch if self.comm.ring is None else shard_micro_batch(batch, self.layout.cp, self.comm.cp_rank)
+                 else placeholder(self.device, 2 * self.comm.layout.cp))
+        return batch if self.comm.ring is None else shard_micro_batch(batch, self.comm.layout.cp, self.comm.cp_rank)
 
     # ------------------------------------------------------------------ records
-    def _local_record(self, step, plan, assigned, outcome: Outcome, clock: Clock) -> dict:
+    def _local_record(self, step, plan, assigned, outcome: Outcome, clock: Clock, dp_rank: int) -> dict:
         """This rank's rows, as plain Python values (gathered to rank 0 as objects). The last micro-batch's
         wait and communication are filled in on rank 0, which sees every replica's end of compute."""
         m = self.layout.micro_batches
@@ -184,13 +198,13 @@ class Trainer:
                 # Under CP every rank of the replica has the whole sequences' stats; the first one records them.
                 for a, k, c in zip(assigned[mb] if self.comm.cp_rank == 0 else (), kept, cov):
                     sequences.append(asdict(SequenceRecord(
-                        step=step, seq_id=a.seq_id, dp_rank=self.comm.dp_rank, micro_batch=mb, length=a.length,
+                        step=step, seq_id=a.seq_id, dp_rank=dp_rank, micro_batch=mb, length=a.length,
                         sensitivity=a.sensitivity, p=a.budget.p, budget_kept_fraction=a.budget.kept_fraction,
                         kept_fraction=k, coverage=c,
                     )))
             peak = outcome.peaks[mb]
             rows.append(asdict(MicroBatchRecord(
-                step=step, dp_rank=self.comm.dp_rank, micro_batch=mb, stage=self.comm.stage,
+                step=step, dp_rank=dp_rank, micro_batch=mb, stage=self.comm.stage,
                 compute_ms=float(compute[mb]) if assigned[mb] else 0.0, comm_ms=0.0, idle_ms=float(idle[mb]),
                 tokens=sum(a.length for a in assigned[mb]), kept_fraction=kept_mb, coverage=cov_mb,
                 # the field's "not measured" NaN on the CPU: an empty cell in micro_batches.csv
@@ -283,7 +297,7 @@ class Trainer:
         train = pd.DataFrame(h["train"])
         tail = train.tail(max(1, len(train) // 4))  # the last quarter: where the run ended up
         summary.update(
-            source="runner", steps_planned=cfg.steps, device=str(self.device), attention=cfg.runner.attention,
+            source="runner", one_process=self.one_process, steps_planned=cfg.steps, device=str(self.device), attention=cfg.runner.attention,
             final_loss=float(tail["loss"].mean()), final_accuracy=float(tail["accuracy"].mean()),
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -63,12 +63,18 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[Planner, Cluster]:
     the task, see runner/config.py), the world size, the attention backend and device."""
     setup = prepare(OmegaConf.to_object(cfg))
     layout = setup.layout
-    try:
-        check_world(world, layout.dp, layout.cp, layout.pp)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    if cfg.runner.one_process:
+        if world.size != 1:
+            raise ConfigError(f"runner.one_process=true trains the layout's every replica in one process, but the "
+                              f"world size is {world.size}; allowed: 1 (python -m runner.train, or torchrun "
+                              "--nproc_per_node=1)")
+    else:
+        try:
+            check_world(world, layout.dp, layout.cp, layout.pp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        check_context_parallel(layout.cp, cfg)
     check_attention(cfg.runner.attention, device_type(cfg.runner.device))
-    check_context_parallel(layout.cp, cfg)
     if cfg.runner.data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"runner.data_parallel={cfg.runner.data_parallel!r} is unknown; allowed: "
                           f"{', '.join(DATA_PARALLEL)}")
@@ -84,6 +90,11 @@ def check_attention(backend: str, device: str) -> None:
             "runner.attention='triton' on the CPU runs only under TRITON_INTERPRET=1 (the Triton interpreter); "
             f"allowed on the CPU: {', '.join(b for b in BACKENDS if b != 'triton')}"
         )
+
+
+def process_layout(cfg: DictConfig, layout: Layout) -> Layout:
+    """The processes' layout: the Plans' own, or under ``runner.one_process`` one process with the whole model."""
+    return Layout(dp=1, micro_batches=layout.micro_batches) if cfg.runner.one_process else layout
 
 
 def check_context_parallel(cp: int, cfg: DictConfig) -> None:
@@ -158,7 +169,7 @@ def main(cfg: DictConfig) -> None:
     if device.type == "cpu":
         # Ranks share the host's cores; one thread each keeps them from oversubscribing it.
         torch.set_num_threads(1)
-    comm = Comm(world, device, cfg.runner.timeout_s, planner.layout)
+    comm = Comm(world, device, cfg.runner.timeout_s, process_layout(cfg, planner.layout))
     try:
         run_dir = Path(comm.broadcast(HydraConfig.get().runtime.output_dir))
         try:
