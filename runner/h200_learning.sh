@@ -3,7 +3,9 @@
 # sequences per step, the Triton kernel in bf16): the multihop task under the baseline policy, then the
 # retrieval task under baseline and sparsebalance for the same STEPS over SEEDS (by default 70% of the steps the
 # multihop run reached in RUN_LIMIT_S, in multiples of 20). Every run's final checkpoint
-# is evaluated by runner.evaluate on held-out sequences of EVAL_LENGTHS under each EVAL_P.
+# is evaluated by runner.evaluate on held-out sequences of EVAL_LENGTHS under each EVAL_P. Every run trains the
+# Plans of a DP-rank layout (DP, default 8) in one process (runner.one_process=true): on one GPU's own layout
+# (dp 1) sparsebalance plans the baseline's budgets, so only a dp > 1 layout compares what the budgets teach.
 #
 # $OUT gets: learning_runs.tgz (each run dir without its checkpoint: train.csv, steps.csv, sequences.csv,
 # summary.json, eval.csv, eval_summary.csv, train.log, eval.log), learning_eval.csv (every run's
@@ -11,6 +13,7 @@
 # Extra arguments are Hydra overrides for every run (e.g. steps=100 workload.max_len=16384 model.max_context=16384).
 set -uo pipefail
 SEEDS=${SEEDS:-"0 1 2"}
+DP=${DP:-8}
 RUN_LIMIT_S=${RUN_LIMIT_S:-50}
 EVAL_LIMIT_S=${EVAL_LIMIT_S:-25}
 EVAL_LENGTHS=${EVAL_LENGTHS:-512,2048,8192}
@@ -28,7 +31,7 @@ train() {
   echo "== $name: $*" | tee -a "$OUT/learning.log"
   mkdir -p "$dir"
   timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m runner.train \
-    +experiment=learning hydra.run.dir="$dir" "$@" "${EXTRA[@]}" > "$dir/train.log" 2>&1 || status=1
+    +experiment=learning hydra.run.dir="$dir" cluster.gpus_per_node="$DP" runner.one_process=true "$@" "${EXTRA[@]}" > "$dir/train.log" 2>&1 || status=1
   tail -n 2 "$dir/train.log" | tr '\r' '\n' | tail -n 1 >> "$OUT/learning.log"
   timeout "$EVAL_LIMIT_S" python3 -m runner.evaluate "$dir" --lengths "$EVAL_LENGTHS" --p "$EVAL_P" \
     --sequences "$EVAL_SEQUENCES" > "$dir/eval.log" 2>&1 || status=1
