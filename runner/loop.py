@@ -61,6 +61,7 @@ from sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord, cov
 
 # Config keys a checkpoint must agree on to be resumed (steps may grow under a constant LR schedule; paths and
 # timeouts may change). The checkpoint records steps too: a decaying schedule's curve spans them.
+WRITE_EVERY_S = 10.0  # the longest a run's Results files lag its steps (they are rewritten whole)
 RESUME_KEYS = ("seed", "policy", "model", "workload", "cost", "cluster", "layout", "steps")
 RESUME_RUNNER_KEYS = ("attention", "data_parallel", "lr", "weight_decay", "lr_schedule", "warmup_steps",
                       "min_lr_ratio", "task")
@@ -88,6 +89,8 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.driver = StageDriver(self.model, comm, self._attention(), dtype, device)
         self.history = {"steps": [], "micro_batches": [], "plans": [], "train": [], "sequences": []}
+        # The history's steps already in the Results files, and its micro-batch rows they hold.
+        self._results, self._rows_written = Results(), 0
         self.start_step = 0
         if cfg.runner.resume:
             self._resume(Path(cfg.runner.resume))
@@ -97,13 +100,19 @@ class Trainer:
         every = self.cfg.runner.checkpoint_every
         bar = tqdm(range(self.start_step, self.cfg.steps), desc=self.cfg.policy.name,
                    disable=self.rank != 0, initial=self.start_step, total=self.cfg.steps)
+        written = -math.inf
         for step in bar:
             summary = self.step(step)
+            checkpoint_due = every and ((step + 1) % every == 0 or step + 1 == self.cfg.steps)
             if summary:
                 bar.set_postfix(loss=f"{summary['loss']:.3f}", acc=f"{summary['accuracy']:.2f}")
-                # Rewritten every step (atomically, off the clock): a run cut short keeps its steps so far.
-                self._write_results()
-            if every and ((step + 1) % every == 0 or step + 1 == self.cfg.steps):
+                # Rewritten whole (atomically, off the clock) after the last step, with every checkpoint and
+                # otherwise at most every WRITE_EVERY_S: a run cut short keeps its steps up to then, and a long
+                # run does not spend a time that grows with its length rewriting them after every step.
+                if step + 1 == self.cfg.steps or checkpoint_due or time.monotonic() - written >= WRITE_EVERY_S:
+                    self._write_results()
+                    written = time.monotonic()
+            if checkpoint_due:
                 self._save(step + 1)
 
     def step(self, step: int) -> dict | None:
@@ -283,11 +292,13 @@ class Trainer:
     def _write_results(self) -> None:
         """The simulator's files (sim.results.Results) plus the runner's own: train.csv, sequences.csv."""
         h = self.history
-        results = Results()
-        rows = pd.DataFrame(h["micro_batches"])
-        for record, plan in zip(h["steps"], h["plans"]):
+        results = self._results
+        # Steps recorded since the last write join the Results (rows are appended in step order).
+        rows = pd.DataFrame(h["micro_batches"][self._rows_written:])
+        for record, plan in zip(h["steps"][len(results.steps):], h["plans"][len(results.steps):]):
             mine = rows[rows["step"] == record["step"]].sort_values(["dp_rank", "micro_batch", "stage"])
             results.add(StepRecord(**record), {c: mine[c].to_numpy() for c in mine.columns}, plan)
+        self._rows_written = len(h["micro_batches"])
         cfg = self.cfg
         summary = results.summary(
             policy=cfg.policy.name, dp=self.layout.dp, cp=self.layout.cp, pp=self.layout.pp,
@@ -297,7 +308,8 @@ class Trainer:
         train = pd.DataFrame(h["train"])
         tail = train.tail(max(1, len(train) // 4))  # the last quarter: where the run ended up
         summary.update(
-            source="runner", one_process=self.one_process, steps_planned=cfg.steps, device=str(self.device), attention=cfg.runner.attention,
+            source="runner", one_process=self.one_process, steps_planned=cfg.steps, device=str(self.device),
+            attention=cfg.runner.attention,
             final_loss=float(tail["loss"].mean()), final_accuracy=float(tail["accuracy"].mean()),
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
