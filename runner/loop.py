@@ -59,9 +59,9 @@ from sim.cost import training_flops
 from sim.memory import GB
 from sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord, coverage_fields
 
+WRITE_EVERY_S = 10.0  # the longest a run's Results files lag its steps (they are rewritten whole)
 # Config keys a checkpoint must agree on to be resumed (steps may grow under a constant LR schedule; paths and
 # timeouts may change). The checkpoint records steps too: a decaying schedule's curve spans them.
-WRITE_EVERY_S = 10.0  # the longest a run's Results files lag its steps (they are rewritten whole)
 RESUME_KEYS = ("seed", "policy", "model", "workload", "cost", "cluster", "layout", "steps")
 RESUME_RUNNER_KEYS = ("attention", "data_parallel", "lr", "weight_decay", "lr_schedule", "warmup_steps",
                       "min_lr_ratio", "task")
@@ -152,11 +152,11 @@ class Trainer:
                   "peak_bytes": most(*outcome.peaks.values(), outcome.tail_peak, optimizer_peak)}
                  for r, outcome in outcomes.items()]
         if self.one_process:
-            # Sequential replicas wait for nobody: every one's compute ends with the last one's.
+            # Sequential replicas wait for nobody (every one's compute ends with the last one's); the step's
+            # compilations are counted once.
             last_end = max(r["compute_end_wall"] for r in local)
-            for r in local[1:]:
-                r.update(compute_end_wall=last_end, compilations=0)
-            local[0]["compute_end_wall"] = last_end
+            for i, r in enumerate(local):
+                r.update(compute_end_wall=last_end, compilations=r["compilations"] if i == 0 else 0)
             gathered = local
         else:
             with self.comm.guard(f"the records of step {step}"):
