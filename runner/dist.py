@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from runner.cp import Ring
 from sim.cluster import Layout
@@ -36,12 +36,6 @@ NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
 # timeout on the failed collective before it arrives.
 DIAGNOSIS_TIMEOUTS = 2
 GLOO_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RankFailure(RuntimeError):
@@ -81,7 +75,7 @@ class Comm:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             # A plain ``python -m runner.train`` (a world of one) takes a free port, so that several of them run
             # side by side; torchrun sets the port of a larger world.
-            os.environ.setdefault("MASTER_PORT", str(free_port()) if world.size == 1 else "29500")
+            os.environ.setdefault("MASTER_PORT", str(get_free_port()) if world.size == 1 else "29500")
             for key, value in NO_MULTICAST_ENV.items():
                 os.environ.setdefault(key, value)
             dist.init_process_group(

@@ -75,7 +75,7 @@ class Trainer:
         self.rank = comm.world.rank
         self.layout = planner.layout  # the Plans'; under runner.one_process this process holds all of it
         self.one_process = cfg.runner.one_process
-        self.replicas = range(self.layout.dp) if self.one_process else (comm.dp_rank,)
+        self.dp_ranks = range(self.layout.dp) if self.one_process else (comm.dp_rank,)  # whose micro-batches run here
         self.task = TaskConfig(**cfg.runner.task)
         self.block_size = planner.cost.block_size
         # The calibrated layer times are bf16; the CPU path is fp32 (no bf16 in the reference kernel).
@@ -118,7 +118,7 @@ class Trainer:
     def step(self, step: int) -> dict | None:
         plan = self.planner.plan(step)
         t0 = time.perf_counter()
-        assigned = {r: [plan.micro_batch(r, mb) for mb in range(self.layout.micro_batches)] for r in self.replicas}
+        assigned = {r: [plan.micro_batch(r, mb) for mb in range(self.layout.micro_batches)] for r in self.dp_ranks}
         n_global = n_answers(plan.assignments, self.task)
         # DDP and FSDP average over the replicas (dp x cp ranks: each CP rank scores the answers among its own
         # tokens); this weight turns that into the sum over the global batch.
@@ -155,8 +155,10 @@ class Trainer:
             # Sequential replicas wait for nobody (every one's compute ends with the last one's); the step's
             # compilations are counted once.
             last_end = max(r["compute_end_wall"] for r in local)
-            for i, r in enumerate(local):
-                r.update(compute_end_wall=last_end, compilations=r["compilations"] if i == 0 else 0)
+            for r in local:
+                r["compute_end_wall"] = last_end
+            for r in local[1:]:
+                r["compilations"] = 0
             gathered = local
         else:
             with self.comm.guard(f"the records of step {step}"):

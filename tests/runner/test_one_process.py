@@ -12,10 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from equivalence import RUNNER, SHARED, check_loss_and_gradients, layout_overrides, plans_of
+from equivalence import RUNNER, SHARED, check_loss_and_gradients, check_plans, layout_overrides, plans_of
 from runner.compare import main as compare_main
-from sim.core import compose_config
-from sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_PROCESS = "runner.one_process=true"
@@ -43,8 +41,7 @@ def test_one_process_trains_what_the_layout_trains(pp2xdp2):
 
 
 def test_one_process_plans_are_the_layouts(pp2xdp2):
-    expected = "".join(line + "\n" for line in simulate(compose_config(layout_overrides("pp2xdp2-ddp"))).results.plans)
-    assert (pp2xdp2 / "plans.jsonl").read_bytes() == expected.encode()
+    check_plans("pp2xdp2-ddp", pp2xdp2)
     rows = pd.read_csv(pp2xdp2 / "micro_batches.csv")
     plan = plans_of(pp2xdp2)[0]
     # one row per (replica, micro-batch) of the whole model; no waits on other replicas or stages (the
