@@ -1,73 +1,94 @@
 #!/usr/bin/env bash
-# The learning recipe on one H200 (conf/experiment/learning.yaml: conf/model/tiny.yaml, 256 to 8K tokens, 32
-# sequences per step, the Triton kernel in bf16): the multihop task under the baseline policy, then the
-# retrieval task under baseline and sparsebalance for the same STEPS over SEEDS (by default 70% of the steps the
-# multihop run reached in RUN_LIMIT_S, in multiples of 20). Every run's final checkpoint
-# is evaluated by runner.evaluate on held-out sequences of EVAL_LENGTHS under each EVAL_P. Every run trains the
-# Plans of a DP-rank layout (DP, default 8) in one process (runner.one_process=true): on one GPU's own layout
-# (dp 1) sparsebalance plans the baseline's budgets, so only a dp > 1 layout compares what the budgets teach.
+# Accuracy under DST's budgets, over seeds, on one H200: conf/experiment/learning_lookup.yaml (the tiny model at
+# the size where it learns the lookup, a DP8 layout's Plans trained in one process, so that sparsebalance shifts
+# budget between ranks) under baseline and sparsebalance for every seed of SEEDS, and the multihop task under the
+# baseline for MULTIHOP_SEEDS. The runs are small and host-bound, so they train side by side, one process each
+# (one CPU thread each), and are cut at RUN_LIMIT_S; a run cut short keeps its last checkpoint
+# (runner.checkpoint_every) and is evaluated there (eval_summary.csv's `steps` says where). Every run is then
+# evaluated by runner.evaluate on held-out sequences of EVAL_LENGTHS under each EVAL_P.
 #
-# $OUT gets: learning_runs.tgz (each run dir without its checkpoint: train.csv, steps.csv, sequences.csv,
-# summary.json, eval.csv, eval_summary.csv, train.log, eval.log), learning_eval.csv (every run's
-# eval_summary.csv, one table), learning_train.csv (every run's train.csv, one table) and learning.log.
-# Extra arguments are Hydra overrides for every run (e.g. steps=100 workload.max_len=16384 model.max_context=16384).
+# $OUT gets: learning_eval.csv (every run's eval_summary.csv), learning_train.csv (every run's train.csv),
+# learning_budgets.csv (per run and step: the Plans' budgets and the kernel's kept fraction and coverage, means
+# and attention-weighted means), learning_runs.tgz (each run dir without checkpoint, plans and per-sequence
+# rows) and learning.log. Extra arguments are Hydra overrides for every run (e.g. steps=1000).
 set -uo pipefail
-SEEDS=${SEEDS:-"0 1 2"}
-DP=${DP:-8}
-RUN_LIMIT_S=${RUN_LIMIT_S:-50}
-EVAL_LIMIT_S=${EVAL_LIMIT_S:-25}
-EVAL_LENGTHS=${EVAL_LENGTHS:-512,2048,8192}
+SEEDS=${SEEDS:-"0 1 2 3 4 5 6"}
+MULTIHOP_SEEDS=${MULTIHOP_SEEDS:-"0 1"}
+RUN_LIMIT_S=${RUN_LIMIT_S:-450}
+EVAL_LIMIT_S=${EVAL_LIMIT_S:-60}
+EVAL_LENGTHS=${EVAL_LENGTHS:-128,256,512,1024}
 EVAL_P=${EVAL_P:-1.0,0.9,0.8}
-EVAL_SEQUENCES=${EVAL_SEQUENCES:-32}
+EVAL_SEQUENCES=${EVAL_SEQUENCES:-128}
 RUNS=${RUNS:-/tmp/learning_runs}
 OUT=${OUT:-$RUNS}
 mkdir -p "$RUNS" "$OUT"
-status=0
+export OMP_NUM_THREADS=1
 
-# train <name> <overrides...>: one run of the recipe, cut at RUN_LIMIT_S (its last checkpoint stays), evaluated.
+# train <name> <overrides...>: one run of the recipe in the background, cut at RUN_LIMIT_S.
 train() {
-  local name=$1 dir="$RUNS/$1"
+  local name=$1
   shift
-  echo "== $name: $*" | tee -a "$OUT/learning.log"
-  mkdir -p "$dir"
-  timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m runner.train \
-    +experiment=learning hydra.run.dir="$dir" cluster.gpus_per_node="$DP" runner.one_process=true "$@" "${EXTRA[@]}" > "$dir/train.log" 2>&1 || status=1
-  tail -n 2 "$dir/train.log" | tr '\r' '\n' | tail -n 1 >> "$OUT/learning.log"
-  timeout "$EVAL_LIMIT_S" python3 -m runner.evaluate "$dir" --lengths "$EVAL_LENGTHS" --p "$EVAL_P" \
-    --sequences "$EVAL_SEQUENCES" > "$dir/eval.log" 2>&1 || status=1
-  tee -a "$OUT/learning.log" < "$dir/eval.log"
-  tar czf "$OUT/learning_runs.tgz" --exclude=checkpoint.pt -C "$RUNS" .  # after each run: a timeout keeps it
+  mkdir -p "$RUNS/$name"
+  echo "== $name: $*" >> "$OUT/learning.log"
+  timeout "$RUN_LIMIT_S" python3 -m runner.train +experiment=learning_lookup hydra.run.dir="$RUNS/$name" "$@" \
+    "${EXTRA[@]}" > "$RUNS/$name/train.log" 2>&1 &
 }
 
 EXTRA=("$@")
-# The multihop run goes first with more steps than its time allows; how far it got sets STEPS (unless given)
-# for the retrieval runs, so that each of them finishes its STEPS inside RUN_LIMIT_S and every policy and
-# seed is compared after the same number of steps.
-train multihop_baseline_s0 runner.task.kind=multihop policy=baseline seed=0 steps=20000 runner.checkpoint_every=20
-if [ -z "${STEPS:-}" ]; then
-  done_steps=$(($(wc -l < "$RUNS/multihop_baseline_s0/train.csv") - 1))
-  STEPS=$(( (done_steps * 7 / 10) / 20 * 20 ))
-  [ "$STEPS" -ge 20 ] || STEPS=20
-fi
-echo "== retrieval runs: $STEPS steps each" | tee -a "$OUT/learning.log"
 for seed in $SEEDS; do
   for policy in baseline sparsebalance; do
-    train "retrieval_${policy}_s${seed}" runner.task.kind=retrieval policy="$policy" seed="$seed" steps="$STEPS" \
-      runner.checkpoint_every="$STEPS"
+    train "retrieval_${policy}_s${seed}" policy="$policy" seed="$seed"
   done
 done
+for seed in $MULTIHOP_SEEDS; do
+  # a multihop sequence needs room for its records' chains: 97 tokens at the least
+  train "multihop_baseline_s${seed}" runner.task.kind=multihop workload.min_len=128 policy=baseline seed="$seed"
+done
+wait
 
-# One table each of every run's evaluation and training curve, keyed by the run's name (task_policy_seed).
-python3 - "$RUNS" "$OUT" <<'EOF' || status=1
+for dir in "$RUNS"/*/; do
+  if [ -f "$dir/checkpoint.pt" ]; then
+    timeout "$EVAL_LIMIT_S" python3 -m runner.evaluate "$dir" --lengths "$EVAL_LENGTHS" --p "$EVAL_P" \
+      --sequences "$EVAL_SEQUENCES" > "$dir/eval.log" 2>&1 &
+  fi
+done
+wait
+for dir in "$RUNS"/*/; do
+  { echo "== $(basename "$dir")"; tail -n 1 "$dir/train.log" | tr '\r' '\n' | tail -n 1; cat "$dir/eval.log"; } \
+    >> "$OUT/learning.log" 2>&1
+done
+
+python3 - "$RUNS" "$OUT" <<'EOF'
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 runs, out = Path(sys.argv[1]), Path(sys.argv[2])
-for name, target in (("eval_summary.csv", "learning_eval.csv"), ("train.csv", "learning_train.csv")):
-    tables = [pd.read_csv(p).assign(run=p.parent.name) for p in sorted(runs.glob(f"*/{name}"))]
-    if tables:
-        pd.concat(tables).to_csv(out / target, index=False)
+
+
+def table(name: str) -> pd.DataFrame:
+    frames = [pd.read_csv(p).assign(run=p.parent.name) for p in sorted(runs.glob(f"*/{name}"))]
+    return pd.concat(frames) if frames else pd.DataFrame()
+
+
+table("eval_summary.csv").to_csv(out / "learning_eval.csv", index=False, float_format="%.6g")
+table("train.csv").to_csv(out / "learning_train.csv", index=False, float_format="%.6g")
+sequences = table("sequences.csv")
+if len(sequences):
+    # attention work grows with the square of a sequence's length: the weighted means are the kernel's view
+    sequences["weight"] = sequences["length"].astype(float) ** 2
+    rows = []
+    for (run, step), group in sequences.groupby(["run", "step"]):
+        rows.append({"run": run, "step": step, "mean_p": group.p.mean(), "min_p": group.p.min(),
+                     "max_p": group.p.max(), "kept_fraction": group.kept_fraction.mean(),
+                     "kept_fraction_attn": np.average(group.kept_fraction, weights=group.weight),
+                     "coverage": group.coverage.mean(),
+                     "coverage_attn": np.average(group.coverage, weights=group.weight)})
+    pd.DataFrame(rows).to_csv(out / "learning_budgets.csv", index=False, float_format="%.6g")
 EOF
+status=$?
+tar czf "$OUT/learning_runs.tgz" --exclude=checkpoint.pt --exclude=plans.jsonl --exclude=sequences.csv \
+  --exclude=micro_batches.csv -C "$RUNS" .
 exit $status
