@@ -66,14 +66,20 @@ def layout_overrides(name: str) -> list[str]:
     return [*SHARED, f"cluster.gpus_per_node={nproc}", f"layout.pp={pp}", *extra]
 
 
-def launch(name: str, run_dir: Path, *overrides: str) -> None:
-    """The layout under torchrun, through grad_probe.py (which saves the first step's gradients)."""
-    nproc, _, data_parallel, _ = ALL_LAYOUTS[name]
+def probe(run_dir: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
+    """``nproc`` processes under torchrun through grad_probe.py (which saves the first step's gradients), with
+    the tiny runner config and ``overrides``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "tests/runner/grad_probe.py", f"hydra.run.dir={run_dir}", *layout_overrides(name), *RUNNER,
-           f"runner.data_parallel={data_parallel}", f"runner.lr={LR}", *overrides]
+           "tests/runner/grad_probe.py", f"hydra.run.dir={run_dir}", *RUNNER, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUNNER_GRADS": str(run_dir)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def launch(name: str, run_dir: Path, *overrides: str) -> None:
+    """The layout under torchrun, through grad_probe.py."""
+    nproc, _, data_parallel, _ = ALL_LAYOUTS[name]
+    proc = probe(run_dir, nproc, *layout_overrides(name), f"runner.data_parallel={data_parallel}",
+                 f"runner.lr={LR}", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

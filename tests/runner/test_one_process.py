@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from equivalence import RUNNER, SHARED, check_loss_and_gradients, check_plans, layout_overrides, plans_of
+from equivalence import LR, RUNNER, SHARED, check_loss_and_gradients, check_plans, layout_overrides, plans_of, probe
 from runner.compare import main as compare_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,11 +20,7 @@ ONE_PROCESS = "runner.one_process=true"
 
 
 def run_one_process(run_dir: Path, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "tests/runner/grad_probe.py", f"hydra.run.dir={run_dir}", *RUNNER, "runner.lr=1e-2", ONE_PROCESS,
-           *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUNNER_GRADS": str(run_dir)}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return probe(run_dir, nproc, f"runner.lr={LR}", ONE_PROCESS, *overrides)
 
 
 @pytest.fixture(scope="module")
