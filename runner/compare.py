@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from runner.config import TrainConfig
 from sim.cluster import Cluster, Layout
 from sim.config import validate
-from sim.core import ConfigError, atomic_path, one_line_errors, write_json_atomic
+from sim.core import ArgumentParser, ConfigError, atomic_path, one_line_errors, write_json_atomic
 from sim.cost import make_cost
 from sim.engine import Engine
 from sim.memory import GB, MemoryModel
@@ -45,13 +45,6 @@ COLUMNS = {"steps.csv": ("step", "step_ms"), "sequences.csv": ("step", "seq_id",
            "micro_batches.csv": ("step", "dp_rank", "micro_batch", "stage")}
 MEASURED_PEAK = "peak_memory_gb"  # micro_batches.csv; absent from runs older than the measurement, empty on CPU
 SUMMARY_KEYS = ("mean_coverage", "final_loss", "final_accuracy")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one ConfigError line, as every other bad input."""
-
-    def error(self, message: str):
-        raise ConfigError(message)
 
 
 def load_run(run_dir: Path):
@@ -205,7 +198,7 @@ def memory_table(memory: MemoryModel, cost, plans: list[Plan], micro_batches: pd
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(prog="python -m runner.compare", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m runner.compare", description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", type=Path, nargs="+", help="runner run dirs; the first is the baseline")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="calibrated cost profile (JSON)")
     parser.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the error")

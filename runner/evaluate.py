@@ -37,7 +37,7 @@ from runner.attention import BACKENDS, make_attention
 from runner.data import TaskConfig, pack
 from runner.model import ModelShape, TinyLlama
 from sim.config import ModelConfig, validate
-from sim.core import ConfigError, atomic_path, one_line_errors
+from sim.core import ArgumentParser, ConfigError, atomic_path, one_line_errors
 from sim.plan import Assignment, Budget
 from sim.results import FLOAT_FORMAT
 
@@ -45,13 +45,6 @@ from sim.results import FLOAT_FORMAT
 HELD_OUT_SEED = 1_000_003
 CONFIDENCE = 0.95
 DEVICES = ("auto", "cpu", "cuda")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one ConfigError line, as every other bad input."""
-
-    def error(self, message: str):
-        raise ConfigError(message)
 
 
 def number_list(kind):
@@ -64,7 +57,7 @@ def number_list(kind):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(prog="python -m runner.evaluate", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m runner.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help="a runner run dir (its checkpoint.pt) or a checkpoint file")
     parser.add_argument("--lengths", type=number_list(int), help="sequence lengths (default: the training "
                         "workload's max_len)")

@@ -62,7 +62,7 @@ from runner.train import check_attention, device_type
 from sim.cluster import Layout
 from sim.compare import BASELINES, hydra_overrides, label, names, policy_variant
 from sim.config import PolicyConfig, RunConfig
-from sim.core import ConfigError, compose_config, group_options, one_line_errors, write_json_atomic
+from sim.core import ArgumentParser, ConfigError, compose_config, group_options, one_line_errors, write_json_atomic
 from sim.engine import Engine, PlanArrays
 from sim.plan import Budget, Plan
 from sim.policy import plan_step
@@ -565,15 +565,8 @@ def dir_name(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- command line
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one ConfigError line, as every other bad input."""
-
-    def error(self, message: str):
-        raise ConfigError(message)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(prog="python -m runner.replay", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m runner.replay", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="sim.run's overrides (+experiment=<name>, layout.dp=8, steps=3)")
     parser.add_argument("--policies", help="comma-separated names or name:key=value variants "
                                            "(default: sim.run's baseline and policy)")

@@ -21,21 +21,14 @@ from pathlib import Path
 import pandas as pd
 from scipy import stats
 
-from sim.core import ConfigError, atomic_path, one_line_errors
+from sim.core import ArgumentParser, ConfigError, atomic_path, one_line_errors
 from sim.results import FLOAT_FORMAT
 
 CONFIDENCE = 0.95
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one ConfigError line, as every other bad input."""
-
-    def error(self, message: str):
-        raise ConfigError(message)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(prog="python -m runner.seeds", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m runner.seeds", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run dirs, each with summary.json and eval_summary.csv")
     parser.add_argument("--baseline", default="baseline", help="the policy compared against")
     parser.add_argument("--policy", default="sparsebalance", help="the policy whose effect is asked")

@@ -1,11 +1,12 @@
-"""What every package of the project uses: the bad-input error and the one-line CLI wrapper around it,
-atomic file writes, paths relative to the project, and composing the Hydra config outside an app.
+"""What every package of the project uses: the bad-input error, the one-line CLI wrapper around it and an
+argparse parser that raises it, atomic file writes, paths relative to the project, and composing the Hydra config outside an app.
 
 It sits at the bottom of the stack (standard library, Hydra and OmegaConf only), so that ``sim``, the
 policies, calibration, the runner and the figures share one definition of each.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -29,6 +30,13 @@ def fail(message: str) -> NoReturn:
     """End the process on bad input: one ``error:`` line on stderr, exit code 2."""
     print(f"error: {str(message).splitlines()[0] if str(message) else 'bad input'}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ConfigError line, as every other bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
 
 
 def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
