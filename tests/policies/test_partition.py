@@ -39,6 +39,14 @@ def test_refined_partition_is_within_one_percent_of_the_optimum(costs, k, equal_
     assert makespan(costs, parts) <= optimum(costs, k, equal_count) * 1.01
 
 
+@pytest.mark.xfail(strict=True, reason="refined_small stops in a local optimum 1.95% above the optimum here "
+                   "(70.27 vs 68.93); found by the property test above")
+def test_refined_partition_reaches_the_optimum_on_nine_long_tailed_items_in_three_equal_parts():
+    costs = np.exp(2.0 * np.array([1.0, 2.0, 1.25, 1.25, 1.625, 1.3125, 1.6875, 1.8984375, 0.625]))
+    parts = kk_partition(costs, 3, True, refine=True)
+    assert makespan(costs, parts) <= optimum(costs, 3, True) * 1.01
+
+
 def test_refinement_fixes_what_equal_count_ldm_gets_wrong():
     """Equal-count LDM pairs the items in order of size (94 with 46's partner 33...: 119 against 84); the
     optimum is 94 + 24 + 1 against 46 + 33 + 5, and the local search finds it."""
