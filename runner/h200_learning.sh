@@ -19,19 +19,28 @@ EVAL_LIMIT_S=${EVAL_LIMIT_S:-60}
 EVAL_LENGTHS=${EVAL_LENGTHS:-128,256,512,1024}
 EVAL_P=${EVAL_P:-1.0,0.9,0.8}
 EVAL_SEQUENCES=${EVAL_SEQUENCES:-128}
-RUNS=${RUNS:-/tmp/learning_runs}
+RUNS=${RUNS:-outputs/learning_runs}
 OUT=${OUT:-$RUNS}
 mkdir -p "$RUNS" "$OUT"
 export OMP_NUM_THREADS=1
 
-# train <name> <overrides...>: one run of the recipe in the background, cut at RUN_LIMIT_S.
+# finished <summary.json>: whether the run wrote its summary after its last planned step.
+finished() {
+  [ -f "$1" ] && python3 -c "import json, sys; s = json.load(open(sys.argv[1])); sys.exit(s['steps'] < s['steps_planned'])" "$1"
+}
+
+# train <name> <overrides...>: one run of the recipe in the background, cut at RUN_LIMIT_S, continued from its
+# checkpoint where an earlier call left one.
 train() {
-  local name=$1
+  local name=$1 dir="$RUNS/$1"
   shift
-  mkdir -p "$RUNS/$name"
-  echo "== $name: $*" >> "$OUT/learning.log"
-  timeout "$RUN_LIMIT_S" python3 -m runner.train +experiment=learning_lookup hydra.run.dir="$RUNS/$name" "$@" \
-    "${EXTRA[@]}" > "$RUNS/$name/train.log" 2>&1 &
+  finished "$dir/summary.json" && return
+  mkdir -p "$dir"
+  local resume=()
+  [ -f "$dir/checkpoint.pt" ] && resume=(runner.resume="$(realpath "$dir/checkpoint.pt")")
+  echo "== $name: $* ${resume[*]}" >> "$OUT/learning.log"
+  timeout "$RUN_LIMIT_S" python3 -m runner.train +experiment=learning_lookup hydra.run.dir="$dir" "$@" \
+    "${resume[@]}" "${EXTRA[@]}" >> "$dir/train.log" 2>&1 &
 }
 
 EXTRA=("$@")
