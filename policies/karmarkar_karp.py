@@ -17,7 +17,10 @@ part swaps one item with any other part, or hands one item to another part (free
 item larger than the other under equal counts), whichever lowers the larger of the two loads most, until
 no such exchange lowers the makespan. On few items (a rank's micro-batches), where single items are
 coarse, an exchange may move a bundle of up to two items each way (``refined_small``, pure Python: on
-a handful of items numpy's call overhead dominates).
+a handful of items numpy's call overhead dominates). A local search can stop in a local optimum (9
+long-tailed items in 3 equal parts: 70.27 against the optimum 68.93), so on up to ``EXACT_ITEMS`` items a
+branch and bound (``exact_partition``) then searches every assignment from the local search's makespan
+down, within ``EXACT_NODES`` nodes; the result is never worse than the local search's.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ CLOSE_ENOUGH = 1e-3
 LIGHT_PARTS = 16  # many parts: the heaviest exchanges with the lightest of them only
 MAX_SWEEPS = 32  # paired sweeps before the heaviest part's exchanges (each sweep strictly lowers a pair)
 BUNDLE_ITEMS = 32  # up to this many items exchanges may also take two items from a part at once
+EXACT_ITEMS = 12  # up to this many items the branch and bound runs after the local search
+EXACT_NODES = 5_000  # its bound on search nodes (a few ms in Python); past it the best assignment found stays
 
 
 def _initial_tuples(costs: np.ndarray, k: int, equal_count: bool) -> list[tuple[list[float], list[list[int]]]]:
@@ -107,6 +112,8 @@ def kk_partition(costs: np.ndarray, k: int, equal_count: bool, refine: bool = Fa
 
 def refined_partition(costs: np.ndarray, parts: list[list[int]], equal_count: bool) -> list[list[int]]:
     """The local search that suits the input's size (see the module docstring)."""
+    if costs.size <= EXACT_ITEMS:
+        return exact_partition(costs.tolist(), refined_small(costs.tolist(), parts, equal_count), equal_count)
     if costs.size <= BUNDLE_ITEMS:
         return refined_small(costs.tolist(), parts, equal_count)
     return refined(costs, parts, equal_count)
@@ -266,3 +273,61 @@ def bundles(members: list[int], costs: list[float]) -> list[tuple[tuple[int, ...
     """Every set of at most two of the members (the empty one too) with its total cost."""
     out = [((), 0.0)] + [((i,), costs[i]) for i in members]
     return out + [((i, j), costs[i] + costs[j]) for a, i in enumerate(members) for j in members[a + 1:]]
+
+
+def exact_partition(costs: list[float], parts: list[list[int]], equal_count: bool,
+                    max_nodes: int = EXACT_NODES) -> list[list[int]]:
+    """The least-makespan assignment, by depth-first branch and bound from ``parts`` (the incumbent).
+
+    Items go heaviest first to each part in turn; a branch ends where a part's load would reach the
+    incumbent's makespan, and parts of equal load and count are interchangeable, so only the first of them
+    is tried. Under ``equal_count`` a part holds at most ceil(n / k) items and only n mod k parts (all,
+    when k divides n) may reach that many. The search stops at the lower bound (the even spread or the
+    heaviest item) or after ``max_nodes`` nodes, keeping the best assignment found."""
+    k, n = len(parts), len(costs)
+    best_parts = [sorted(p) for p in parts]
+    best = max(sum(costs[i] for i in p) for p in parts) if parts else 0.0
+    if k < 2 or n < 2:
+        return best_parts
+    order = sorted(range(n), key=lambda i: -costs[i])
+    bound = max(sum(costs) / k, costs[order[0]]) * (1 + 1e-12)
+    if best <= bound:
+        return best_parts
+    low, high = n // k, -(-n // k)
+    full_limit = n - k * low if high > low else k  # parts that may hold `high` items
+    loads, counts, owner = [0.0] * k, [0] * k, [0] * n
+    nodes = 0
+
+    def place(depth: int, full: int) -> bool:
+        """Assign order[depth:]; True when the search must stop (lower bound reached or nodes spent)."""
+        nonlocal best, best_parts, nodes
+        if depth == n:
+            makespan_now = max(loads)
+            if makespan_now < best * (1 - 1e-12):
+                best = makespan_now
+                best_parts = [sorted(i for i in range(n) if owner[i] == j) for j in range(k)]
+            return best <= bound
+        nodes += 1
+        if nodes > max_nodes:
+            return True
+        item = order[depth]
+        tried = set()
+        for j in sorted(range(k), key=loads.__getitem__):  # lightest first: good assignments early
+            key = (loads[j], counts[j] if equal_count else 0)
+            if key in tried or loads[j] + costs[item] >= best * (1 - 1e-12):
+                continue
+            if equal_count and (counts[j] == high or (counts[j] + 1 == high and high > low and full == full_limit)):
+                continue
+            tried.add(key)
+            loads[j] += costs[item]
+            counts[j] += 1
+            owner[item] = j
+            stop = place(depth + 1, full + (equal_count and counts[j] == high and high > low))
+            loads[j] -= costs[item]
+            counts[j] -= 1
+            if stop:
+                return True
+        return False
+
+    place(0, 0)
+    return best_parts

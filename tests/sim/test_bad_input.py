@@ -1,11 +1,18 @@
 """The front door of ``python -m sim.run``: every bad value of every config group, trace file and sweep ends
-in exactly one ``error:`` line naming it, exit code 2, no traceback, and no run or multirun directory."""
+in exactly one ``error:`` line naming it, exit code 2, no traceback, and no run or multirun directory.
+
+Every case goes through ``check_composition`` (what the command line runs before any job) in this process;
+one case of each way a value can fail (a Hydra group or key, an OmegaConf type, a range, a cross-field rule,
+a missing file, a trace row) also goes through the command line, which turns the same error into the line."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from sim.core import ConfigError
+from sim.run import check_composition
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,14 +92,39 @@ def assert_one_line(proc, needle):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+# One case of each way to fail, through the command line.
+CLI_CONFIG_CASES = [case for case in CONFIG_CASES if case[0][-1] in (
+    "policy=nope", "policy.batching.params.equal_count=true", "layout.cp=abc", "workload.sigma=nan",
+    "layout.pp=8", "cost.profile=calibrate/profiles/missing.json")]
+CLI_TRACE_CASES = [case for case in TRACE_CASES if case[0] in ("abc.csv", "broken.jsonl")]
+
+
+def assert_one_error(overrides, needle):
+    with pytest.raises(ConfigError) as caught:
+        check_composition(overrides)
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize("overrides,needle", CONFIG_CASES, ids=[" ".join(o) for o, _ in CONFIG_CASES])
+def test_bad_config_value_is_one_error_before_any_job(overrides, needle):
+    assert_one_error(["steps=20", *overrides], needle)
+
+
+@pytest.mark.parametrize("name,content,needle", TRACE_CASES, ids=[c[0] for c in TRACE_CASES])
+def test_bad_trace_is_one_error_before_any_job(tmp_path, name, content, needle):
+    trace = tmp_path / name
+    trace.write_text(content)
+    assert_one_error(["workload=trace", f"workload.trace_path={trace}"], needle)
+
+
+@pytest.mark.parametrize("overrides,needle", CLI_CONFIG_CASES, ids=[" ".join(o) for o, _ in CLI_CONFIG_CASES])
 def test_bad_config_value_is_one_line_and_leaves_nothing(tmp_path, overrides, needle):
     proc = run_cli(f"hydra.run.dir={tmp_path / 'run'}", "steps=20", *overrides, cwd=tmp_path)
     assert_one_line(proc, needle)
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("name,content,needle", TRACE_CASES, ids=[c[0] for c in TRACE_CASES])
+@pytest.mark.parametrize("name,content,needle", CLI_TRACE_CASES, ids=[c[0] for c in CLI_TRACE_CASES])
 def test_bad_trace_is_one_line_and_leaves_nothing(tmp_path, name, content, needle):
     trace = tmp_path / name
     trace.write_text(content)
@@ -109,9 +141,6 @@ def test_one_bad_job_stops_a_sweep_before_any_job_runs(tmp_path):
 
 
 def test_force_lifts_the_size_guard_but_not_the_range_checks(tmp_path):
-    from sim.core import ConfigError
-    from sim.run import check_composition
-
     check_composition(["cluster.nodes=100000", "force=true", "workload.global_batch=800000", "steps=1"])
     with pytest.raises(ConfigError, match="workload.sigma=nan"):
         check_composition(["force=true", "workload.sigma=nan"])
