@@ -24,7 +24,7 @@ from sim.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
-FAULT_TIMEOUT_S = 10  # short, yet well above the skew of two healthy ranks on a loaded 2-core machine
+FAULT_TIMEOUT_S = 5  # short, yet well above the skew of two healthy ranks on a loaded 2-core machine (the CP test's too)
 
 # The same overrides drive runner.train and sim.run: a tiny model, short sequences, 2 GPUs of 2 micro-batches.
 SHARED = [
