@@ -34,9 +34,9 @@ def optimum(costs: np.ndarray, k: int, equal_count: bool) -> float:
 
 @settings(max_examples=150, deadline=None)
 @given(long_tail, st.integers(2, 4), st.booleans())
-def test_refined_partition_is_within_one_percent_of_the_optimum(costs, k, equal_count):
+def test_refined_partition_is_the_optimum_on_few_items(costs, k, equal_count):
     parts = kk_partition(costs, k, equal_count, refine=True)
-    assert makespan(costs, parts) <= optimum(costs, k, equal_count) * 1.01
+    assert makespan(costs, parts) == pytest.approx(optimum(costs, k, equal_count), rel=1e-9)
 
 
 def test_refined_partition_reaches_the_optimum_where_the_local_search_stops_short():
