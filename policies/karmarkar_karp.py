@@ -113,7 +113,8 @@ def kk_partition(costs: np.ndarray, k: int, equal_count: bool, refine: bool = Fa
 def refined_partition(costs: np.ndarray, parts: list[list[int]], equal_count: bool) -> list[list[int]]:
     """The local search that suits the input's size (see the module docstring)."""
     if costs.size <= EXACT_ITEMS:
-        return exact_partition(costs.tolist(), refined_small(costs.tolist(), parts, equal_count), equal_count)
+        values = costs.tolist()
+        return exact_partition(values, refined_small(values, parts, equal_count), equal_count)
     if costs.size <= BUNDLE_ITEMS:
         return refined_small(costs.tolist(), parts, equal_count)
     return refined(costs, parts, equal_count)

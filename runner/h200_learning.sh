@@ -9,8 +9,9 @@
 #
 # $OUT gets: learning_eval.csv (every run's eval_summary.csv), learning_train.csv (every run's train.csv),
 # learning_budgets.csv (per run and step: the Plans' budgets and the kernel's kept fraction and coverage, means
-# and attention-weighted means), learning_runs.tgz (each run dir without checkpoint, plans and per-sequence
-# rows) and learning.log. Extra arguments are Hydra overrides for every run (e.g. steps=1000).
+# and attention-weighted means), learning_coverage_by_length.csv (the same per run and length bucket, over all
+# steps), learning_runs.tgz (each run dir without checkpoint, plans and per-sequence rows) and learning.log.
+# Extra arguments are Hydra overrides for every run (e.g. steps=1000).
 set -uo pipefail
 SEEDS=${SEEDS:-"0 1 2 3 4 5 6"}
 MULTIHOP_SEEDS=${MULTIHOP_SEEDS:-"0 1"}
@@ -96,6 +97,12 @@ if len(sequences):
                      "coverage": group.coverage.mean(),
                      "coverage_attn": np.average(group.coverage, weights=group.weight)})
     pd.DataFrame(rows).to_csv(out / "learning_budgets.csv", index=False, float_format="%.6g")
+    # where the budgets went by length, over all steps: what the attention-weighted means hide
+    sequences["length_bucket"] = pd.cut(sequences["length"], [0, 128, 192, 256, 384, 512, np.inf]).astype(str)
+    by_length = sequences.groupby(["run", "length_bucket"], sort=False).agg(
+        sequences=("p", "size"), mean_p=("p", "mean"), kept_fraction=("kept_fraction", "mean"),
+        coverage=("coverage", "mean"))
+    by_length.reset_index().to_csv(out / "learning_coverage_by_length.csv", index=False, float_format="%.6g")
 EOF
 status=$?
 tar czf "$OUT/learning_runs.tgz" --exclude=checkpoint.pt --exclude=plans.jsonl --exclude=sequences.csv \
