@@ -7,10 +7,9 @@
 # (runner.checkpoint_every) and is evaluated there (eval_summary.csv's `steps` says where). Every run is then
 # evaluated by runner.evaluate on held-out sequences of EVAL_LENGTHS under each EVAL_P.
 #
-# $OUT gets: learning_eval.csv (every run's eval_summary.csv), learning_train.csv (every run's train.csv),
-# learning_budgets.csv (per run and step: the Plans' budgets and the kernel's kept fraction and coverage, means
-# and attention-weighted means), learning_coverage_by_length.csv (the same per run and length bucket, over all
-# steps), learning_runs.tgz (each run dir without checkpoint, plans and per-sequence rows) and learning.log.
+# $OUT gets runner.collect's tables of every run (train.csv, eval_summary.csv, eval.csv, budgets.csv,
+# coverage_by_length.csv), learning_runs.tgz (each run dir without checkpoint, plans and per-sequence rows) and
+# learning.log.
 # Extra arguments are Hydra overrides for every run (e.g. steps=1000).
 set -uo pipefail
 SEEDS=${SEEDS:-"0 1 2 3 4 5 6"}
@@ -68,42 +67,7 @@ for dir in "$RUNS"/*/; do
     >> "$OUT/learning.log" 2>&1
 done
 
-python3 - "$RUNS" "$OUT" <<'EOF'
-import sys
-from pathlib import Path
-
-import numpy as np
-import pandas as pd
-
-runs, out = Path(sys.argv[1]), Path(sys.argv[2])
-
-
-def table(name: str) -> pd.DataFrame:
-    frames = [pd.read_csv(p).assign(run=p.parent.name) for p in sorted(runs.glob(f"*/{name}"))]
-    return pd.concat(frames) if frames else pd.DataFrame()
-
-
-table("eval_summary.csv").to_csv(out / "learning_eval.csv", index=False, float_format="%.6g")
-table("train.csv").to_csv(out / "learning_train.csv", index=False, float_format="%.6g")
-sequences = table("sequences.csv")
-if len(sequences):
-    # attention work grows with the square of a sequence's length: the weighted means are the kernel's view
-    sequences["weight"] = sequences["length"].astype(float) ** 2
-    rows = []
-    for (run, step), group in sequences.groupby(["run", "step"]):
-        rows.append({"run": run, "step": step, "mean_p": group.p.mean(), "min_p": group.p.min(),
-                     "max_p": group.p.max(), "kept_fraction": group.kept_fraction.mean(),
-                     "kept_fraction_attn": np.average(group.kept_fraction, weights=group.weight),
-                     "coverage": group.coverage.mean(),
-                     "coverage_attn": np.average(group.coverage, weights=group.weight)})
-    pd.DataFrame(rows).to_csv(out / "learning_budgets.csv", index=False, float_format="%.6g")
-    # where the budgets went by length, over all steps: what the attention-weighted means hide
-    sequences["length_bucket"] = pd.cut(sequences["length"], [0, 128, 192, 256, 384, 512, np.inf]).astype(str)
-    by_length = sequences.groupby(["run", "length_bucket"], sort=False).agg(
-        sequences=("p", "size"), mean_p=("p", "mean"), kept_fraction=("kept_fraction", "mean"),
-        coverage=("coverage", "mean"))
-    by_length.reset_index().to_csv(out / "learning_coverage_by_length.csv", index=False, float_format="%.6g")
-EOF
+python3 -m runner.collect "$RUNS"/*/ --out "$OUT"
 status=$?
 tar czf "$OUT/learning_runs.tgz" --exclude=checkpoint.pt --exclude=plans.jsonl --exclude=sequences.csv \
   --exclude=micro_batches.csv -C "$RUNS" .
