@@ -42,7 +42,8 @@ BOUNDS = ("baseline", "sparsebalance")
 FIT, SEARCH = "batching.params.pipeline_order=fit", "batching.params.pipeline_order=search"
 ABLATION = (  # the strongest baseline, then one mechanism at a time
     "verl", f"verl:{SEARCH}", f"verl:{FIT}", "sab", f"sab:{FIT}", "verl_dst", f"sparsebalance:{SEARCH}",
-    "sparsebalance", "sparsebalance:sparsity.params.floor=0.7", "sparsebalance:sparsity.params.coverage_weight=sequence",
+    "sparsebalance", "sparsebalance:sparsity.params.floor=0.9", "sparsebalance:sparsity.params.floor=0.7",
+    "sparsebalance:sparsity.params.coverage_weight=sequence",
 )
 FIGURES = {  # table column -> summary key
     "step_ms": "step_ms", "bubble_%": "bubble_fraction", "mean_cov": "mean_coverage",
