@@ -67,7 +67,12 @@ for dir in "$RUNS"/*/; do
     >> "$OUT/learning.log" 2>&1
 done
 
-python3 -m runner.collect "$RUNS"/*/ --out "$OUT"
+# a run that failed before its first step has no tables; it is in learning.log, not in the collected tables
+collected=()
+for dir in "$RUNS"/*/; do
+  [ -f "$dir/train.csv" ] && collected+=("$dir")
+done
+python3 -m runner.collect "${collected[@]}" --out "$OUT"
 status=$?
 tar czf "$OUT/learning_runs.tgz" --exclude=checkpoint.pt --exclude=plans.jsonl --exclude=sequences.csv \
   --exclude=micro_batches.csv -C "$RUNS" .
