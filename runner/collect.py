@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sim.core import ArgumentParser, ConfigError, atomic_path, one_line_errors
+from sim.core import ArgumentParser, ConfigError, atomic_path, number_list, one_line_errors
 
 # Six significant digits: the tables are read by people and plots, and stay a few MB for thousands of steps.
 TABLE_FORMAT = "%.6g"
@@ -33,20 +33,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m runner.collect", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run dirs of runner.train (each with train.csv)")
     parser.add_argument("--out", type=Path, required=True, help="directory for the tables")
-    parser.add_argument("--length-edges", default="128,192,256,384",
+    parser.add_argument("--length-edges", type=number_list(int), default=[128, 192, 256, 384],
                         help="inner edges of the length buckets, ascending (the outer ones are the shortest "
                              "and longest sequence)")
     return parser.parse_args(argv)
 
 
-def length_edges(text: str) -> list[int]:
-    try:
-        edges = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--length-edges {text!r}: expected comma-separated integers, e.g. 128,256,512")
-    if any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 1:
-        raise ConfigError(f"--length-edges {text!r}: edges must be positive and strictly ascending")
-    return edges
+def check_edges(edges: list[int]) -> None:
+    if edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ConfigError(f"--length-edges {','.join(map(str, edges))}: edges must be positive and strictly ascending")
 
 
 def run_names(runs: list[Path]) -> list[str]:
@@ -115,8 +110,8 @@ def tables(runs: list[Path], edges: list[int]) -> dict[str, pd.DataFrame]:
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    edges = length_edges(args.length_edges)
-    collected = tables(args.runs, edges)
+    check_edges(args.length_edges)
+    collected = tables(args.runs, args.length_edges)
     if args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out}: exists and is not a directory")
     for file, table in collected.items():

@@ -37,7 +37,7 @@ from runner.attention import BACKENDS, make_attention
 from runner.data import TaskConfig, pack
 from runner.model import ModelShape, TinyLlama
 from sim.config import ModelConfig, validate
-from sim.core import ArgumentParser, ConfigError, atomic_path, one_line_errors
+from sim.core import ArgumentParser, ConfigError, atomic_path, number_list, one_line_errors
 from sim.plan import Assignment, Budget
 from sim.results import FLOAT_FORMAT
 
@@ -45,15 +45,6 @@ from sim.results import FLOAT_FORMAT
 HELD_OUT_SEED = 1_000_003
 CONFIDENCE = 0.95
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def number_list(kind):
-    def parse(text: str) -> list:
-        try:
-            return [kind(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}s") from None
-    return parse
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

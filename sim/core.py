@@ -39,6 +39,16 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def number_list(kind: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type: a comma-separated list of ``kind`` values (``int``, ``float``)."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}s") from None
+    return parse
+
+
 def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
     """Wrap a command-line ``main`` so that a ConfigError ends it as one line and exit code 2, no traceback."""
 

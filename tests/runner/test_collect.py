@@ -61,8 +61,8 @@ def test_same_runs_give_the_same_bytes(runs, tmp_path):
 @pytest.mark.parametrize("case, message", [
     ("not a run", "not a training run dir (no train.csv)"),
     ("same name twice", "run dirs share the name baseline_s0"),
-    ("bad edges", "--length-edges '256,128': edges must be positive and strictly ascending"),
-    ("edges not numbers", "--length-edges 'short': expected comma-separated integers"),
+    ("bad edges", "--length-edges 256,128: edges must be positive and strictly ascending"),
+    ("edges not numbers", "argument --length-edges: 'short' is not a comma-separated list of ints"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, capsys, case, message):
     args = [*map(str, runs)]
