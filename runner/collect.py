@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from sim.core import ArgumentParser, ConfigError, atomic_path, number_list, one_line_errors
@@ -68,16 +67,15 @@ def concatenated(runs: list[Path], names: list[str], file: str) -> pd.DataFrame 
 def budgets(sequences: pd.DataFrame) -> pd.DataFrame:
     """Per run and step: budgets, and the kernel's kept fraction and coverage, plain and attention-weighted."""
     weight = sequences["length"].astype(float) ** 2
-
-    def weighted(column: str) -> pd.Series:
-        return (sequences[column] * weight).groupby([sequences["run"], sequences["step"]], sort=False).sum() / \
-            weight.groupby([sequences["run"], sequences["step"]], sort=False).sum()
-
-    grouped = sequences.groupby(["run", "step"], sort=False)
+    frame = sequences.assign(weight=weight, kept_weighted=sequences["kept_fraction"] * weight,
+                             coverage_weighted=sequences["coverage"] * weight)
+    grouped = frame.groupby(["run", "step"], sort=False)
+    sums = grouped[["weight", "kept_weighted", "coverage_weighted"]].sum()
     table = pd.DataFrame({
         "mean_p": grouped["p"].mean(), "min_p": grouped["p"].min(), "max_p": grouped["p"].max(),
-        "kept_fraction": grouped["kept_fraction"].mean(), "kept_fraction_attn": weighted("kept_fraction"),
-        "coverage": grouped["coverage"].mean(), "coverage_attn": weighted("coverage"),
+        "kept_fraction": grouped["kept_fraction"].mean(),
+        "kept_fraction_attn": sums["kept_weighted"] / sums["weight"],
+        "coverage": grouped["coverage"].mean(), "coverage_attn": sums["coverage_weighted"] / sums["weight"],
     })
     return table.reset_index()
 
