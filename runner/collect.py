@@ -85,12 +85,11 @@ def coverage_by_length(sequences: pd.DataFrame, edges: list[int]) -> pd.DataFram
     shortest, longest = int(sequences["length"].min()), int(sequences["length"].max())
     bins = [shortest - 1, *(e for e in edges if shortest - 1 < e < longest), longest]
     buckets = pd.cut(sequences["length"], bins)
-    table = sequences.assign(length_bucket=buckets).groupby(["run", "length_bucket"], sort=False, observed=True).agg(
+    # sorted by run, then by the buckets' length order (categorical), not by their labels' text
+    table = sequences.assign(length_bucket=buckets).groupby(["run", "length_bucket"], observed=True).agg(
         sequences=("p", "size"), mean_p=("p", "mean"), kept_fraction=("kept_fraction", "mean"),
         coverage=("coverage", "mean")).reset_index()
-    order = table["length_bucket"].cat.codes
-    table["length_bucket"] = table["length_bucket"].astype(str)
-    return table.assign(_order=order).sort_values(["run", "_order"], kind="stable").drop(columns="_order")
+    return table.assign(length_bucket=table["length_bucket"].astype(str))
 
 
 def tables(runs: list[Path], edges: list[int]) -> dict[str, pd.DataFrame]:
