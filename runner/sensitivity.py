@@ -23,7 +23,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
+from kernels.sparse_attention import BLOCK_SIZES
 from runner import checkpoint
 from runner.attention import BACKENDS, make_attention
 from runner.data import TaskConfig, make_example
@@ -239,6 +240,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
     ap.add_argument("--attention", default="kernel", help=f"attention backend: {', '.join(BACKENDS)}")
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens per forward at most")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help=f"the kernel's block size to measure at, one of {', '.join(map(str, BLOCK_SIZES))} "
+                         "(default: the one the run trained with)")
     args = ap.parse_args(argv)
     args.lengths = _numbers(args.lengths, "--lengths", int, "whole numbers of tokens >= 1", lambda n: n >= 1)
     args.p = _numbers(args.p, "--p", float, "coverage targets in (0, 1]", lambda p: 0 < p <= 1)
@@ -249,6 +253,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: allowed: a whole number >= 1")
     if args.attention not in BACKENDS:
         raise ConfigError(f"--attention {args.attention!r}: unknown; allowed: {', '.join(BACKENDS)}")
+    if args.block_size is not None and args.block_size not in BLOCK_SIZES:
+        raise ConfigError(f"--block-size {args.block_size}: allowed: {', '.join(map(str, BLOCK_SIZES))}")
     return args
 
 
@@ -278,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     # The trainer's precisions: bf16 as the calibrated kernel runs on the GPU, fp32 in the CPU reference.
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     trained = load_trained(args.source, device, dtype)
+    if args.block_size is not None:
+        # A model trained at one block size is measured at another: the sensitivity at the block that training
+        # will use, e.g. a small model trained at block 32 measured at the production kernel's 128.
+        trained = replace(trained, block_size=args.block_size)
     check_lengths(args.lengths, trained)
     modes = {mode: budgets for mode, budgets in zip(MODES, (args.p, args.kept)) if budgets}
     attend = make_attention(args.attention, trained.block_size)

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 from .batch import VarlenBatch
 from .compilation import compile_count, compiled_variants
-from .interface import select_blocks, sparse_attention, validate_inputs
+from .interface import BLOCK_SIZES, select_blocks, sparse_attention, validate_inputs
 from .layout import BlockLayout, block_layout
 from .naive import dense_causal_varlen, select_blocks_naive, sparse_attention_naive
 from .options import KernelOptions
 from .selection import BlockSelection, SelectionFallbackWarning, restrict_rows, selection_from_mask
 
-__all__ = ["sparse_attention", "select_blocks", "BlockSelection", "BlockLayout", "block_layout",
+__all__ = ["BLOCK_SIZES", "sparse_attention", "select_blocks", "BlockSelection", "BlockLayout", "block_layout",
            "selection_from_mask", "restrict_rows", "sparse_attention_naive", "dense_causal_varlen", "select_blocks_naive",
            "validate_inputs", "KernelOptions", "SelectionFallbackWarning", "VarlenBatch", "compile_count",
            "compiled_variants"]

@@ -10,10 +10,11 @@ from .naive import sparse_attention_naive
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .selection import BlockSelection, select_blocks as _select_blocks
 
-__all__ = ["sparse_attention", "select_blocks", "validate_inputs"]
+__all__ = ["BLOCK_SIZES", "sparse_attention", "select_blocks", "validate_inputs"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SIZES = (16, 32, 64, 128)
+BLOCK_SIZES = _SIZES  # the block sizes the kernels take (head dims too)
 
 
 def _check_tensor(name, x, rank=3):

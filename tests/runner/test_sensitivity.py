@@ -115,6 +115,19 @@ def test_the_csv_has_a_row_per_sequence_layer_and_budget_and_repeats_exactly(che
     assert facts["model"]["layers"] == LAYERS and facts["block_size"] == 32 and facts["trained_steps"] == 1
 
 
+def test_the_block_size_can_be_the_one_training_will_use(checkpoint_dir, tmp_path, capsys):
+    """A checkpoint trained at block 32 measured at its own block (the same bytes as without the flag) and at 16:
+    more, smaller blocks per sequence, so a top-p target keeps less of the sequence on average."""
+    args = ["--lengths", "256", "--p", "0.5,0.9", "--sequences", "2"]
+    default, at_32, at_16 = tmp_path / "default.csv", tmp_path / "b32.csv", tmp_path / "b16.csv"
+    assert measure(capsys, checkpoint_dir, *args, "--out", default)[0] == 0
+    assert measure(capsys, checkpoint_dir, *args, "--block-size", "32", "--out", at_32)[0] == 0
+    assert measure(capsys, checkpoint_dir, *args, "--block-size", "16", "--out", at_16)[0] == 0
+    assert default.read_bytes() == at_32.read_bytes()
+    assert json.loads(raw_meta_path(at_16).read_text())["block_size"] == 16
+    assert pd.read_csv(at_16)["kept_fraction"].mean() < pd.read_csv(at_32)["kept_fraction"].mean() - 0.02
+
+
 def test_a_run_cut_short_keeps_the_lengths_it_finished(checkpoint_dir, tmp_path, capsys, monkeypatch):
     real = sensitivity.measure_sequence
 
@@ -169,6 +182,7 @@ def test_a_checkpoint_whose_history_an_older_runner_wrote_is_measured(checkpoint
     (lambda d, t: d, ["--sequences", "0"], "--sequences 0: allowed: a whole number >= 1"),
     (lambda d, t: d, ["--attention", "flash"], "--attention 'flash': unknown; allowed: kernel, triton, naive"),
     (lambda d, t: d, ["--device", "tpu"], "--device 'tpu': unknown; allowed: auto, cuda, cpu"),
+    (lambda d, t: d, ["--block-size", "48"], "--block-size 48: allowed: 16, 32, 64, 128"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(checkpoint_dir, tmp_path, capsys, source, args, needle):
     out = tmp_path / "raw.csv"
