@@ -7,6 +7,8 @@ the figures the notebooks show. Each PATH is one of:
   bubble per policy, the speed/coverage frontier, and the per-rank timeline of one step (baseline vs
   sparsebalance, else the fastest other policy) for simulated runs; simulator-predicted vs runner-measured
   step times for runner runs (runner.compare's replay);
+* runner.collect's tables of several runner runs (``runner/results/learning_*``): learning curves (50-step
+  mean training accuracy per run, coloured by run name without ``_s<seed>``) and held-out accuracy per run;
 * a cost profile (``calibrate/profiles/<gpu>.json``): its fitted model against the raw measurements beside
   it, residuals, and predicted vs measured whole layers;
 * a kernel benchmark CSV (``benchmarks/results/*.csv``): our kernel vs FlexAttention vs dense cuDNN.
@@ -29,7 +31,7 @@ from viz.runs import PlotError
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m viz", description=__doc__.splitlines()[0])
-    ap.add_argument("paths", nargs="+", type=Path, help="Results dir, profile .json or benchmark .csv")
+    ap.add_argument("paths", nargs="+", type=Path, help="Results dir, runner.collect tables dir, profile .json or benchmark .csv")
     ap.add_argument("--out", type=Path, default=None,
                     help="where figures go (default: <results dir>/figures, else ./figures)")
     ap.add_argument("--format", choices=("png", "svg"), default="png")

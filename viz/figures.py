@@ -10,6 +10,7 @@ from viz.calibration import (DEFAULT_PROFILE, benchmark_vs_profile, calibration_
                              plot_residuals, profile_title, read_profile)
 from viz.fidelity import fidelity_frame, plot_fidelity, plot_step_fidelity, validation_frame
 from viz.kernels import plot_kernel_comparison, read_benchmark
+from viz.learning import is_learning_tables, learning_figures
 from viz.policies import plot_frontier, plot_policies
 from viz.runs import PlotError, read_runs, settings
 from viz.timeline import pick_timeline_runs, plot_timeline, replay_step
@@ -47,6 +48,8 @@ def profile_figures(path: Path) -> dict[str, Figure]:
 def figures_for(path: Path, step: int, skip: int | None = None) -> dict[str, Figure]:
     """The figures a path calls for, by what it is."""
     if path.is_dir():
+        if is_learning_tables(path):
+            return learning_figures(path)
         return results_figures(path, step, skip)
     if path.suffix == ".json":
         return profile_figures(path)
@@ -57,7 +60,7 @@ def figures_for(path: Path, step: int, skip: int | None = None) -> dict[str, Fig
         return {"kernels": plot_kernel_comparison(bench),
                 "kernel_model": plot_calibration(model, profile, source=f"benchmark {path.name}"),
                 "kernel_model_residuals": plot_residuals(model, profile)}
-    raise PlotError(f"{path}: not a Results directory, a profile (.json) or a benchmark CSV")
+    raise PlotError(f"{path}: not a Results directory, runner.collect's tables, a profile (.json) or a benchmark CSV")
 
 
 def save(figures: dict[str, Figure], out: Path, fmt: str) -> list[Path]:

@@ -16,6 +16,7 @@ from viz.cli import main
 from viz.fidelity import fidelity_frame, plot_step_fidelity
 from viz.figures import profile_figures, results_figures
 from viz.kernels import plot_kernel_comparison, read_benchmark
+from viz.learning import held_out_accuracy, plot_learning, read_learning, rolling_accuracy
 from viz.policies import plot_frontier, plot_policies
 from viz.runs import PlotError, read_run, read_runs, summary_frame
 from viz.timeline import pick_timeline_runs, plot_timeline, replay_step
@@ -247,3 +248,51 @@ def test_committed_h200_runner_runs_replay():
     frame = fidelity_frame(runs, skip=4)
     assert set(frame["group"]) == {"baseline", "sparsebalance"} and frame["step"].min() == 4
     assert_legible(plot_step_fidelity(frame))
+
+
+# ----------------------------------------------------------------------------- learning tables
+@pytest.fixture
+def learning_tables(tmp_path):
+    """runner.collect's tables of three runs: two seeds of one policy, one of another; 60 steps each."""
+    out = tmp_path / "learning"
+    out.mkdir()
+    rows, held = [], []
+    for run, final in (("task_baseline_s0", 0.6), ("task_baseline_s1", 0.4), ("task_sparsebalance_s0", 0.5)):
+        rows += [{"run": run, "step": s, "loss": 1.0, "accuracy": final * s / 59, "answers": 10 + s % 3}
+                 for s in range(60)]
+        held += [{"run": run, "p": p, "length": n, "accuracy": final - (1 - p), "answers": a, "item_chance": 0.3}
+                 for p in (1.0, 0.9) for n, a in ((128, 100), (256, 300))]
+    pd.DataFrame(rows).to_csv(out / "train.csv", index=False)
+    pd.DataFrame(held).to_csv(out / "eval_summary.csv", index=False)
+    return out
+
+
+def test_learning_curves_group_seeds_and_weigh_by_answers(learning_tables):
+    train, summary = read_learning(learning_tables)
+    curves = rolling_accuracy(train, window=50)
+    assert set(curves["group"]) == {"task_baseline", "task_sparsebalance"}
+    assert curves.groupby("run")["step"].min().eq(49).all()  # no partial windows
+    last = curves[(curves["run"] == "task_baseline_s0") & (curves["step"] == 59)]["accuracy"].item()
+    window = train[(train["run"] == "task_baseline_s0") & (train["step"] >= 10)]
+    assert last == pytest.approx((window["accuracy"] * window["answers"]).sum() / window["answers"].sum())
+    held = held_out_accuracy(summary).set_index("run")
+    assert held.loc["task_baseline_s1", "accuracy"] == pytest.approx(0.4)  # densest budget only
+    assert_legible(plot_learning(train, summary))
+
+
+def test_cli_draws_learning_tables_and_names_a_missing_column(learning_tables, tmp_path, capsys):
+    out = tmp_path / "figs"
+    assert main([str(learning_tables), "--out", str(out)]) == 0
+    assert [p.name for p in out.iterdir()] == ["learning.png"]
+    pd.read_csv(learning_tables / "train.csv").drop(columns="answers").to_csv(learning_tables / "train.csv",
+                                                                             index=False)
+    with pytest.raises(SystemExit) as exc:
+        main([str(learning_tables), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "no column answers" in err, err
+
+
+def test_learning_tables_too_short_for_the_window_say_so(learning_tables):
+    train, summary = read_learning(learning_tables)
+    with pytest.raises(PlotError, match="no run has 100 steps"):
+        plot_learning(train, summary, window=100)
