@@ -31,19 +31,42 @@ import numpy as np
 from sim.cluster import Cluster, Layout
 from sim.config import CostConfig, ModelConfig
 from sim.core import ConfigError, one_line_errors, read_json_config_file, resolve_path, write_json_atomic
-from sim.cp_shards import slowest_rank_extra
+from sim.cp_shards import kept_in_row, kept_rows, slowest_rank_extra
 from sim.workload import Sequence
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2  # 2: per-term attention features (fwd_path; dkdv_path, dq_path, kv_waves)
 TERMS = ("attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd")
-ATTENTION_FEATURES = ("const", "tokens", "blocks", "flops", "q_blocks", "kv_blocks", "path_flops")
-# Multiprocessors of the calibrated GPU (H200): one wave of the kernel's programs. Small batches are
-# bound by their longest program, not by their total work over the chip (see ``path_flops``).
-WAVE = 132
-# Keys per dK/dV program of the calibrated kernel (kernels/sparse_attention DEFAULT_CONFIG["dkdv"]["BN"],
-# at most the block size): a key block is split over block_size / DKDV_KEYS programs.
-DKDV_KEYS = 64
+# Features of every attention term (see attention_features); the forward and the backward add the launch
+# structure of their kernels, which bounds small batches (short GPU calls) by their longest programs.
+ATTENTION_FEATURES = ("const", "tokens", "blocks", "flops", "q_blocks", "kv_blocks")
+FWD_FEATURES = ATTENTION_FEATURES + ("fwd_path",)
+BWD_FEATURES = ATTENTION_FEATURES + ("dkdv_path", "dq_path", "kv_waves")
 LAYER_FEATURES = ("const", "tokens", "flops")
+# The features each term is priced on: the simulator hands a term only these, so they are what the fit sees
+# and every key a profile term carries (a feature the fit holds at zero is written as 0, never left out).
+PROFILE_FEATURES = {"attn_fwd": FWD_FEATURES, "attn_bwd": BWD_FEATURES, "select": ATTENTION_FEATURES,
+                    "layer_fwd": LAYER_FEATURES, "layer_bwd": LAYER_FEATURES}
+# Multiprocessors of the calibrated GPU (H200): one wave of the kernel's programs.
+WAVE = 132
+# Launch rules of the calibrated kernel, mirrored from kernels/sparse_attention/launch.py (tests check they
+# match): keys per dK/dV program (DEFAULT_CONFIG["dkdv"]["BN"], at most the block size: a key block is split
+# over block_size / DKDV_KEYS programs); the row length below which the forward and dQ take their short-row
+# tiles (64 query rows per program instead of 128); and when dQ runs beside dK/dV on a side stream instead of
+# before it (at most that many dK/dV programs per SM and at least that many kept query-key pairs).
+DKDV_KEYS = 64
+SHORT_ROW_TOKENS = 2048
+OVERLAP_MAX_PROGRAMS_PER_SM = 32
+OVERLAP_MIN_PAIRS = 1 << 27
+# dK/dV programs resident at once: two per SM (4 warps; a 64-key K/V tile and two pipeline stages of 64-row
+# Q/dO tiles at head_dim 128 take about 96 KB of shared memory).
+DKDV_SLOTS = 2 * WAVE
+# The busiest key block of a selection (the dK/dV program that runs longest): the number of query rows that
+# keep a key block has a mean of about the longest row's kept blocks and a variance of about (row - 1)(1 - slope)
+# where rows keep their other blocks at random, and the most any of a sequence's KV heads x key blocks reaches
+# is about mean + BUSIEST_Z sqrt(variance ln(KV heads x key blocks)). BUSIEST_Z is fitted to a Monte Carlo of
+# the kernel's top-k rule on random scores (what calibrate.run times) over the calibration grid (6% rms), not to
+# timings. A learned selection that every row shares (an attention sink) makes that block's count the rows.
+BUSIEST_Z = 0.75
 BF16 = 2  # bytes per element of activations, K/V and weights
 
 
@@ -72,7 +95,9 @@ def diag_fraction(lengths: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfig, block_size: int) -> dict:
-    """Per-sequence attention features of one layer's forward."""
+    """Per-sequence attention features of one layer's forward: those a micro-batch sums
+    (ATTENTION_FEATURES and ``pairs``), and ``row``/``busiest``, of which it takes the largest
+    (see _launch_features)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     nb = np.ceil(lengths / block_size)
     causal = nb * (nb + 1.0) / 2.0
@@ -80,6 +105,12 @@ def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfi
     # QK^T and PV of one (query block, key block) pair: 2 matmuls x 2 FLOPs per MAC, one head.
     head_pair_flops = 4.0 * block_size * block_size * model.head_dim
     tiles = block_size / min(DKDV_KEYS, block_size)
+    # Rows keep the diagonal and about a fixed share of their other blocks (sim.cp_shards.kept_rows): the
+    # last row keeps the most, ``row`` blocks; a key block is kept by about that many rows, spread as below.
+    floored, slope = kept_rows(nb, kept)
+    row = np.where(nb > 0, kept_in_row(nb - 1.0, floored, slope), 0.0)
+    spread = np.maximum(row - 1.0, 0.0) * (1.0 - np.clip(slope, 0.0, 1.0))
+    busiest = np.minimum(nb, row + BUSIEST_Z * np.sqrt(spread * np.log(np.maximum(model.kv_heads * nb, 1.0))))
     return {
         "const": np.ones_like(lengths),
         "tokens": lengths,
@@ -87,15 +118,45 @@ def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfi
         "flops": kept * causal * head_pair_flops * model.heads,
         "q_blocks": nb * model.heads,  # forward and dQ programs: one per (query block, head)
         "kv_blocks": nb * model.kv_heads * tiles,  # dK/dV programs: per (key tile, KV head)
-        # The longest dK/dV program: a GQA group's query heads over a key tile's ~kf*nb query blocks.
-        # Per sequence here; a micro-batch takes the max (see _path_flops).
-        "path_flops": (model.heads // model.kv_heads) * np.maximum(1.0, kept * nb) * head_pair_flops / tiles,
+        # kept (query, key) token pairs over the query heads, as the kernel counts them for its overlap rule
+        "pairs": np.maximum(nb, kept * causal) * block_size * block_size * model.heads,
+        "row": row,
+        "busiest": busiest,
     }
 
 
-def _path_flops(flops, longest):
-    """A kernel call lasts at least its work spread over one wave and at least its longest program."""
-    return np.maximum(np.asarray(flops, dtype=np.float64) / WAVE, longest)
+def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: int, cp: int = 1) -> dict:
+    """Add the kernels' launch features to summed features ``feats`` (one entry per micro-batch, per CP rank)
+    given each micro-batch's longest row and busiest key block (blocks; largest over its sequences).
+
+    A kernel lasts at least its longest program (its critical path; LPT-ordered grids put it first):
+
+    * ``fwd_path``: the longest forward (or dQ) program, one head's query tile (64 rows when every row is
+      shorter than SHORT_ROW_TOKENS, else 128) over the longest row's kept blocks;
+    * ``dq_path``: the same for the dQ kernel, where it runs before dK/dV (not overlapped with it);
+    * ``dkdv_path``: the larger of the longest dK/dV program (the GQA group's query heads over the busiest key
+      block's query blocks, for one key tile, four matmuls each) and the dK/dV work (twice the forward's
+      matmuls) spread over DKDV_SLOTS resident programs;
+    * ``kv_waves``: the dK/dV programs in whole waves of WAVE (each wave loads and stores its tiles).
+
+    FLOP features are forward-FLOP-like units of one call. Under CP (``feats`` already 1/cp each) the longest
+    programs are 1/cp as well; the tile class follows the undivided row, as one rank holds whole rows.
+    """
+    row = np.asarray(row, dtype=np.float64)
+    head_pair_flops = 4.0 * block_size * block_size * model.head_dim
+    tile_rows = np.where(row * block_size < SHORT_ROW_TOKENS, min(64, block_size), min(128, block_size))
+    fwd_path = row * head_pair_flops * tile_rows / block_size / cp
+    overlapped = ((feats["kv_blocks"] <= OVERLAP_MAX_PROGRAMS_PER_SM * WAVE)
+                  & (feats["pairs"] >= OVERLAP_MIN_PAIRS))
+    group = model.heads // model.kv_heads
+    longest_dkdv = group * np.asarray(busiest, dtype=np.float64) * 2.0 * head_pair_flops \
+        * min(DKDV_KEYS, block_size) / block_size / cp
+    return feats | {
+        "fwd_path": fwd_path,
+        "dq_path": np.where(overlapped, 0.0, fwd_path),
+        "dkdv_path": np.maximum(longest_dkdv, 2.0 * np.asarray(feats["flops"], dtype=np.float64) / DKDV_SLOTS),
+        "kv_waves": np.ceil(np.asarray(feats["kv_blocks"], dtype=np.float64) / WAVE),
+    }
 
 
 def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
@@ -103,14 +164,15 @@ def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: 
 
     ``const`` counts the call, ``tokens`` the tokens, ``blocks`` the causal (query, key) block
     pairs times heads (the selection's scoring work), ``flops`` the FLOPs of the kept blocks,
-    ``q_blocks``/``kv_blocks`` the kernel's forward/dQ and dK/dV programs, ``path_flops`` the larger
-    of the work per wave and the longest dK/dV program (what bounds small, GQA-heavy batches).
+    ``q_blocks``/``kv_blocks`` the kernel's forward/dQ and dK/dV programs, and the launch features of
+    _launch_features (``fwd_path``, ``dq_path``, ``dkdv_path``, ``kv_waves``: what bounds small batches).
     """
     per_seq = _sequence_attention(np.asarray(lengths), np.asarray(kept_fractions), model, block_size)
-    feats = {k: float(v.sum()) for k, v in per_seq.items()}
+    feats = {k: float(per_seq[k].sum()) for k in ATTENTION_FEATURES + ("pairs",)}
     feats["const"] = min(feats["const"], 1.0)
-    feats["path_flops"] = float(_path_flops(feats["flops"], per_seq["path_flops"].max(initial=0.0)))
-    return feats
+    launch = _launch_features(feats, per_seq["row"].max(initial=0.0), per_seq["busiest"].max(initial=0.0),
+                              model, block_size)
+    return {k: float(v) for k, v in launch.items() if k != "pairs"}
 
 
 def layer_features(tokens: float, model: ModelConfig) -> dict[str, float]:
@@ -225,14 +287,14 @@ class CostModel(ABC):
         per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
         attn = self._group(per_seq, group, n_groups, layout.cp, lengths, kept)
         sparse = (kept < 1.0).astype(np.float64)
-        select = self._group({k: v * sparse for k, v in per_seq.items()}, group, n_groups, layout.cp)
+        select = self._group({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n_groups, layout.cp)
         tokens = attn["tokens"] * layout.cp  # back to the micro-batch's tokens (features are per CP rank)
         layer = {k: v / layout.cp if k != "const" else v for k, v in self._layer(tokens).items()}
 
         comm_f, comm_b = self._cp_comm(tokens, layout)
-        a_f, a_b = self.term_ms("attn_fwd", attn), self.term_ms("attn_bwd", attn)
-        sel = self.term_ms("select", select)
-        o_f, o_b = self.term_ms("layer_fwd", layer), self.term_ms("layer_bwd", layer)
+        a_f, a_b = self._term("attn_fwd", attn), self._term("attn_bwd", attn)
+        sel = self._term("select", select)
+        o_f, o_b = self._term("layer_fwd", layer), self._term("layer_bwd", layer)
         n_layers = self.model.layers / layout.pp
         recomputed = np.maximum(a_f, comm_f) + o_f if self.recompute else 0.0
         return MicroBatchCosts(
@@ -247,28 +309,36 @@ class CostModel(ABC):
             tokens=tokens.astype(np.int64),
         )
 
+    def _term(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
+        """``term_ms`` on the features that term is priced on (PROFILE_FEATURES)."""
+        return self.term_ms(term, {f: feats[f] for f in PROFILE_FEATURES[term]})
+
     def _group(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int,
                lengths=None, kept=None) -> dict[str, np.ndarray]:
-        """Sum per-sequence features per micro-batch (path_flops: the longest program); CP ranks each get 1/cp
-        of the work (zigzag sharding balances the dense causal work).
+        """Sum per-sequence features per micro-batch (``row``/``busiest``: the largest) and add the launch
+        features (_launch_features; not for the selection's features, which have no ``row``); CP ranks each
+        get 1/cp of the work (zigzag sharding balances the dense causal work).
 
         Given the sequences' ``lengths`` and ``kept`` fractions, the kept blocks fall on the ranks as the
         sparse selection puts them (``sim.cp_shards``), and the features are those of the micro-batch's
         slowest rank, since the ring synchronises the ranks every layer. That is the rank with the most kept
-        FLOPs: the other features (tokens, causal blocks, programs, the longest program) stay 1/cp, as the
+        FLOPs: the other features (tokens, causal blocks, programs, the longest programs) stay 1/cp, as the
         selection does not change which tokens and blocks a rank holds, and every attention term's time
-        grows with ``flops`` (and with ``path_flops``, the larger of ``flops / WAVE`` and the longest
-        program), its coefficients being >= 0.
+        grows with ``flops`` (and with ``dkdv_path``, the larger of the longest dK/dV program and the kept
+        work over DKDV_SLOTS), its coefficients being >= 0.
         """
-        out = {k: np.bincount(group, weights=v, minlength=n_groups) / cp for k, v in per_seq.items()}
+        out = {k: np.bincount(group, weights=per_seq[k], minlength=n_groups) / cp
+               for k in ATTENTION_FEATURES + ("pairs",) if k in per_seq}
         out["const"] = np.minimum(out["const"] * cp, 1.0)  # one kernel call per non-empty micro-batch
         if lengths is not None and cp > 1:
             out["flops"] = out["flops"] + slowest_rank_extra(per_seq["flops"], lengths, kept, group, n_groups, cp,
                                                              self.block_size)
-        longest = np.zeros(n_groups)
-        np.maximum.at(longest, group, per_seq["path_flops"])
-        out["path_flops"] = _path_flops(out["flops"], longest / cp)
-        return out
+        if "row" not in per_seq:  # the selection's features: no attention kernel launches
+            return out
+        row, busiest = np.zeros(n_groups), np.zeros(n_groups)
+        np.maximum.at(row, group, per_seq["row"])
+        np.maximum.at(busiest, group, per_seq["busiest"])
+        return _launch_features(out, row, busiest, self.model, self.block_size, cp)
 
     def _layer(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         per_token = layer_features(1.0, self.model)["flops"]
@@ -352,9 +422,6 @@ def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster, *, recomput
 
 
 # ----------------------------------------------------------------------------- profiles
-# The coefficients a profile term must carry: every feature the cost model hands that term, which is every
-# key calibrate.fit writes for it (a feature the fit holds at zero is written as 0, never left out).
-PROFILE_FEATURES = {term: LAYER_FEATURES if term.startswith("layer") else ATTENTION_FEATURES for term in TERMS}
 PROFILE_KEYS = ("schema_version", "gpu", "provisional", "meta", "block_size", "terms")
 
 
@@ -374,7 +441,8 @@ def _profile_problem(profile) -> str | None:
         return f"the top level is {kind}; a profile is a JSON object"
     if "schema_version" in profile and (profile["schema_version"] != PROFILE_SCHEMA_VERSION
                                         or isinstance(profile["schema_version"], bool)):
-        return f"schema_version={profile['schema_version']!r}: this simulator reads {PROFILE_SCHEMA_VERSION}"
+        return (f"schema_version={profile['schema_version']!r}: this simulator reads {PROFILE_SCHEMA_VERSION}; refit "
+                "the profile from its raw measurements (python -m calibrate.fit --csv RAW.csv --out PROFILE.json)")
     missing = [k for k in PROFILE_KEYS if k not in profile]
     if missing:
         return f"missing key {missing[0]!r}; a profile has {', '.join(PROFILE_KEYS)}"

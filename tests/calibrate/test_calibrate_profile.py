@@ -52,10 +52,16 @@ def test_profile_predictions_refit_from_the_committed_csv(profile):
     assert merged == {t: sorted(c["merged"]) for t, c in profile["fit"]["conditioning"]["terms"].items()}
 
 
-def test_cost_features_describe_the_kernels_dkdv_tiles():
-    """``kv_blocks`` and ``path_flops`` count dK/dV programs of DKDV_KEYS keys: the kernel's long- and
-    short-row dK/dV configs must use that tile, or the fitted profile describes another grid."""
+def test_cost_features_describe_the_kernels_launches():
+    """``kv_blocks``, ``kv_waves`` and ``dkdv_path`` count dK/dV programs of DKDV_KEYS keys, ``fwd_path`` takes
+    the short-row tiles below SHORT_ROW_TOKENS, ``dq_path`` follows the overlap rule: the kernel's launch rules
+    must be these, or the fitted profile describes another grid."""
     from kernels.sparse_attention import launch as tk
-    from sim.cost import DKDV_KEYS
+    from sim import cost
 
-    assert {tk.DEFAULT_CONFIG[kind]["BN"] for kind in ("dkdv", "dkdv_short")} == {DKDV_KEYS}
+    assert {tk.DEFAULT_CONFIG[kind]["BN"] for kind in ("dkdv", "dkdv_short")} == {cost.DKDV_KEYS}
+    assert tk.SHORT_ROW_TOKENS == cost.SHORT_ROW_TOKENS
+    assert {tk.DEFAULT_CONFIG[kind]["BM"] for kind in ("fwd", "dq")} == {128}
+    assert {tk.DEFAULT_CONFIG[kind]["BM"] for kind in ("fwd_short", "dq_short")} == {64}
+    assert tk.OVERLAP_MAX_PROGRAMS_PER_SM == cost.OVERLAP_MAX_PROGRAMS_PER_SM
+    assert tk.OVERLAP_MIN_PAIRS == cost.OVERLAP_MIN_PAIRS

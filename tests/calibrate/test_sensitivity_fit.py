@@ -15,7 +15,8 @@ from hypothesis import given, settings, strategies as st
 from scipy.special import expit
 
 from calibrate import sensitivity as fit
-from sim.sensitivity import RAW_COLUMNS, load_sensitivity_profile, raw_meta_path
+from sim.cost import PROFILE_SCHEMA_VERSION as COST_SCHEMA_VERSION
+from sim.sensitivity import RAW_COLUMNS, SENSITIVITY_SCHEMA_VERSION, load_sensitivity_profile, raw_meta_path
 
 LENGTHS = (512, 1024, 2048, 4096)
 KEPT = (0.1, 0.25, 0.5, 1.0)  # kept fraction 1 says nothing about s and is left out
@@ -216,7 +217,9 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, name):
 @pytest.mark.parametrize("argv, needle", [
     ([], "nothing to do; allowed: raw CSVs to fit (with --out), or --check PROFILE"),
     (["raw.csv"], "--out is missing"),
-    (["--check", "tests/fixtures/profile_h200.json"], "kind=None: allowed: 'sensitivity'"),
+    # a cost profile: refused at its schema version (the sensitivity profile's is another)
+    (["--check", "tests/fixtures/profile_h200.json"],
+     f"schema_version={COST_SCHEMA_VERSION}: this simulator reads {SENSITIVITY_SCHEMA_VERSION}"),
 ])
 def test_bad_options_are_one_line(capsys, argv, needle):
     code, _, err = run(capsys, *argv)

@@ -31,5 +31,7 @@ def test_mistyped_override_fails_at_composition():
 def test_default_profile_is_the_measured_one():
     import json
 
+    from sim.cost import PROFILE_SCHEMA_VERSION
+
     profile = json.loads((Path(__file__).resolve().parents[2] / "calibrate/profiles/h200.json").read_text())
-    assert profile["provisional"] is False and profile["schema_version"] == 1
+    assert profile["provisional"] is False and profile["schema_version"] == PROFILE_SCHEMA_VERSION

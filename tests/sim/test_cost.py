@@ -4,7 +4,8 @@ from hypothesis import given, strategies as st
 
 from sim.cluster import Cluster, Layout
 from sim.core import ConfigError, compose_config, write_json_atomic
-from sim.cost import attention_features, load_profile, make_cost, params_per_layer, provisional_profile
+from sim.cost import (DKDV_SLOTS, PROFILE_SCHEMA_VERSION, WAVE, attention_features, load_profile, make_cost,
+                      params_per_layer, provisional_profile)
 from sim.workload import Sequence
 
 
@@ -54,6 +55,24 @@ def test_features_count_causal_blocks():
     assert params_per_layer(cfg.model) > 0
 
 
+def test_launch_features_follow_the_kernels_grids():
+    """The longest programs of a dense and of a diagonal-only sequence (64 blocks of 128), the dK/dV waves, and
+    dQ's path only where it runs before dK/dV (not beside it on the side stream)."""
+    model = compose_config([]).model
+    hpf, group = 4.0 * 128 * 128 * model.head_dim, model.heads // model.kv_heads
+    dense = attention_features([8192], [1.0], model, 128)
+    assert dense["fwd_path"] == pytest.approx(64 * hpf)  # the last row's 64 blocks, 128-row tiles
+    assert dense["dkdv_path"] == pytest.approx(max(group * 64 * hpf, 2 * dense["flops"] / DKDV_SLOTS))
+    assert dense["kv_waves"] == np.ceil(64 * model.kv_heads * 2 / WAVE) and dense["dq_path"] == 0.0
+    diagonal = attention_features([8192], [2 / 65], model, 128)
+    assert diagonal["fwd_path"] == pytest.approx(hpf / 2)  # one block, 64-row tiles
+    assert diagonal["dkdv_path"] == pytest.approx(max(group * hpf, 2 * diagonal["flops"] / DKDV_SLOTS))
+    assert diagonal["dq_path"] == diagonal["fwd_path"]  # too few kept pairs for the overlapped backward
+    paths = [attention_features([8192], [kf], model, 128) for kf in np.linspace(2 / 65, 1.0, 40)]
+    for key in ("fwd_path", "dkdv_path"):
+        assert all(a[key] <= b[key] * (1 + 1e-12) for a, b in zip(paths, paths[1:])), key
+
+
 ROOFLINE = cost_for("cost=roofline")
 
 
@@ -69,6 +88,7 @@ def test_coverage_model(length, s, p):
 
 def test_load_profile_rejects_wrong_terms(tmp_path):
     bad = tmp_path / "p.json"
-    bad.write_text('{"schema_version": 1, "gpu": "x", "provisional": true, "meta": {}, "block_size": 64, "terms": {}}')
+    bad.write_text(f'{{"schema_version": {PROFILE_SCHEMA_VERSION}, "gpu": "x", "provisional": true, "meta": {{}}, '
+                   '"block_size": 64, "terms": {}}')
     with pytest.raises(ConfigError, match="terms must be exactly"):
         load_profile(str(bad))

@@ -8,7 +8,7 @@ from pinned import pinned
 from runner.cp import shard_bounds
 from sim.cluster import Cluster, Layout
 from sim.core import compose_config
-from sim.cost import WAVE, _path_flops, _sequence_attention, attention_features, make_cost
+from sim.cost import ATTENTION_FEATURES, _launch_features, _sequence_attention, attention_features, make_cost
 from sim.cp_shards import distinct_gaps, kept_rows, kept_share_shift, slowest_rank_extra, zigzag_bounds
 
 
@@ -134,14 +134,28 @@ def cost_for(*overrides):
     return make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster), recompute=False)
 
 
-def balanced_group(per_seq, group, n_groups, cp, lengths=None, kept=None):
-    """The CP price before the selection's shards were modelled: every rank 1/cp of every feature."""
-    out = {k: np.bincount(group, weights=v, minlength=n_groups) / cp for k, v in per_seq.items()}
+def summed(per_seq, group, n_groups, cp):
+    """Every rank 1/cp of every summed feature (one call per non-empty micro-batch)."""
+    out = {k: np.bincount(group, weights=per_seq[k], minlength=n_groups) / cp
+           for k in ATTENTION_FEATURES + ("pairs",) if k in per_seq}
     out["const"] = np.minimum(out["const"] * cp, 1.0)
-    longest = np.zeros(n_groups)
-    np.maximum.at(longest, group, per_seq["path_flops"])
-    out["path_flops"] = np.maximum(out["flops"] / WAVE, longest / cp)
     return out
+
+
+def largest(per_seq, group, n_groups):
+    """Each micro-batch's longest row and busiest key block (blocks)."""
+    row, busiest = np.zeros(n_groups), np.zeros(n_groups)
+    np.maximum.at(row, group, per_seq["row"])
+    np.maximum.at(busiest, group, per_seq["busiest"])
+    return row, busiest
+
+
+def balanced_group(self, per_seq, group, n_groups, cp, lengths=None, kept=None):
+    """The CP price before the selection's shards were modelled: every rank 1/cp of every feature."""
+    if "row" not in per_seq:  # the selection's features
+        return summed(per_seq, group, n_groups, cp)
+    return _launch_features(summed(per_seq, group, n_groups, cp), *largest(per_seq, group, n_groups), self.model,
+                            self.block_size, cp)
 
 
 BATCH = dict(lengths=np.array([4097, 130, 333, 20000, 9000, 64]), group=np.array([0, 0, 1, 1, 2, 2]), n_groups=3)
@@ -149,7 +163,7 @@ BATCH = dict(lengths=np.array([4097, 130, 333, 20000, 9000, 64]), group=np.array
 
 def costs(cost, kept, cp, group_fn=None):
     if group_fn is not None:
-        cost._group = group_fn
+        cost._group = group_fn.__get__(cost)
     return cost.micro_batch_costs(BATCH["lengths"], kept, BATCH["group"], BATCH["n_groups"], Layout(dp=1, cp=cp))
 
 
@@ -192,15 +206,15 @@ def test_the_slowest_rank_is_the_one_with_the_most_kept_flops():
     cp, kept = 4, np.array([0.05, 0.2, 0.08, 0.1, 0.1, 0.3])
     per_seq = _sequence_attention(BATCH["lengths"], kept, cost.model, cost.block_size)
     shift = np.array([counted_shift(int(n), kf, cp, cost.block_size) for n, kf in zip(BATCH["lengths"], kept)]).T
-    even = balanced_group(per_seq, BATCH["group"], 3, cp)
-    longest = np.zeros(3)
-    np.maximum.at(longest, BATCH["group"], per_seq["path_flops"])
+    even = summed(per_seq, BATCH["group"], 3, cp)
     got = costs(cost, kept, cp)
     for term, field in (("attn_fwd", "attn_fwd_ms"), ("attn_bwd", "attn_bwd_ms")):
         times = []
         for rank in range(cp):
             flops = np.bincount(BATCH["group"], weights=per_seq["flops"] * (1 / cp + shift[rank]), minlength=3)
-            times.append(cost.term_ms(term, {**even, "flops": flops, "path_flops": _path_flops(flops, longest / cp)}))
+            feats = _launch_features({**even, "flops": flops}, *largest(per_seq, BATCH["group"], 3), cost.model,
+                                     cost.block_size, cp)
+            times.append(cost._term(term, feats))
         np.testing.assert_allclose(getattr(got, field), cost.model.layers * np.max(times, axis=0), rtol=1e-12)
 
 
