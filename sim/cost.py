@@ -94,6 +94,11 @@ def diag_fraction(lengths: np.ndarray, block_size: int) -> np.ndarray:
     return 2.0 / (nb + 1.0)
 
 
+def _head_pair_flops(model: ModelConfig, block_size: int) -> float:
+    """FLOPs of QK^T and PV of one (query block, key block) pair for one head: 2 matmuls x 2 FLOPs per MAC."""
+    return 4.0 * block_size * block_size * model.head_dim
+
+
 def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfig, block_size: int) -> dict:
     """Per-sequence attention features of one layer's forward: those a micro-batch sums
     (ATTENTION_FEATURES and ``pairs``), and ``row``/``busiest``, of which it takes the largest
@@ -102,8 +107,7 @@ def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfi
     nb = np.ceil(lengths / block_size)
     causal = nb * (nb + 1.0) / 2.0
     kept = np.asarray(kept, dtype=np.float64)
-    # QK^T and PV of one (query block, key block) pair: 2 matmuls x 2 FLOPs per MAC, one head.
-    head_pair_flops = 4.0 * block_size * block_size * model.head_dim
+    head_pair_flops = _head_pair_flops(model, block_size)
     tiles = block_size / min(DKDV_KEYS, block_size)
     # Rows keep the diagonal and about a fixed share of their other blocks (sim.cp_shards.kept_rows): the
     # last row keeps the most, ``row`` blocks; a key block is kept by about that many rows, spread as below.
@@ -143,7 +147,7 @@ def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: 
     programs are 1/cp as well; the tile class follows the undivided row, as one rank holds whole rows.
     """
     row = np.asarray(row, dtype=np.float64)
-    head_pair_flops = 4.0 * block_size * block_size * model.head_dim
+    head_pair_flops = _head_pair_flops(model, block_size)
     tile_rows = np.where(row * block_size < SHORT_ROW_TOKENS, min(64, block_size), min(128, block_size))
     fwd_path = row * head_pair_flops * tile_rows / block_size / cp
     overlapped = ((feats["kv_blocks"] <= OVERLAP_MAX_PROGRAMS_PER_SM * WAVE)

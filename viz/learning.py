@@ -92,12 +92,11 @@ def plot_learning(train: pd.DataFrame, summary: pd.DataFrame | None, window: int
     ax.set_xlabel("step")
     ax.set_ylabel(f"training accuracy ({window}-step mean)")
     ax.set_title("learning curves, one line per run")
-    ax.legend(loc="upper left", fontsize="small")
     if summary is not None:
         held = held_out_accuracy(summary)
         _plot_held_out(axes[1], held, colours)
         ax.axhline(held["item_chance"].mean(), color="grey", ls=":", lw=1, label="held-out item chance")
-        ax.legend(loc="upper left", fontsize="small")
+    ax.legend(loc="upper left", fontsize="small")
     fig.suptitle(title or "Learning: training and held-out accuracy")
     return fig
 
