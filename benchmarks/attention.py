@@ -246,20 +246,22 @@ def tune_shape(args, res: dict, cls: str, name: str, lens, kf):
 
 
 # A config tuple names these keys in order (a shorter tuple leaves the rest at the defaults); dkdv: BN is the
-# program's KV tile, BM the query sub-tile; WS exists in the forward only (the dK/dV candidates leave TMA on).
-CONFIG_KEYS = ("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER", "TMA", "WS")
+# program's KV tile, BM the query sub-tile; WS exists in the forward only (the dK/dV candidates leave TMA on);
+# maxnreg 0: no register cap.
+CONFIG_KEYS = ("BM", "BN", "num_warps", "num_stages", "HEAD_OUTER", "TMA", "WS", "maxnreg")
 TUNE_CANDS = {
     "fwd": [(128, 128, 8, 2, True, True, True), (128, 128, 8, 3, True, True, True),
             (128, 128, 8, 3, True, False, False), (128, 64, 8, 3, True, False, False)],
-    "fwd_short": [(64, 64, 4, 3, True, True, False), (64, 64, 4, 3, True, True, True),
-                  (64, 64, 4, 3, True, False, False)],
+    "fwd_short": [(64, 32, 4, 2, True, True, False, 128), (64, 32, 4, 2, True, True, False, 0),
+                  (64, 64, 4, 3, True, True, False, 0), (64, 64, 4, 3, True, True, True, 0),
+                  (64, 64, 4, 3, True, False, False, 0)],
     "dq": [(128, 128, 8, 2, True, True), (128, 128, 8, 3, True, True), (128, 128, 8, 3, True, False),
            (64, 64, 4, 3, True, False)],
-    "dq_short": [(64, 64, 4, 2, True, True), (64, 64, 4, 3, True, True), (64, 64, 4, 3, True, False)],
+    "dq_short": [(64, 32, 4, 2, True, True), (64, 64, 4, 2, True, True), (64, 64, 4, 3, True, True),
+                 (64, 64, 4, 3, True, False)],
     "dkdv": [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 2, True)],
     "dkdv_short": [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (64, 64, 4, 1, True)],
 }
-
 
 
 def tiles_option(configs: dict) -> KernelOptions:
@@ -1000,8 +1002,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--check-csv", default=None, help="--check's CSV when --csv is the grid's")
     ap.add_argument("--config", default=None,
-                    help="json {kind: [BM, BN, warps, stages, head_outer, tma, ws]} for block 128, D 128 (a shorter "
-                         "list leaves the rest at the defaults)")
+                    help="json {kind: [BM, BN, warps, stages, head_outer, tma, ws, maxnreg]} for block 128, D 128 (a "
+                         "shorter list leaves the rest at the defaults)")
     ap.add_argument("--lengths", type=comma_list(int, lambda x: x > 0, "positive token counts"),
                     default="8192,32768,131072")
     ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,

@@ -78,7 +78,7 @@ def resources(cubin: bytes) -> str:
 
 
 def attention_jobs():
-    """(name, kernel, constexprs, warps, stages, descriptor box or None) of each attention config, each also
+    """(name, kernel, constexprs, compile options, descriptor box or None) of each attention config, each also
     once with pointer tiles (``_ptr``: what runs where TMA cannot)."""
     kernels = {"fwd": forward._fwd_kernel, "dq": backward._bwd_dq_kernel, "dkdv": backward._bwd_dkdv_kernel}
     for kind, fn in kernels.items():
@@ -94,28 +94,27 @@ def attention_jobs():
                 if not tma:
                     extra.update({d: None for d in DESCRIPTORS if d in params})
                 box_rows = cfg["BM"] if kind == "dkdv" else cfg["BN"]
-                yield (kind + suffix + ("_ptr" if ptr else ""), fn, {**consts, **extra}, cfg["num_warps"],
-                       launch.pipeline_stages(cfg, tma), [box_rows, 128] if tma else None)
+                yield (kind + suffix + ("_ptr" if ptr else ""), fn, {**consts, **extra},
+                       launch.compile_options(cfg, tma), [box_rows, 128] if tma else None)
 
 
 def support_jobs():
     """The same tuples for the delta pre-pass and the selection kernels (launched with Triton's default
     stages), at the shapes of a 16-head, D 128, block 128 selection."""
     sk = select_kernels
-    yield "delta", backward._delta_kernel, dict(BT=backward.DELTA_TOKENS, D=128), 4, None, None
-    yield "pool", sk._pool_kernel, dict(G=1, BLOCK=128, D=128), 4, None, None
+    yield "delta", backward._delta_kernel, dict(BT=backward.DELTA_TOKENS, D=128), dict(num_warps=4), None
+    yield "pool", sk._pool_kernel, dict(G=1, BLOCK=128, D=128), dict(num_warps=4), None
     for name, topp, wp2, warps in (("select_topk", False, 256, 4), ("select_topp_wide", True, 1024, 8)):
-        yield name, sk._select_kernel, dict(HKV=16, TOPP=topp, D=128, CH=64, WP2=wp2), warps, None, None
-    yield "reverse", sk._reverse_kernel, dict(CH=64), 2, None, None
-    yield "doc_stats", sk._doc_stats_kernel, dict(CH=64, SCH=1024), 4, None, None
+        yield name, sk._select_kernel, dict(HKV=16, TOPP=topp, D=128, CH=64, WP2=wp2), dict(num_warps=warps), None
+    yield "reverse", sk._reverse_kernel, dict(CH=64), dict(num_warps=2), None
+    yield "doc_stats", sk._doc_stats_kernel, dict(CH=64, SCH=1024), dict(num_warps=4), None
 
 
-def compile_ptx(fn, consts: dict, warps: int, stages: int | None, box: list | None):
+def compile_ptx(fn, consts: dict, options: dict, box: list | None):
     """(PTX instructions, register/stack usage) of one kernel compiled for sm_90."""
     sig = signature(fn, consts, box)
     src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
                     attrs=divisible_by_16(fn, sig))
-    options = dict(num_warps=warps) if stages is None else dict(num_warps=warps, num_stages=stages)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return instructions(compiled.asm["ptx"]), resources(compiled.asm["cubin"])
 
@@ -150,8 +149,8 @@ def main():
                  "python -m benchmarks.kernel_ptx REF_DIR)")
     os.makedirs(args.out, exist_ok=True)
     differ = []
-    for name, fn, consts, warps, stages, box in (*attention_jobs(), *support_jobs()):
-        code, usage = compile_ptx(fn, consts, warps, stages, box)
+    for name, fn, consts, options, box in (*attention_jobs(), *support_jobs()):
+        code, usage = compile_ptx(fn, consts, options, box)
         with open(os.path.join(args.out, name + ".ptx"), "w") as f:
             f.write(code)
         result = verdict(name, code, args.compare)

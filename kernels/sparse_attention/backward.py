@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (LOG2E, dkdv_programs, empty, grid, kept_pairs, launch, overlap_pays, pipeline_stages,
+from .launch import (LOG2E, dkdv_programs, empty, grid, kept_pairs, launch, overlap_pays, compile_options,
                      precision, record, row_class_launches, tensor_descriptors, tile_variants, tma_able, use_tma)
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .tiles import program_tile
@@ -168,35 +168,39 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, QD, DOD, blk_start, blk_en
         # TMA tiles cannot stop at a document's end, so with TMA the last entry (the only one that can be a
         # document's partial last block: the list ascends within one document) runs after the loop, by pointers
         LAST_APART: tl.constexpr = TMA
-        n_it = (e_end - e0 - LAST_APART) * NSM
+        # diagonal block (first entry of the reverse list), masked, for every query head of the group
         for g in range(0, G):
             hq = hk * G + g
-            Qh = Q + hq * sqh
-            DOh = DO + hq * sdoh
-            LSEh = LSE + hq.to(tl.int64) * T
-            DELh = DELTA + hq.to(tl.int64) * T
-            # diagonal block (first entry of the reverse list), masked
             for j in tl.static_range(NSM):
                 mq = ks + j * BM
                 if (mq + BM > n0) & (mq < ke):
-                    dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, mq, ke - mq, n0,
+                    dk, dv = _dkdv_tile(kk, vv, dk, dv, Q + hq * sqh, DO + hq * sdoh, QD, DOD, hq * D,
+                                        LSE + hq.to(tl.int64) * T, DELTA + hq.to(tl.int64) * T, mq, ke - mq, n0,
                                         offs_n, offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=True, TMA=False,
                                         PREC=PREC)
-            # one flat loop over the BM-row sub-tiles of the later query blocks, software-pipelined by
-            # num_stages; only a document's last block can be partial, hence the row bound
-            for it in range(0, n_it):
-                e = e0 + it // NSM
-                q0 = tl.load(k2q_start + e) + (it % NSM) * BM
-                dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, q0,
-                                    tl.load(k2q_end + e) - q0, n0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale,
-                                    MASK_DIAG=False, TMA=TMA, PREC=PREC)
-            if LAST_APART:
-                if e_end > e0:
+        # one flat loop over (query head, BM-row sub-tile of the later query blocks), software-pipelined by
+        # num_stages across heads too; only a document's last block can be partial, hence the row bound
+        n_it = (e_end - e0 - LAST_APART) * NSM
+        for it in range(0, G * n_it):
+            # n_it is positive wherever the loop runs; the bound keeps a pipelined prologue off a zero divisor
+            hq = hk * G + it // tl.maximum(n_it, 1)
+            r = it % tl.maximum(n_it, 1)
+            e = e0 + r // NSM
+            q0 = tl.load(k2q_start + e) + (r % NSM) * BM
+            dk, dv = _dkdv_tile(kk, vv, dk, dv, Q + hq * sqh, DO + hq * sdoh, QD, DOD, hq * D,
+                                LSE + hq.to(tl.int64) * T, DELTA + hq.to(tl.int64) * T, q0,
+                                tl.load(k2q_end + e) - q0, n0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale,
+                                MASK_DIAG=False, TMA=TMA, PREC=PREC)
+        if LAST_APART:
+            if e_end > e0:
+                for g in range(0, G):
+                    hq = hk * G + g
                     for j in tl.static_range(NSM):
                         q0 = tl.load(k2q_start + e_end - 1) + j * BM
                         qlen = tl.load(k2q_end + e_end - 1) - q0
                         if qlen > 0:
-                            dk, dv = _dkdv_tile(kk, vv, dk, dv, Qh, DOh, QD, DOD, hq * D, LSEh, DELh, q0, qlen,
+                            dk, dv = _dkdv_tile(kk, vv, dk, dv, Q + hq * sqh, DO + hq * sdoh, QD, DOD, hq * D,
+                                                LSE + hq.to(tl.int64) * T, DELTA + hq.to(tl.int64) * T, q0, qlen,
                                                 n0, offs_n, offs_m, offs_d, sqt, sdot, qk_scale, MASK_DIAG=False,
                                                 TMA=False, PREC=PREC)
         dk = dk * sm_scale
@@ -236,6 +240,7 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None,
     delta = empty((Hq, T), q, options, torch.float32) if store else delta
     dq = empty(q.shape, q, options) if dq is None else dq
     pairs = kept_pairs(q, k, sel)
+    G = Hq // k.shape[1]
 
     def arguments(cfg, ends, tma, store):
         kd, vd = tensor_descriptors(cfg["BN"], k, v) if tma else (None, None)
@@ -243,17 +248,16 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None,
                 sel.q_order, sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
                 o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1))
-        return args, dict(G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=precision(q.dtype),
-                          HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, TMA=tma, num_warps=cfg["num_warps"],
-                          num_stages=pipeline_stages(cfg, tma))
+        return args, dict(G=G, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=precision(q.dtype),
+                          HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, TMA=tma, **compile_options(cfg, tma))
 
     def variants():
         # a delta from the pre-pass comes with the overlapped backward only, which keeps TMA_MIN_PAIRS or more
         # (OVERLAP_MIN_PAIRS): with TMA wherever it can run
-        return [(c, t, st) for c, t in tile_variants("dq", B, D, options, k, v)
+        return [(c, t, st) for c, t in tile_variants("dq", B, D, options, k, v, group=G)
                 for st in (True, False) if st or t == tma_able(c, k, v)]
 
-    for name, cfg, ends in row_class_launches("dq", sel, D, options):
+    for name, cfg, ends in row_class_launches("dq", sel, D, options, G):
         tma = use_tma(cfg, pairs, k, v)
         siblings = lambda ends=ends, cfg=cfg, tma=tma: [  # noqa: E731
             (_bwd_dq_kernel, *arguments(c, ends, t, st)) for c, t, st in variants() if (c, t, st) != (cfg, tma, store)
@@ -273,6 +277,7 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale, options: Kernel
     dk = empty(k.shape, k, options)
     dv = empty(v.shape, v, options)
     pairs = kept_pairs(q, k, sel)
+    G = Hq // Hkv
 
     def arguments(cfg, ends, tma):
         qd, dod = tensor_descriptors(cfg["BM"], q, do) if tma else (None, None)
@@ -280,15 +285,14 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale, options: Kernel
                 sel.k2q_end, sel.k_order, sm_scale * LOG2E, sm_scale, T, NB,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
-        return args, dict(G=Hq // Hkv, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=precision(q.dtype),
-                          HEAD_OUTER=cfg["HEAD_OUTER"], TMA=tma, num_warps=cfg["num_warps"],
-                          num_stages=pipeline_stages(cfg, tma))
+        return args, dict(G=G, BLOCK=B, BN=cfg["BN"], BM=cfg["BM"], D=D, PREC=precision(q.dtype),
+                          HEAD_OUTER=cfg["HEAD_OUTER"], TMA=tma, **compile_options(cfg, tma))
 
     # the reverse lists are as long as the forward ones, give or take the causal shape: one row-length key
-    for name, cfg, ends in row_class_launches("dkdv", sel, D, options):
+    for name, cfg, ends in row_class_launches("dkdv", sel, D, options, G):
         tma = use_tma(cfg, pairs, q, do)
         siblings = lambda ends=ends, cfg=cfg, tma=tma: (  # noqa: E731
-            (_bwd_dkdv_kernel, *arguments(c, ends, t)) for c, t in tile_variants("dkdv", B, D, options, q, do)
+            (_bwd_dkdv_kernel, *arguments(c, ends, t)) for c, t in tile_variants("dkdv", B, D, options, q, do, group=G)
             if (c, t) != (cfg, tma))
         compiled = launch(_bwd_dkdv_kernel, grid(cfg, Hkv, NB * (B // cfg["BN"])), *arguments(cfg, ends, tma),
                           siblings if options.precompile else tuple)

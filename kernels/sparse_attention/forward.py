@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (LOG2E, empty, grid, kept_pairs, launch, pipeline_stages, precision, record, row_class_launches,
+from .launch import (LOG2E, empty, grid, kept_pairs, launch, compile_options, precision, record, row_class_launches,
                      tensor_descriptors, tile_variants, use_tma)
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .tiles import program_tile
@@ -107,6 +107,7 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale, options: KernelOptions = DEFAULT_OPT
     o = empty((T, Hq, D), q, options)
     lse = empty((Hq, T), q, options, torch.float32)
     pairs = kept_pairs(q, k, sel)
+    G = Hq // k.shape[1]
 
     def arguments(cfg, ends, tma):
         kd, vd = tensor_descriptors(cfg["BN"], k, v) if tma else (None, None)
@@ -114,14 +115,14 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale, options: KernelOptions = DEFAULT_OPT
                 sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
                 o.stride(1))
-        return args, dict(G=Hq // k.shape[1], BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=precision(q.dtype),
+        return args, dict(G=G, BLOCK=B, BM=cfg["BM"], BN=cfg["BN"], D=D, PREC=precision(q.dtype),
                           HEAD_OUTER=cfg["HEAD_OUTER"], TMA=tma, WS=tma and cfg.get("WS", False),
-                          num_warps=cfg["num_warps"], num_stages=pipeline_stages(cfg, tma))
+                          **compile_options(cfg, tma))
 
-    for name, cfg, ends in row_class_launches("fwd", sel, D, options):
+    for name, cfg, ends in row_class_launches("fwd", sel, D, options, G):
         tma = use_tma(cfg, pairs, k, v)
         siblings = lambda ends=ends, cfg=cfg, tma=tma: (  # noqa: E731
-            (_fwd_kernel, *arguments(c, ends, t)) for c, t in tile_variants("fwd", B, D, options, k, v)
+            (_fwd_kernel, *arguments(c, ends, t)) for c, t in tile_variants("fwd", B, D, options, k, v, group=G)
             if (c, t) != (cfg, tma))
         compiled = launch(_fwd_kernel, grid(cfg, Hq, NB * (B // cfg["BM"])), *arguments(cfg, ends, tma),
                           siblings if options.precompile else tuple)

@@ -29,12 +29,19 @@ LOG2E = 1.4426950408889634
 # TMA and gives dQ nothing.
 # FALLBACK_STAGES: the stages where TMA is asked for but cannot run (pointer tiles): those tuned for pointer
 # tiles (2-stage pointer-tile dQ spills).
+# Short rows at high sparsity: most programs hold the diagonal block alone (60% of the rows of a packed 64K
+# batch at sparsity 0.9), so a launch is bound by how many programs an SM keeps in flight, not by matmul rate.
+# The short-row forward and dQ therefore take 32-key sub-tiles (half the K/V stage memory), and the forward a
+# cap of 128 registers (maxnreg, with TMA tiles: no spills), so that more programs share an SM.
+# GQA_HEAD_OUTER replaces HEAD_OUTER where query heads share K/V (GQA): with the head on axis 0, the programs
+# of one row's heads run together and a group's programs read the same K/V tiles from L2.
 DEFAULT_CONFIG = {
     "fwd": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, WS=True, FALLBACK_STAGES=3),
-    "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=3, HEAD_OUTER=True, TMA=True, WS=False,
-                      FALLBACK_STAGES=3),
+    "fwd_short": dict(BM=64, BN=32, num_warps=4, num_stages=2, HEAD_OUTER=True, GQA_HEAD_OUTER=False, TMA=True,
+                      WS=False, FALLBACK_STAGES=3, maxnreg=128),
     "dq": dict(BM=128, BN=128, num_warps=8, num_stages=2, HEAD_OUTER=True, TMA=True, FALLBACK_STAGES=3),
-    "dq_short": dict(BM=64, BN=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True, FALLBACK_STAGES=3),
+    "dq_short": dict(BM=64, BN=32, num_warps=4, num_stages=2, HEAD_OUTER=True, GQA_HEAD_OUTER=False, TMA=True,
+                     FALLBACK_STAGES=3),
     "dkdv": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True),
     "dkdv_short": dict(BN=64, BM=64, num_warps=4, num_stages=2, HEAD_OUTER=True, TMA=True),
 }
@@ -58,9 +65,10 @@ OVERLAP_MIN_PAIRS = 1 << 27  # kept (query, key) token pairs over all query head
 
 
 def get_config(kind: str, block: int, D: int, row_blocks: int | None = None,
-               options: KernelOptions | None = None) -> dict:
+               options: KernelOptions | None = None, group: int = 1) -> dict:
     """Launch config of one kernel kind ("fwd", "dq", "dkdv"); ``row_blocks`` (the most KV blocks any query
-    row keeps) picks the short-row config; ``options.tiles`` overrides it (see :class:`KernelOptions`)."""
+    row keeps) picks the short-row config; ``options.tiles`` overrides it (see :class:`KernelOptions`);
+    ``group`` (query heads per KV head) above 1 takes its ``GQA_HEAD_OUTER`` where it has one."""
     short = row_blocks is not None and row_blocks * block < SHORT_ROW_TOKENS
     cfg = dict(DEFAULT_CONFIG[kind + "_short" if short else kind])
     over = options.tile_overrides(block, D) if options is not None else {}
@@ -69,6 +77,8 @@ def get_config(kind: str, block: int, D: int, row_blocks: int | None = None,
         cfg.update(over.get(kind + "_short", {}))
     for key in ("BM", "BN"):
         cfg[key] = min(cfg[key], block)
+    if group > 1:
+        cfg["HEAD_OUTER"] = cfg.get("GQA_HEAD_OUTER", cfg["HEAD_OUTER"])
     return cfg
 
 
@@ -80,6 +90,16 @@ def grid(cfg: dict, heads: int, rows: int) -> tuple[int, int]:
 def pipeline_stages(cfg: dict, tma: bool) -> int:
     """Pipeline stages of a launch: the config's, or its FALLBACK_STAGES where it asks for TMA that cannot run."""
     return cfg["num_stages"] if tma or not cfg.get("TMA") else cfg.get("FALLBACK_STAGES", cfg["num_stages"])
+
+
+def compile_options(cfg: dict, tma: bool) -> dict:
+    """Triton's compile options of a launch: warps, pipeline stages (:func:`pipeline_stages`) and, where the
+    config caps them, registers per thread (``maxnreg``: more programs resident per SM), with TMA tiles only:
+    pointer tiles keep their addresses in registers and spill under the cap."""
+    opts = dict(num_warps=cfg["num_warps"], num_stages=pipeline_stages(cfg, tma))
+    if cfg.get("maxnreg") and tma:
+        opts["maxnreg"] = cfg["maxnreg"]
+    return opts
 
 
 def precision(dtype) -> str:
@@ -156,18 +176,20 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def tile_variants(kind: str, block: int, D: int, options: KernelOptions, *xs) -> list[tuple[dict, bool]]:
+def tile_variants(kind: str, block: int, D: int, options: KernelOptions, *xs,
+                  group: int = 1) -> list[tuple[dict, bool]]:
     """Every (config, TMA) a launch of ``kind`` over the tensors ``xs`` (its TMA operands) can take for some
     batch: the configs of both row classes, each with TMA tiles where they can run and with pointer tiles."""
     configs = []
     for rows in (0, None):  # a short row, and no row count (the long-row config)
-        cfg = get_config(kind, block, D, rows, options)
+        cfg = get_config(kind, block, D, rows, options, group)
         if cfg not in configs:
             configs.append(cfg)
     return [(cfg, tma) for cfg in configs for tma in ((False, True) if tma_able(cfg, *xs) else (False,))]
 
 
-def row_class_launches(kind: str, sel, D: int, options: KernelOptions) -> list[tuple[str, dict, torch.Tensor]]:
+def row_class_launches(kind: str, sel, D: int, options: KernelOptions,
+                       group: int = 1) -> list[tuple[str, dict, torch.Tensor]]:
     """The launches of one kernel over a selection, as (name, config, block ends): where the host knows the
     widest row (``sel.row_blocks``), one, with its row class's config (named ``kind``). Otherwise one per row
     class (``kind + "_short"`` and ``kind``), each with ``sel.row_class_end``'s block ends, which are zeros
@@ -176,8 +198,8 @@ def row_class_launches(kind: str, sel, D: int, options: KernelOptions) -> list[t
     kernels need no flag of their own, and no launch waits for the host to learn the widest row."""
     B = sel.block_size
     if sel.row_blocks is not None:
-        return [(kind, get_config(kind, B, D, sel.row_blocks, options), sel.layout.block_end)]
-    short, long_ = get_config(kind, B, D, 0, options), get_config(kind, B, D, None, options)
+        return [(kind, get_config(kind, B, D, sel.row_blocks, options, group), sel.layout.block_end)]
+    short, long_ = get_config(kind, B, D, 0, options, group), get_config(kind, B, D, None, options, group)
     if short == long_:
         return [(kind, long_, sel.layout.block_end)]
     return [(kind + "_short", short, sel.row_class_end[0]), (kind, long_, sel.row_class_end[1])]
