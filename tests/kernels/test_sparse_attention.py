@@ -218,6 +218,28 @@ def test_pointer_fallback_takes_its_own_stages(cfg, tma, stages):
     assert launch.pipeline_stages(cfg, tma) == stages
 
 
+@pytest.mark.parametrize("cfg,tma,maxnreg", [
+    (dict(num_warps=4, num_stages=2, maxnreg=128), True, 128),
+    (dict(num_warps=4, num_stages=2, maxnreg=128), False, None),
+    (dict(num_warps=4, num_stages=2), True, None),
+], ids=["tma", "pointer-tiles", "no-cap"])
+def test_register_cap_holds_for_tma_tiles_only(cfg, tma, maxnreg):
+    """Pointer tiles keep their addresses in registers and would spill under the cap."""
+    assert launch.compile_options(cfg, tma).get("maxnreg") == maxnreg
+
+
+def test_gqa_short_rows_run_a_rows_heads_together():
+    """Where query heads share K/V, the short-row forward and dQ put the head on grid axis 0 (the programs
+    of one row's heads run together and share the group's K/V tiles); MHA and the long-row configs keep
+    their order."""
+    for kind in ("fwd", "dq"):
+        assert launch.get_config(kind, 128, 128, row_blocks=1)["HEAD_OUTER"]
+        assert not launch.get_config(kind, 128, 128, row_blocks=1, group=8)["HEAD_OUTER"]
+        assert launch.get_config(kind, 128, 128, group=8)["HEAD_OUTER"] == launch.get_config(kind, 128, 128)[
+            "HEAD_OUTER"]
+        assert launch.grid(launch.get_config(kind, 128, 128, row_blocks=1, group=8), 32, 10) == (32, 10)
+
+
 def test_p1_equals_dense_sdpa():
     lens = [1, 47, 16, 90]
     q, k, v = qkv(lens, 4, 2, 32)
