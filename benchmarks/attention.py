@@ -32,6 +32,7 @@ import torch
 from kernels.sparse_attention import (KernelOptions, VarlenBatch, select_blocks, sparse_attention,
                                       sparse_attention_naive)
 from kernels.sparse_attention import backward, forward, launch
+from sim.core import number_list
 
 H, D, B = 16, 128, 128  # the grid's heads, head dim and block size (tuning and --config apply to (B, D))
 TORCH_SELECTION = KernelOptions(selection="torch")
@@ -954,20 +955,6 @@ def selection_lines(df) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def comma_list(cast, valid, what: str):
-    """An argparse type: a comma-separated list of ``cast`` values, each passing ``valid``."""
-    def parse(text: str) -> list:
-        try:
-            values = [cast(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {what}") from None
-        bad = [v for v in values if not valid(v)]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{text!r}: {bad} not allowed, expected {what}")
-        return values
-    return parse
-
-
 def int_at_least(minimum: int, what: str):
     """An argparse type: one integer >= ``minimum`` (``what`` names it in the error)."""
     def parse(text: str) -> int:
@@ -992,8 +979,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the fair comparison on a packed 64K batch, MHA and GQA 32:4: FlexAttention on the token-level "
                          "document mask, on whole-block (aligned) documents with exactly our kept blocks, on padded "
                          "documents, its FLASH backend, cuDNN dense (the README's table: --table of its CSV)")
-    ap.add_argument("--fair-heads", type=comma_list(str, lambda x: x in FAIR_HEADS, "head configurations of "
-                                                    + ", ".join(FAIR_HEADS)), default=",".join(FAIR_HEADS),
+    ap.add_argument("--fair-heads", type=number_list(str, lambda x: x in FAIR_HEADS, ", ".join(FAIR_HEADS)),
+                    default=",".join(FAIR_HEADS),
                     help="--fair's head configurations, in this order (to split the grid over calls)")
     ap.add_argument("--quick", action="store_true", help="short follow-up check + a few of our grid points")
     ap.add_argument("--short-vs-long", action="store_true", help="short- vs long-row configs, MHA and GQA")
@@ -1004,12 +991,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", default=None,
                     help="json {kind: [BM, BN, warps, stages, head_outer, tma, ws, maxnreg]} for block 128, D 128 (a "
                          "shorter list leaves the rest at the defaults)")
-    ap.add_argument("--lengths", type=comma_list(int, lambda x: x > 0, "positive token counts"),
+    ap.add_argument("--lengths", type=number_list(int, lambda x: x > 0, "positive token counts"),
                     default="8192,32768,131072")
     ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
                     help="include the packed 64K micro-batch (--no-packed: single sequences only, e.g. to split the "
                          "grid over calls)")
-    ap.add_argument("--sparsities", type=comma_list(float, lambda x: 0 <= x < 1, "sparsities in [0, 1)"),
+    ap.add_argument("--sparsities", type=number_list(float, lambda x: 0 <= x < 1, "sparsities in [0, 1)"),
                     default="0,0.5,0.75,0.9,0.95")
     ap.add_argument("--flex-dense-max", type=int, default=1 << 30)
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the remaining grid after this")

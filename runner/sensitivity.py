@@ -40,7 +40,7 @@ from runner.loop import make_model
 from runner.model import TinyLlama
 from sim.cluster import Cluster
 from sim.config import ClusterConfig, CostConfig, ModelConfig, WorkloadConfig
-from sim.core import ConfigError, atomic_path, one_line_errors, write_json_atomic
+from sim.core import ConfigError, atomic_path, one_line_errors, parse_numbers, write_json_atomic
 from sim.cost import make_cost
 from sim.results import FLOAT_FORMAT
 from sim.sensitivity import MODES, RAW_COLUMNS, raw_meta_path
@@ -220,13 +220,9 @@ def measure_all(trained: Trained, sequences: list[HeldOut], modes: dict[str, lis
 # ---------------------------------------------------------------------- command line
 def _numbers(text: str, flag: str, kind: type, allowed: str, ok) -> list:
     try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: not a comma-separated list of numbers; allowed: {allowed}") from None
-    bad = [v for v in values if not ok(v)]
-    if not values or bad:
-        raise ConfigError(f"{flag} {text!r}: {bad[0] if bad else 'empty'} is not allowed; allowed: {allowed}")
-    return sorted(set(values))
+        return sorted(set(parse_numbers(text, kind, ok, allowed)))
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {exc}") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -39,13 +39,28 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def number_list(kind: Callable[[str], object]) -> Callable[[str], list]:
-    """An argparse type: a comma-separated list of ``kind`` values (``int``, ``float``)."""
+def parse_numbers(text: str, kind: Callable[[str], object], valid: Callable[[object], bool] | None = None,
+                  allowed: str = "") -> list:
+    """The comma-separated ``kind`` values of ``text`` (``int``, ``float``, ``str``), each passing ``valid``
+    where given; a ValueError names the bad value and what is ``allowed``."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of {kind.__name__}s") from None
+    bad = [v for v in values if valid is not None and not valid(v)]
+    if bad:
+        raise ValueError(f"{text!r}: {bad[0]!r} is not allowed; allowed: {allowed}")
+    return values
+
+
+def number_list(kind: Callable[[str], object], valid: Callable[[object], bool] | None = None,
+                allowed: str = "") -> Callable[[str], list]:
+    """An argparse type: :func:`parse_numbers` of the argument."""
     def parse(text: str) -> list:
         try:
-            return [kind(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}s") from None
+            return parse_numbers(text, kind, valid, allowed)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return parse
 
 

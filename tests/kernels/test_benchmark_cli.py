@@ -21,9 +21,9 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--lengths", "8k"], "argument --lengths: '8k': expected comma-separated positive token counts"),
-    (["--lengths", "8192,0"], "argument --lengths: '8192,0': [0] not allowed, expected positive token counts"),
-    (["--sparsities", "0,1"], "argument --sparsities: '0,1': [1.0] not allowed, expected sparsities in [0, 1)"),
+    (["--lengths", "8k"], "argument --lengths: '8k' is not a comma-separated list of ints"),
+    (["--lengths", "8192,0"], "argument --lengths: '8192,0': 0 is not allowed; allowed: positive token counts"),
+    (["--sparsities", "0,1"], "argument --sparsities: '0,1': 1.0 is not allowed; allowed: sparsities in [0, 1)"),
     (["--rounds", "0"], "argument --rounds: '0': expected a round count (an integer >= 1)"),
     (["--rounds", "two"], "argument --rounds: 'two': expected a round count (an integer >= 1)"),
     (["--graph-max-tokens", "-1"], "argument --graph-max-tokens: '-1': expected a token count (an integer >= 0)"),

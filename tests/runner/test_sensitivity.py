@@ -176,7 +176,7 @@ def test_a_checkpoint_whose_history_an_older_runner_wrote_is_measured(checkpoint
     (lambda d, t: _edited(d, t, lambda c: c["config"].pop("runner.task")), [], "its config lacks runner.task"),
     (lambda d, t: _edited(d, t, lambda c: c["model"].popitem()), [], "its weights do not fit its model config"),
     (lambda d, t: d, ["--lengths", "1024"], "--lengths: 1024 is outside [25, 512]"),
-    (lambda d, t: d, ["--lengths", "128,abc"], "--lengths '128,abc': not a comma-separated list"),
+    (lambda d, t: d, ["--lengths", "128,abc"], "--lengths '128,abc' is not a comma-separated list of ints"),
     (lambda d, t: d, ["--p", "0,0.5"], "--p '0,0.5': 0.0 is not allowed; allowed: coverage targets in (0, 1]"),
     (lambda d, t: d, ["--kept", "1"], "--kept '1': 1.0 is not allowed; allowed: kept fractions in (0, 1)"),
     (lambda d, t: d, ["--sequences", "0"], "--sequences 0: allowed: a whole number >= 1"),
