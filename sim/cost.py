@@ -163,6 +163,29 @@ def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: 
     }
 
 
+def summed_features(per_seq: dict, group: np.ndarray, n_groups: int, cp: int = 1) -> dict[str, np.ndarray]:
+    """Per-sequence features summed per micro-batch, 1/cp each on CP ranks (zigzag sharding balances the dense
+    causal work); ``const`` counts one kernel call per non-empty micro-batch."""
+    out = {k: np.bincount(group, weights=per_seq[k], minlength=n_groups) / cp
+           for k in ATTENTION_FEATURES + ("pairs",) if k in per_seq}
+    out["const"] = np.minimum(out["const"] * cp, 1.0)
+    return out
+
+
+def grouped_attention(per_seq: dict, group: np.ndarray, n_groups: int, model: ModelConfig, block_size: int,
+                      cp: int = 1, extra_flops=0.0) -> dict[str, np.ndarray]:
+    """Attention features of ``n_groups`` micro-batches from _sequence_attention's ``per_seq`` (``group[i]``:
+    the micro-batch of sequence i): the summed ones (:func:`summed_features`, ``flops`` plus ``extra_flops``,
+    the slowest CP rank's excess) and the launch features of each micro-batch's longest row and busiest key
+    block (_launch_features)."""
+    out = summed_features(per_seq, group, n_groups, cp)
+    out["flops"] = out["flops"] + extra_flops
+    row, busiest = np.zeros(n_groups), np.zeros(n_groups)
+    np.maximum.at(row, group, per_seq["row"])
+    np.maximum.at(busiest, group, per_seq["busiest"])
+    return _launch_features(out, row, busiest, model, block_size, cp)
+
+
 def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
     """Features of one attention call (one layer, forward) over a micro-batch of documents.
 
@@ -172,11 +195,8 @@ def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: 
     _launch_features (``fwd_path``, ``dq_path``, ``dkdv_path``, ``kv_waves``: what bounds small batches).
     """
     per_seq = _sequence_attention(np.asarray(lengths), np.asarray(kept_fractions), model, block_size)
-    feats = {k: float(per_seq[k].sum()) for k in ATTENTION_FEATURES + ("pairs",)}
-    feats["const"] = min(feats["const"], 1.0)
-    launch = _launch_features(feats, per_seq["row"].max(initial=0.0), per_seq["busiest"].max(initial=0.0),
-                              model, block_size)
-    return {k: float(v) for k, v in launch.items() if k != "pairs"}
+    feats = grouped_attention(per_seq, np.zeros(per_seq["tokens"].size, dtype=np.int64), 1, model, block_size)
+    return {k: float(v[0]) for k, v in feats.items() if k != "pairs"}
 
 
 def layer_features(tokens: float, model: ModelConfig) -> dict[str, float]:
@@ -289,9 +309,9 @@ class CostModel(ABC):
         kept = np.asarray(kept_fractions, dtype=np.float64)
         group = np.asarray(group, dtype=np.int64)
         per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
-        attn = self._group(per_seq, group, n_groups, layout.cp, lengths, kept)
+        attn = self._attention(per_seq, group, n_groups, layout.cp, lengths, kept)
         sparse = (kept < 1.0).astype(np.float64)
-        select = self._group({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n_groups, layout.cp)
+        select = summed_features({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n_groups, layout.cp)
         tokens = attn["tokens"] * layout.cp  # back to the micro-batch's tokens (features are per CP rank)
         layer = {k: v / layout.cp if k != "const" else v for k, v in self._layer(tokens).items()}
 
@@ -317,32 +337,20 @@ class CostModel(ABC):
         """``term_ms`` on the features that term is priced on (PROFILE_FEATURES)."""
         return self.term_ms(term, {f: feats[f] for f in PROFILE_FEATURES[term]})
 
-    def _group(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int,
-               lengths=None, kept=None) -> dict[str, np.ndarray]:
-        """Sum per-sequence features per micro-batch (``row``/``busiest``: the largest) and add the launch
-        features (_launch_features; not for the selection's features, which have no ``row``); CP ranks each
-        get 1/cp of the work (zigzag sharding balances the dense causal work).
+    def _attention(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int, lengths,
+                   kept) -> dict[str, np.ndarray]:
+        """The attention features of each micro-batch (:func:`grouped_attention`).
 
-        Given the sequences' ``lengths`` and ``kept`` fractions, the kept blocks fall on the ranks as the
-        sparse selection puts them (``sim.cp_shards``), and the features are those of the micro-batch's
-        slowest rank, since the ring synchronises the ranks every layer. That is the rank with the most kept
-        FLOPs: the other features (tokens, causal blocks, programs, the longest programs) stay 1/cp, as the
-        selection does not change which tokens and blocks a rank holds, and every attention term's time
-        grows with ``flops`` (and with ``dkdv_path``, the larger of the longest dK/dV program and the kept
-        work over DKDV_SLOTS), its coefficients being >= 0.
+        Under CP the kept blocks fall on the ranks as the sparse selection puts them (``sim.cp_shards``), and
+        the features are those of the micro-batch's slowest rank, since the ring synchronises the ranks every
+        layer. That is the rank with the most kept FLOPs: the other features (tokens, causal blocks,
+        programs, the longest programs) stay 1/cp, as the selection does not change which tokens and blocks a
+        rank holds, and every attention term's time grows with ``flops`` (and with ``dkdv_path``, the larger
+        of the longest dK/dV program and the kept work over DKDV_SLOTS), its coefficients being >= 0.
         """
-        out = {k: np.bincount(group, weights=per_seq[k], minlength=n_groups) / cp
-               for k in ATTENTION_FEATURES + ("pairs",) if k in per_seq}
-        out["const"] = np.minimum(out["const"] * cp, 1.0)  # one kernel call per non-empty micro-batch
-        if lengths is not None and cp > 1:
-            out["flops"] = out["flops"] + slowest_rank_extra(per_seq["flops"], lengths, kept, group, n_groups, cp,
-                                                             self.block_size)
-        if "row" not in per_seq:  # the selection's features: no attention kernel launches
-            return out
-        row, busiest = np.zeros(n_groups), np.zeros(n_groups)
-        np.maximum.at(row, group, per_seq["row"])
-        np.maximum.at(busiest, group, per_seq["busiest"])
-        return _launch_features(out, row, busiest, self.model, self.block_size, cp)
+        extra = (slowest_rank_extra(per_seq["flops"], lengths, kept, group, n_groups, cp, self.block_size)
+                 if cp > 1 else 0.0)
+        return grouped_attention(per_seq, group, n_groups, self.model, self.block_size, cp, extra)
 
     def _layer(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         per_token = layer_features(1.0, self.model)["flops"]

@@ -150,10 +150,8 @@ def largest(per_seq, group, n_groups):
     return row, busiest
 
 
-def balanced_group(self, per_seq, group, n_groups, cp, lengths=None, kept=None):
+def balanced_attention(self, per_seq, group, n_groups, cp, lengths, kept):
     """The CP price before the selection's shards were modelled: every rank 1/cp of every feature."""
-    if "row" not in per_seq:  # the selection's features
-        return summed(per_seq, group, n_groups, cp)
     return _launch_features(summed(per_seq, group, n_groups, cp), *largest(per_seq, group, n_groups), self.model,
                             self.block_size, cp)
 
@@ -161,9 +159,9 @@ def balanced_group(self, per_seq, group, n_groups, cp, lengths=None, kept=None):
 BATCH = dict(lengths=np.array([4097, 130, 333, 20000, 9000, 64]), group=np.array([0, 0, 1, 1, 2, 2]), n_groups=3)
 
 
-def costs(cost, kept, cp, group_fn=None):
-    if group_fn is not None:
-        cost._group = group_fn.__get__(cost)
+def costs(cost, kept, cp, attention_fn=None):
+    if attention_fn is not None:
+        cost._attention = attention_fn.__get__(cost)
     return cost.micro_batch_costs(BATCH["lengths"], kept, BATCH["group"], BATCH["n_groups"], Layout(dp=1, cp=cp))
 
 
@@ -174,7 +172,7 @@ def costs(cost, kept, cp, group_fn=None):
 ])
 def test_one_rank_and_dense_costs_are_the_balanced_price_exactly(name, cp, kept):
     new = costs(cost_for(f"cost={name}"), kept, cp)
-    old = costs(cost_for(f"cost={name}"), kept, cp, balanced_group)
+    old = costs(cost_for(f"cost={name}"), kept, cp, balanced_attention)
     for field in new.__dataclass_fields__:
         np.testing.assert_array_equal(getattr(new, field), getattr(old, field), err_msg=field)
 
@@ -182,7 +180,7 @@ def test_one_rank_and_dense_costs_are_the_balanced_price_exactly(name, cp, kept)
 def test_sparse_cp_changes_attention_only_and_leaves_dense_micro_batches_alone():
     kept = np.array([0.05, 0.2, 1.0, 1.0, 0.1, 0.3])  # micro-batch 1 is dense
     new = costs(cost_for("cost=calibrated"), kept, 4)
-    old = costs(cost_for("cost=calibrated"), kept, 4, balanced_group)
+    old = costs(cost_for("cost=calibrated"), kept, 4, balanced_attention)
     for field in ("select_ms", "other_fwd_ms", "other_bwd_ms", "cp_comm_ms", "tokens"):
         np.testing.assert_array_equal(getattr(new, field), getattr(old, field), err_msg=field)
     assert new.attn_fwd_ms[1] == old.attn_fwd_ms[1] and new.fwd_ms[1] == old.fwd_ms[1]
