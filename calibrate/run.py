@@ -88,12 +88,14 @@ def measure_all(points: list[GridPoint], measurer, csv: Path, time_budget_s: flo
 
 
 def estimated_seconds(points: list[GridPoint], shapes: dict[str, ModelShape]) -> float:
-    """GPU seconds do_bench will take: 6 untimed calls, the warm-up and the repetition windows per term."""
+    """GPU seconds do_bench will take: 6 untimed calls, the heat-up, the warm-up and the repetition windows
+    per term."""
     total_ms = 0.0
     for p in points:
         for term in p.terms:
             t = grid.estimate_term_ms(term, p, shapes[p.model])
-            total_ms += 6 * t + max(timing.WARMUP_MS, t) + max(timing.REP_MS, timing.MIN_REPS * t)
+            total_ms += (6 * t + max(timing.HEAT_MS, t) + max(timing.WARMUP_MS, t)
+                         + max(timing.REP_MS, timing.MIN_REPS * t))
     return total_ms / 1e3
 
 
@@ -109,7 +111,8 @@ def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int 
         "max_kept_work": grid.MAX_KEPT_WORK,
         "max_tokens": max_tokens,
         "points": n_points,
-        "do_bench": {"warmup_ms": timing.WARMUP_MS, "rep_ms": timing.REP_MS, "min_reps": timing.MIN_REPS},
+        "do_bench": {"warmup_ms": timing.WARMUP_MS, "rep_ms": timing.REP_MS, "min_reps": timing.MIN_REPS,
+                     "heat_ms": timing.HEAT_MS},
     }
 
 

@@ -4,7 +4,9 @@ On a GPU there are two clocks. ``bench_gpu_busy`` (what ``calibrate.run`` fits b
 of the kernels each call launches, read from ``torch.profiler``: a training step launches layer after layer
 without waiting for the GPU, so the host's launch gaps inside a call overlap earlier work and only the GPU's
 busy time adds up. ``bench_gpu`` is ``triton.testing.do_bench`` (device events around the call, so host gaps
-count), which small, host-bound calls need when they run alone. Both flush L2 before each repetition.
+count), which small, host-bound calls need when they run alone. Both flush L2 before each repetition, and
+both first run the call back-to-back for HEAT_MS (:func:`heat`), so that every point is timed at the clocks
+of sustained work, as a training step runs.
 On the CPU (tests, interpreter dry runs) neither has a device to time, so a host clock stands in; those
 numbers only check the plumbing and are never fitted.
 """
@@ -21,6 +23,12 @@ REP_MS = 30.0
 MIN_REPS = 3
 BUSY_REPS = 20  # profiled repetitions of a short call; long calls get MIN_REPS
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # as do_bench's cache buffer: more than any GPU's L2
+# Under sustained load a GPU runs at its power cap: an H100's SM clock falls from 1980 to about 1500 MHz
+# within 0.2 s of a layer's matmuls starting, after which its time per token is flat from 8K to 98K tokens
+# (llama3-8b layer, 2.34-2.40 us). A point timed straight after the host's setup gaps instead runs its first
+# ~0.2 s at boost clocks: the whole of a small point's repetitions, a fraction of a large one's, which makes
+# large points look slower per token than small ones (the H200 grid's llama3-8b layer: +10-14% above 16K).
+HEAT_MS = 300.0
 
 
 @dataclass(frozen=True)
@@ -37,10 +45,26 @@ class Timing:
         return cls(float(p50), float(p20), float(p80), len(t))
 
 
+def heat(fn: Callable[[], object], sync: Callable[[], object], grad_to_none: list | None = None,
+         heat_ms: float = HEAT_MS) -> int:
+    """Run ``fn`` back-to-back (``sync`` after each call) until ``heat_ms`` have passed; the calls made."""
+    calls, start = 0, time.perf_counter()
+    while calls == 0 or (time.perf_counter() - start) * 1e3 < heat_ms:
+        for x in grad_to_none or ():
+            x.grad = None
+        fn()
+        sync()
+        calls += 1
+    return calls
+
+
 def bench_gpu(fn: Callable[[], object], expected_ms: float, grad_to_none: list | None = None) -> Timing:
-    """do_bench with the repetition window stretched so that even long calls get MIN_REPS repetitions."""
+    """do_bench with the repetition window stretched so that even long calls get MIN_REPS repetitions, after
+    :func:`heat`."""
+    import torch
     from triton.testing import do_bench
 
+    heat(fn, torch.cuda.synchronize, grad_to_none)
     rep = max(REP_MS, MIN_REPS * expected_ms)
     times = do_bench(fn, warmup=WARMUP_MS, rep=rep, grad_to_none=grad_to_none, return_mode="all")
     return Timing.of(times)
@@ -64,14 +88,13 @@ def bench_gpu_busy(fn: Callable[[], object], expected_ms: float, grad_to_none: l
     run between two marker kernels around each repetition, read from ``torch.profiler``. A union, not a
     sum, because the backward runs its dQ and dK/dV kernels on two streams at once; markers, not the
     launching thread, because the backward launches from autograd's threads. The L2 flush runs outside
-    the markers."""
+    the markers. :func:`heat` first."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     reps = int(min(BUSY_REPS, max(MIN_REPS, REP_MS // max(expected_ms, 1e-3))))
     cache = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    fn()  # compiles and warms the allocator outside the profile
-    torch.cuda.synchronize()
+    heat(fn, torch.cuda.synchronize, grad_to_none)  # also compiles and warms the allocator outside the profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             for x in grad_to_none or ():

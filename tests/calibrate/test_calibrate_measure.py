@@ -5,6 +5,8 @@ GPU numbers come from calibrate.run on the device.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -69,3 +71,19 @@ def test_bench_cpu_returns_quantiles_of_min_reps_calls():
     assert len(calls) == timing.MIN_REPS + 1 and t.reps == timing.MIN_REPS
     assert 0 <= t.p20_ms <= t.median_ms <= t.p80_ms
 
+
+
+def test_heat_runs_the_call_back_to_back_for_its_window_and_clears_grads():
+    """Every call is followed by the sync (the GPU finishes it before the clock is read), grads are cleared
+    before each call, and the window holds at least one call however long a call takes."""
+    events, x = [], torch.ones(1, requires_grad=True)
+
+    def call():
+        assert x.grad is None
+        x.grad = torch.ones(1)
+        events.append("call")
+        time.sleep(0.002)
+
+    calls = timing.heat(call, lambda: events.append("sync"), [x], heat_ms=20.0)
+    assert calls >= 2 and events == ["call", "sync"] * calls
+    assert timing.heat(call, lambda: None, [x], heat_ms=0.0) == 1
