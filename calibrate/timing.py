@@ -26,8 +26,9 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024  # as do_bench's cache buffer: more than any 
 # Under sustained load a GPU runs at its power cap: an H100's SM clock falls from 1980 to about 1500 MHz
 # within 0.2 s of a layer's matmuls starting, after which its time per token is flat from 8K to 98K tokens
 # (llama3-8b layer, 2.34-2.40 us). A point timed straight after the host's setup gaps instead runs its first
-# ~0.2 s at boost clocks: the whole of a small point's repetitions, a fraction of a large one's, which makes
-# large points look slower per token than small ones (the H200 grid's llama3-8b layer: +10-14% above 16K).
+# ~0.2 s at boost clocks: the whole of a small point's repetitions, a fraction of a large one's, so large points
+# look slower per token than small ones (likely the cause of the H200 grid's llama3-8b layer taking 10-14% more
+# per token above 16K tokens; not yet re-measured there).
 HEAT_MS = 300.0
 
 
