@@ -7,6 +7,7 @@
     python -m benchmarks.attention --rounds 3 --csv out.csv   # each point 3 times, implementations in turn: medians
     python -m benchmarks.attention --no-packed --lengths 131072 --csv part.csv   # part of the grid (split over calls)
     python -m benchmarks.attention --selection        # selection time vs fwd+bwd, 3 repeats
+    python -m benchmarks.attention --kernels --sparsities 0.9,0.95   # per-kernel times on the fair batch
 
 Grid: single sequences L in {8K, 32K, 128K} x sparsity {0, .5, .75, .9, .95} and a packed 64K-token batch of
 long-tail documents; H=16, D=128, bf16, block 128. Sparsity s means ``kept_fraction = 1 - s`` (selection by
@@ -364,6 +365,34 @@ def short_vs_long(args):
             row[f"bwd_{name}"] = round(bench(lambda: backward.sparse_attn_bwd(do, q, k, v, o, lse, sel, scale,
                                                                               opts)), 4)
         log("SHORT_VS_LONG", json.dumps(row))
+
+
+def kernel_breakdown(args):
+    """Where the fair batch's time goes at each sparsity: each kernel (forward, dQ, dK/dV) timed alone, for
+    every head configuration of --fair-heads on the aligned batch, beside the same batch with each row cut to
+    its diagonal block (the floor of any sparsity); with the share of rows that keep their diagonal alone
+    and the diagonal blocks' share of the kept FLOPs. One JSON row per point."""
+    aligned, _ = fair_lengths()
+    cu = cu_from_lens(aligned)
+    options = dataclasses.replace(args.options, precompile=False)
+    for heads in args.fair_heads:
+        Hq, Hkv = FAIR_HEADS[heads]
+        q, k, v = make_qkv(sum(aligned), Hq, Hkv, D, torch.bfloat16, grad=False)
+        # every row keeps at least its diagonal block, so a budget of almost nothing keeps it alone
+        budgets = [(sp, 1.0 - sp) for sp in args.sparsities] + [("diagonal", 1e-9)]
+        diagonal_pairs = None
+        for sp, kf in reversed(budgets):
+            sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B, options=options)
+            pairs = sel.kept_block_pairs_tokens()
+            diagonal_pairs = diagonal_pairs or pairs
+            row = dict(heads=f"{Hq}:{Hkv}", sparsity=sp,
+                       diagonal_only_rows=round(float((sel.q2k_cnt == 1).float().mean()), 4),
+                       diagonal_flop_share=round(diagonal_pairs / pairs, 4))
+            for kind, run in kernel_launchers(q, k, v, sel).items():
+                row[f"{kind}_ms"] = round(bench(lambda run=run: run(options), rep=100), 4)
+            log("KERNELS", json.dumps(row))
+        del q, k, v
+        torch.cuda.empty_cache()
 
 
 def grid_cases(lengths, packed: bool) -> list:
@@ -984,6 +1013,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--fair's head configurations, in this order (to split the grid over calls)")
     ap.add_argument("--quick", action="store_true", help="short follow-up check + a few of our grid points")
     ap.add_argument("--short-vs-long", action="store_true", help="short- vs long-row configs, MHA and GQA")
+    ap.add_argument("--kernels", action="store_true",
+                    help="each kernel alone on the fair batch at --sparsities and with only the diagonal blocks kept "
+                         "(--fair-heads' head configurations): where the time goes")
     ap.add_argument("--selection", action="store_true", help="selection cost vs fwd+bwd at 8K/32K/128K, 3 repeats")
     ap.add_argument("--apply-tuned", action="store_true", help="--tune's winners for the other modes")
     ap.add_argument("--csv", default=None)
@@ -1032,6 +1064,8 @@ def main(argv=None):
         check(argparse.Namespace(**{**vars(args), "csv": args.check_csv or args.csv}))
     if args.short_vs_long:
         short_vs_long(args)
+    if args.kernels:
+        kernel_breakdown(args)
     if args.selection:
         selection_cost(lambda row: log(json.dumps(row)), args.options, lengths=(8192, 32768, 131072), repeats=3)
     if args.quick:
@@ -1041,7 +1075,7 @@ def main(argv=None):
         args.csv = args.csv or "attention_fair.csv"
         run_fair(args)
     if args.bench or not (args.check or args.tune or args.quick or args.selection or args.short_vs_long
-                          or args.fair):
+                          or args.fair or args.kernels):
         if args.csv is None:
             args.csv = "attention_bench.csv"
         run_bench(args)
