@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (LOG2E, dkdv_programs, empty, grid, kept_pairs, launch, overlap_pays, compile_options,
+from .launch import (LOG2E, compile_options, dkdv_programs, empty, grid, kept_pairs, launch, overlap_pays,
                      precision, record, row_class_launches, tensor_descriptors, tile_variants, tma_able, use_tma)
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .tiles import program_tile

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (LOG2E, empty, grid, kept_pairs, launch, compile_options, precision, record, row_class_launches,
+from .launch import (LOG2E, compile_options, empty, grid, kept_pairs, launch, precision, record, row_class_launches,
                      tensor_descriptors, tile_variants, use_tma)
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .tiles import program_tile
