@@ -379,15 +379,14 @@ def kernel_breakdown(args):
         Hq, Hkv = FAIR_HEADS[heads]
         q, k, v = make_qkv(sum(aligned), Hq, Hkv, D, torch.bfloat16, grad=False)
         # every row keeps at least its diagonal block, so a budget of almost nothing keeps it alone
-        budgets = [(sp, 1.0 - sp) for sp in args.sparsities] + [("diagonal", 1e-9)]
-        diagonal_pairs = None
-        for sp, kf in reversed(budgets):
-            sel = select_blocks(q, k, cu, kept_fraction=kf, block_size=B, options=options)
-            pairs = sel.kept_block_pairs_tokens()
-            diagonal_pairs = diagonal_pairs or pairs
+        diagonal = select_blocks(q, k, cu, kept_fraction=1e-9, block_size=B, options=options)
+        diagonal_pairs = diagonal.kept_block_pairs_tokens()
+        for sp in ["diagonal", *args.sparsities]:
+            sel = diagonal if sp == "diagonal" else select_blocks(q, k, cu, kept_fraction=1.0 - sp, block_size=B,
+                                                                  options=options)
             row = dict(heads=f"{Hq}:{Hkv}", sparsity=sp,
                        diagonal_only_rows=round(float((sel.q2k_cnt == 1).float().mean()), 4),
-                       diagonal_flop_share=round(diagonal_pairs / pairs, 4))
+                       diagonal_flop_share=round(diagonal_pairs / sel.kept_block_pairs_tokens(), 4))
             for kind, run in kernel_launchers(q, k, v, sel).items():
                 row[f"{kind}_ms"] = round(bench(lambda run=run: run(options), rep=100), 4)
             log("KERNELS", json.dumps(row))

@@ -31,7 +31,8 @@ from viz.runs import PlotError
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m viz", description=__doc__.splitlines()[0])
-    ap.add_argument("paths", nargs="+", type=Path, help="Results dir, runner.collect tables dir, profile .json or benchmark .csv")
+    ap.add_argument("paths", nargs="+", type=Path,
+                    help="Results dir, runner.collect tables dir, profile .json or benchmark .csv")
     ap.add_argument("--out", type=Path, default=None,
                     help="where figures go (default: <results dir>/figures, else ./figures)")
     ap.add_argument("--format", choices=("png", "svg"), default="png")

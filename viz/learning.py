@@ -84,8 +84,8 @@ def plot_learning(train: pd.DataFrame, summary: pd.DataFrame | None, window: int
     axes = fig.subplots(1, 2 if summary is not None else 1, squeeze=False)[0]
     ax = axes[0]
     labelled = set()
-    for run, rows in curves.groupby("run", sort=False):
-        group = group_of(run)
+    for _, rows in curves.groupby("run", sort=False):
+        group = rows["group"].iloc[0]
         ax.plot(rows["step"], rows["accuracy"], color=colours[group], lw=1.0, alpha=0.8,
                 label=None if group in labelled else group)
         labelled.add(group)
