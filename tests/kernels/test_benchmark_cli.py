@@ -1,6 +1,6 @@
 """``python -m benchmarks.attention`` on a machine without a GPU, and with bad lists: one-line errors, no
-traceback; its interleaved timing rounds. The entry points run in this process (argparse's exits), but for the
-no-GPU case, which runs the module as a process."""
+traceback; its interleaved timing rounds; the HBM floors and FLOP counts of ``--kernels``. The entry points
+run in this process (argparse's exits), but for the no-GPU case, which runs the module as a process."""
 from __future__ import annotations
 
 import subprocess
@@ -177,3 +177,39 @@ def test_fair_lengths_pad_back_to_the_aligned_batch():
     assert sum(aligned) == 65536 and all(n % bm.B == 0 for n in aligned)
     assert all(0 < u <= a < u + bm.B for a, u in zip(aligned, unaligned))
     assert bm.padded_positions(unaligned, "cpu")[1].numel() == 65536
+
+
+# T 256, D 16, bf16: Q, O, dO, dQ of T*Hq*D*2 bytes; K, V, dK, dV of T*Hkv*D*2; LSE, delta of T*Hq*4.
+# Each sum: the reads, then the writes.
+@pytest.mark.parametrize("Hq, Hkv, expected", [
+    (2, 2, {"fwd": 3 * 16384 + 16384 + 2048,
+            "dq": 5 * 16384 + 2048 + 16384 + 2048,
+            "dkdv": 4 * 16384 + 2 * 2048 + 2 * 16384}),
+    (4, 1, {"fwd": 32768 + 2 * 8192 + 32768 + 4096,
+            "dq": 3 * 32768 + 2 * 8192 + 4096 + 32768 + 4096,
+            "dkdv": 2 * 32768 + 2 * 8192 + 2 * 4096 + 2 * 8192}),
+], ids=["mha", "gqa4"])
+def test_kernel_floor_bytes_count_each_operand_once(Hq, Hkv, expected):
+    """--kernels' HBM floor of each kernel: every tensor it touches, once. fwd reads Q, K, V and writes O,
+    LSE; dq reads Q, dO, O, K, V, LSE and writes dQ, delta; dkdv reads Q, dO, K, V, LSE, delta and writes
+    dK, dV."""
+    assert bm.kernel_floor_bytes(256, Hq, Hkv, 16, 2) == expected
+
+
+def test_floor_fields_of_a_kernels_row():
+    """Each kernel's floor at the copy bandwidth, the summed times and floors, and the effective fwd+bwd
+    TFLOP/s (3.5x the forward FLOPs) of each."""
+    fields = bm.floor_fields({"fwd": 1.0, "dq": 2.0, "dkdv": 3.0}, {"fwd": 2e9, "dq": 3e9, "dkdv": 5e9},
+                             bytes_per_ms=4e9, fwd_flops=1e12)
+    assert fields == {"fwd_floor_ms": 0.5, "dq_floor_ms": 0.75, "dkdv_floor_ms": 1.25, "sum_ms": 6.0,
+                      "floor_sum_ms": 2.5, "tflops": round(3500 / 6.0, 1), "floor_tflops": 1400.0}
+
+
+def test_kept_fwd_flops_count_every_query_head():
+    """The FLOP convention of --fair and --kernels: 4*D per attended pair of each query head, so GQA counts the
+    pairs of a KV head once per query head of its group."""
+    from kernels.sparse_attention import select_blocks
+
+    q, k = torch.randn(256, 4, bm.D), torch.randn(256, 1, bm.D)
+    sel = select_blocks(q, k, torch.tensor([0, 256], dtype=torch.int32), kept_fraction=1.0, block_size=bm.B)
+    assert bm.kept_fwd_flops(sel, 4) == 4 * bm.D * 4 * (256 * 257 // 2)
