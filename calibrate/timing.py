@@ -27,8 +27,8 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024  # as do_bench's cache buffer: more than any 
 # within 0.2 s of a layer's matmuls starting, after which its time per token is flat from 8K to 98K tokens
 # (llama3-8b layer, 2.34-2.40 us). A point timed straight after the host's setup gaps instead runs its first
 # ~0.2 s at boost clocks: the whole of a small point's repetitions, a fraction of a large one's, so large points
-# look slower per token than small ones (likely the cause of the H200 grid's llama3-8b layer taking 10-14% more
-# per token above 16K tokens; not yet re-measured there).
+# look slower per token than small ones (the H200 grid's llama3-8b layer took 13% more per token at 64K-128K
+# tokens than at 4K-16K without this heat-up, about 5% with it).
 HEAT_MS = 300.0
 
 

@@ -30,9 +30,11 @@ LOG2E = 1.4426950408889634
 # FALLBACK_STAGES: the stages where TMA is asked for but cannot run (pointer tiles): those tuned for pointer
 # tiles (2-stage pointer-tile dQ spills).
 # Short rows at high sparsity: most programs hold the diagonal block alone (60% of the rows of a packed 64K
-# batch at sparsity 0.9), so a launch is bound by how many programs an SM keeps in flight, not by matmul rate.
-# The short-row forward and dQ therefore take 32-key sub-tiles (half the K/V stage memory), and the forward a
-# cap of 128 registers (maxnreg, with TMA tiles: no spills), so that more programs share an SM.
+# batch at sparsity 0.9), so a launch is bound by memory traffic and latency, not by matmul rate (a batch of
+# diagonal blocks alone runs at 1.2-2x the time of reading each operand once: `benchmarks.attention --kernels`),
+# and the more programs an SM keeps in flight, the more of that latency they hide. The short-row forward and dQ
+# therefore take 32-key sub-tiles (half the K/V stage memory), and the forward a cap of 128 registers (maxnreg,
+# with TMA tiles: no spills), so that more programs share an SM.
 # GQA_HEAD_OUTER replaces HEAD_OUTER where query heads share K/V (GQA): with the head on axis 0, the programs
 # of one row's heads run together and a group's programs read the same K/V tiles from L2.
 DEFAULT_CONFIG = {
