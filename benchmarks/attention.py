@@ -19,6 +19,7 @@ error is recorded in the CSV and the run continues.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -693,7 +694,9 @@ def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
 
 def cudnn_per_document_fns(q, k, v, do, lens):
     """cuDNN SDPA, dense causal, one call per document: (fwd, fwd+bwd); its launches cost host time that
-    do_bench counts wherever the GPU runs short of it."""
+    do_bench counts wherever the GPU runs short of it. cuDNN refuses a key length of 1 (torch 2.11: "cudnn
+    SDPA does not support key/value sequence length 1"), so a one-token document goes to whichever SDPA
+    backend torch picks for it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -702,11 +705,11 @@ def cudnn_per_document_fns(q, k, v, do, lens):
 
     def fwd():
         outs = []
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            for s, e in zip(spans, spans[1:]):
-                qd, kd, vd = [x[s:e].transpose(0, 1)[None] for x in leaves]
+        for s, e in zip(spans, spans[1:]):
+            qd, kd, vd = [x[s:e].transpose(0, 1)[None] for x in leaves]
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if e - s > 1 else contextlib.nullcontext():
                 o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=G > 1)
-                outs.append(o[0].transpose(0, 1))
+            outs.append(o[0].transpose(0, 1))
         return torch.cat(outs)
 
     return fwd, lambda: torch.autograd.grad(fwd(), leaves, do)
