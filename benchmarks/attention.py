@@ -969,7 +969,7 @@ def results_table(path: str) -> str:
     selection's cost."""
     import pandas as pd
 
-    df = pd.read_csv(path)
+    df = pd.read_csv(path, dtype={"error": str})  # an all-empty column would read as float
     if "heads" in df:
         return fair_table(df)
     ours, cudnn = df[df.impl == "triton_sparse"], df[df.impl == "cudnn_dense"].set_index("T")
