@@ -37,10 +37,12 @@ mkdir -p "$OUT" "$RUNS"
 . runner/h200_env.sh
 
 experiment() {
-  {
-    gpu_environment || exit 1
-    git log -1 --format='commit %H' 2>/dev/null || true
-  } | tee "$OUT/environment.txt"
+  # not in a pipeline: gpu_environment exports the PYTHONPATH of the wheels it installs, which a subshell loses
+  gpu_environment >"$OUT/environment.txt" 2>&1
+  code=$?
+  git log -1 --format='commit %H' >>"$OUT/environment.txt" 2>/dev/null
+  cat "$OUT/environment.txt"
+  [ "$code" = 0 ] || exit 1
 
   COMMON=(cluster.gpus_per_node="$NPROC" layout.micro_batches=4 model=qwen2.5-3b "model.layers=$LAYERS"
           "model.vocab=$((151936 * LAYERS / 36))" workload=longtail workload.global_batch=16 workload.max_len=16384
