@@ -72,7 +72,6 @@ def test_bench_cpu_returns_quantiles_of_min_reps_calls():
     assert 0 <= t.p20_ms <= t.median_ms <= t.p80_ms
 
 
-
 def test_heat_runs_the_call_back_to_back_for_its_window_and_clears_grads():
     """Every call is followed by the sync (the GPU finishes it before the clock is read), grads are cleared
     before each call, and the window holds at least one call however long a call takes."""

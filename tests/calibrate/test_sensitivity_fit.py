@@ -53,7 +53,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50)
 @given(s=st.floats(0.002, 0.999), kept=st.lists(st.floats(0.01, 0.99), min_size=1, max_size=6))
 def test_an_exact_power_law_gives_its_exponent_back(s, kept):
     points = pd.DataFrame({"g": 0, "kept_fraction": kept + [1.0], "coverage": [k ** s for k in kept] + [1.0]})

@@ -278,7 +278,7 @@ def test_explicit_selection_from_mask_and_determinism():
     assert all(torch.equal(a, b) for a, b in zip(g2, g3)), "backward is not deterministic"
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, suppress_health_check=[HealthCheck.too_slow])
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), p=st.sampled_from([0.3, 0.7, 1.0]),
        seed=st.integers(0, 1000))
 def test_random_document_splits(lens, p, seed):
@@ -583,7 +583,7 @@ def test_options_reach_the_launchers(monkeypatch):
     assert grids == [(16, 2 * NB), (32, NB)]
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, suppress_health_check=[HealthCheck.too_slow])
 @given(lens=st.lists(st.integers(1, 120), min_size=1, max_size=4), kf=st.floats(0.01, 1.0),
        ties=st.booleans(), seed=st.integers(0, 1000))
 # 44 blocks at kept 0.05: tied rows want all their blocks, more than the 3 + 16 slots (the overflow path)

@@ -39,7 +39,7 @@ budgets = st.tuples(st.floats(0.5, 1.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0
 )  # floor <= p <= cap <= 1
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.integers(1, 8), st.integers(1, 6), st.data())
 def test_pipeline_estimate_is_the_engine_schedule(pp, m, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -60,7 +60,7 @@ def test_level_table_makespan_matches_the_engine(world):
         assert table.makespan(np.full((2, 4), level)) == pytest.approx(barrier_ms(fixed, layout, cost, cluster), rel=1e-12)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(layouts, budgets, st.data())
 def test_dst_never_slower_than_fixed_and_budgets_in_range(world, layout_dims, budget, data):
     cluster, cost = world
@@ -104,7 +104,7 @@ def test_attention_weighting_keeps_the_long_sequences_covered(world):
     assert mean_coverage(tuned["attention"], cost, "attention") >= mean_coverage(fixed, cost, "attention") - 1e-12
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(layouts, st.integers(1, 3), st.integers(256, 32768), st.floats(0.01, 1.0), budgets)
 def test_zero_heterogeneity_is_a_no_op(world, layout_dims, per_mb, length, sens, budget):
     """Identical micro-batches: with pp = 1 there is nothing to rebalance and DST is exactly fixed.

@@ -33,7 +33,7 @@ def optimum(costs: np.ndarray, k: int, equal_count: bool) -> float:
     return best
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(long_tail, st.integers(2, 4), st.booleans())
 def test_refined_partition_is_the_optimum_on_few_items(costs, k, equal_count):
     parts = kk_partition(costs, k, equal_count, refine=True)
@@ -71,7 +71,7 @@ def milp_optimum(costs: np.ndarray, k: int, equal_count: bool) -> float:
     return result.fun
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(st.lists(st.floats(0.0, 3.0), min_size=10, max_size=EXACT_ITEMS).map(lambda xs: np.exp(2.0 * np.array(xs))),
        st.integers(2, 4), st.booleans())
 def test_branch_and_bound_reaches_the_milp_optimum_past_the_brute_force(costs, k, equal_count):
@@ -96,7 +96,7 @@ def test_refinement_fixes_what_equal_count_ldm_gets_wrong():
     assert makespan(costs, kk_partition(costs, 2, True, refine=True)) == pytest.approx(best)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20)
 @given(st.lists(st.floats(0.5, 2.0), min_size=400, max_size=400).map(np.array))
 def test_refinement_never_raises_the_makespan_on_large_inputs(costs):
     """Above the bundle size the numpy search runs; it starts from LDM and only accepts improvements."""

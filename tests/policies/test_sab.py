@@ -29,7 +29,7 @@ def placement(plan):
     return [(a.seq_id, a.dp_rank, a.micro_batch) for a in plan.assignments]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.floats(0.01, 1.0), st.data())
 def test_sab_equals_lbb_with_equal_sensitivity_and_dense_budgets(cost, dp, pp, m, sens, data):
     layout = Layout(dp=dp, pp=pp, micro_batches=m)

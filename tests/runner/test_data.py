@@ -37,7 +37,7 @@ def records_of(tokens: np.ndarray) -> dict[int, int]:
     return dict(zip(tokens[starts + 1].tolist(), tokens[starts + 3].tolist()))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(examples())
 def test_answers_follow_from_the_records(case):
     task, sensitivity, length, ex = case
@@ -58,7 +58,7 @@ def test_answers_follow_from_the_records(case):
         assert found == answer and answer in values
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(examples())
 def test_records_and_prompts_never_overlap(case):
     task, sensitivity, length, ex = case
@@ -74,7 +74,7 @@ def test_records_and_prompts_never_overlap(case):
     assert (prompts == length - RECORD * np.arange(len(ex.answers), 0, -1)).all()  # all at the very end
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50)
 @given(TASKS, st.integers(0, 2**31), st.integers(0, 10**6), st.floats(0.0, 1.0))
 def test_content_is_a_function_of_seed_and_sequence_id(task, seed, seq_id, sensitivity):
     length = task.min_length(sensitivity) + 64

@@ -81,7 +81,7 @@ def bucket_by_bucket_ms(start, busy, t, b):
     return float(done.max())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 40), st.floats(0.0, 5.0),
        st.randoms(use_true_random=False))
 def test_bucketed_reduction_matches_bucket_by_bucket(dp, pp, buckets, bucket_ms, rnd):

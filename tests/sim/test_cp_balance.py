@@ -108,7 +108,7 @@ def test_pairs_too_close_to_tell_apart_by_key_are_worked_out_one_by_one():
         np.testing.assert_array_equal(gaps[:, inverse[s]], distinct_gaps([4096], kept[s:s + 1], 4, 128)[0][:, 0])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.lists(st.tuples(st.integers(1, 3000), st.floats(0.0, 1.0)), min_size=1, max_size=6),
        st.integers(2, 5), st.sampled_from([16, 64, 128]), st.data())
 def test_shares_and_slowest_rank_match_the_count(seqs, cp, block, data):

@@ -47,7 +47,7 @@ def test_the_fixture_models_interpolate_in_log_length_and_hold_their_end_knots()
     np.testing.assert_allclose(knots.std([middle, 4096, 1]), [0.3, 0.4, 0.2])
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+@settings(max_examples=60, derandomize=True)
 @given(task=st.sampled_from(["retrieval", "spread", "knots"]), seed=st.integers(0, 2**32 - 1),
        lengths=st.lists(st.integers(1, 10**7), min_size=1, max_size=50))
 def test_drawn_sensitivities_lie_in_0_1(task, seed, lengths):
@@ -56,7 +56,7 @@ def test_drawn_sensitivities_lie_in_0_1(task, seed, lengths):
     assert np.all(s >= MIN_SENSITIVITY) and np.all(s <= 1.0)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=25, derandomize=True)
 @given(task=st.sampled_from(["retrieval", "knots"]), length=st.integers(64, 100_000), seed=st.integers(0, 2**32 - 1))
 def test_drawn_sensitivities_follow_the_profile_mean_and_spread_by_length(task, length, seed):
     """logit(s) of many draws at one length: the knots' mean and std interpolated in ln(clamped length) (within 5
