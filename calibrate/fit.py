@@ -26,6 +26,8 @@ import numpy as np
 from scipy.optimize import least_squares, nnls
 
 from calibrate import store
+from calibrate.grid import TERMS as GRID_TERMS
+from calibrate.grid import GridPoint
 from calibrate.run import DEFAULT_CSV, meta_path
 from sim.cluster import Layout
 from sim.config import ModelConfig
@@ -285,6 +287,32 @@ def noise(measurements: list[Measurement]) -> dict[str, float]:
     return {t: round(float(np.median(v)), 3) for t, v in sorted(by_term.items())}
 
 
+def composition(measurements: list[Measurement]) -> dict[str, float] | None:
+    """Whole layers against the sum of their own terms timed one at a time (% of the whole layer).
+
+    The grid times each held-out whole layer's attention (selection, forward, backward) and its other work
+    (forward, backward) on their own too. A fit that predicted every term exactly would still miss each
+    whole layer by its gap (negative: the whole layer is slower than its parts), so the gaps show how much
+    of the held-out layer error is the sum-of-terms model's and not the coefficients'. None when no whole
+    layer has all its parts in the CSV.
+    """
+    times = {(m.key, m.term): m.median_ms for m in measurements}
+    gaps = []
+    for m in measurements:
+        if m.term != "layer_full":
+            continue
+        budgets = tuple(float(f) for f in m.key.rsplit("|", 1)[1].split("+"))
+        parts = [(GridPoint(kind, m.model, m.lengths, kept).key, term)
+                 for kind, kept in (("attn", budgets), ("layer", (1.0,) * len(m.lengths)))
+                 for term in GRID_TERMS[kind]]
+        if all(part in times for part in parts):
+            gaps.append((sum(times[part] for part in parts) - m.median_ms) / m.median_ms * 100.0)
+    if not gaps:
+        return None
+    return {"median_abs_pct": round(float(np.median(np.abs(gaps))), 3), "max_abs_pct": round(float(np.max(np.abs(gaps))), 3),
+            "median_pct": round(float(np.median(gaps)), 3), "points": len(gaps)}
+
+
 def build_profile(gpu: str, runs: list[dict], coefs: dict, report: dict, fit_command: str, csv: Path) -> dict:
     first, last = runs[0], runs[-1]
     return {
@@ -333,6 +361,11 @@ def print_report(report: dict) -> None:
         for name, s in report[f"{split}_mape"].items():
             print(f"  {name:>13}: {s['median_ape_pct']:7.2f} {s['max_ape_pct']:8.2f} {s['points']:5d}")
     print("timing spread (p80-p20)/median %:", report["noise_pct"])
+    gap = report["composition_pct"]
+    if gap is not None:
+        print(f"whole layer vs the sum of its terms timed alone ({gap['points']} layers): median |gap| "
+              f"{gap['median_abs_pct']:.2f}%, max {gap['max_abs_pct']:.2f}%, median {gap['median_pct']:+.2f}% "
+              "(what an exact prediction of every term would still miss)")
     print("conditioning (scaled design matrix; features merged into others, held at 0):")
     for term, c in report["conditioning"]["terms"].items():
         merged = "; ".join(f"{f} = " + " + ".join(f"{w:g} {g}" for g, w in ws.items()) for f, ws in c["merged"].items())
@@ -425,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         "fit_mape": summarise(evaluate(measurements, coefs, features, "fit")),
         "validation": validation_table(measurements, coefs, features),
         "noise_pct": noise(measurements),
+        "composition_pct": composition(measurements),
         "points": {s: sum(m.split == s for m in measurements) for s in ("fit", "heldout", "validate")},
     }
     fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])

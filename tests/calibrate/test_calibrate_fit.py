@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -114,6 +115,26 @@ def test_heldout_and_validation_errors_reported_per_term_and_for_whole_layers(sh
     assert all(abs(v["error_pct"]) < 5.0 for v in table)
 
 
+def test_composition_compares_each_whole_layer_with_its_own_terms_timed_alone(shapes, features):
+    """A whole layer 5% slower than its parts gives gaps of 1/1.05 - 1 at every held-out layer, whatever the
+    fit; the validation layers (no parts timed at their shapes) and a layer missing a part are left out."""
+    # the generator times a dense batch's selection at 0.4 ms where the model prices it at 0 (the kernel's
+    # no-op takes under a microsecond): here it is the model's 0, so that the parts add up to the layer
+    exact = [dataclasses.replace(m, median_ms=0.0) if m.term == "select" and min(m.kept_fractions) == 1.0 else m
+             for m in synthetic(build_grid(shapes), features)]
+    slower = [dataclasses.replace(m, median_ms=m.median_ms * 1.05) if m.term == "layer_full" else m for m in exact]
+    held = sum(m.term == "layer_full" and m.split == "heldout" for m in exact)
+    assert held >= 8
+    assert fit.composition(exact) == {"median_abs_pct": 0.0, "max_abs_pct": 0.0, "median_pct": 0.0, "points": held}
+    gap = fit.composition(slower)
+    assert gap["points"] == held
+    assert gap["median_pct"] == gap["max_abs_pct"] * -1 == pytest.approx((1 / 1.05 - 1) * 100, abs=1e-3)
+    first = next(m for m in exact if m.term == "layer_full" and m.split == "heldout")
+    one_less = [m for m in slower if not (m.term == "attn_bwd" and m.key == "attn" + first.key[len("layer_full"):])]
+    assert fit.composition(one_less)["points"] == held - 1
+    assert fit.composition([m for m in exact if m.term in ("layer_full", "layer_fwd", "layer_bwd")]) is None
+
+
 def test_fit_term_handles_features_twelve_orders_of_magnitude_apart():
     x = np.array([[1.0, 2e12, 0.0], [1.0, 4e12, 0.0], [1.0, 8e13, 0.0]])
     term = fit.fit_term(x, x @ np.array([0.05, 3e-12, 0.0]), ["const", "flops", "tokens"])
@@ -143,8 +164,9 @@ def test_fit_cli_writes_a_profile_the_simulator_loads(tmp_path, shapes, features
     assert profile["provisional"] is False and profile["block_size"] == BLOCK
     assert "calibrate.run" in profile["meta"]["command"] and "calibrate.fit" in profile["meta"]["command"]
     assert profile["fit"]["heldout_mape"]["attn_fwd+bwd"]["median_ape_pct"] < 3.0
+    assert profile["fit"]["composition_pct"]["points"] >= 8
     printed = capsys.readouterr().out
-    assert "heldout" in printed and "validation" in printed
+    assert "heldout" in printed and "validation" in printed and "whole layer vs the sum of its terms" in printed
 
 
 def test_fit_refuses_to_write_a_profile_the_simulator_would_reject(tmp_path, shapes, features):
