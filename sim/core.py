@@ -100,6 +100,33 @@ def read_json_config_file(path: str, key: str, where: str):
         raise ConfigError(f"{key}={path!r}: cannot be read ({type(exc).__name__})") from None
 
 
+def check_writable(path: str | Path, key: str, *, directory: bool = False) -> Path:
+    """``path`` if the command can write it (a file, or with ``directory`` a directory), else one ConfigError
+    line naming ``key``; for commands to call before any work runs, so that a bad output path costs nothing.
+
+    It writes and removes a temporary file where the output would go (permission bits do not tell: root
+    passes them on /proc), creating the missing parent directories for that and removing them again.
+    """
+    path = Path(path)
+    if path.exists() and path.is_dir() != directory:
+        raise ConfigError(f"{key}={str(path)!r} is a {'file' if directory else 'directory'}; allowed: a "
+                          f"{'directory' if directory else 'file'} path")
+    target = path if directory else path.parent
+    missing = [d for d in (target, *target.parents) if not d.exists()]
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key}={str(path)!r} cannot be written ({exc.strerror or type(exc).__name__}); "
+                          "allowed: a path in a writable directory") from None
+    finally:
+        for d in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return path
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to; on success it is flushed to disk and renamed over
