@@ -50,6 +50,7 @@ import numpy as np
 
 from policies.base import uniform_budget_plan
 
+from sim.config import FRACTION, bounded
 from sim.policy import register_sparsity
 from sim.plan import Assignment, Budget, Plan
 from sim.cluster import Layout
@@ -79,7 +80,8 @@ class DynamicSparsityTuning:
         floor: float = 0.8  # lowest coverage target any sequence may get
         cap: float = 1.0  # highest: the profile anchor (1.0 = dense)
         levels: int = 11  # budget levels between floor and cap (steps of 0.02 by default)
-        min_mean_coverage: Optional[float] = None  # None: the start's mean coverage (as weighted below)
+        # None: the start's mean coverage (as weighted below)
+        min_mean_coverage: Optional[float] = bounded(None, FRACTION)
         coverage_weight: CoverageWeight = CoverageWeight.attention  # the weighting of that mean
 
     def __init__(self, params: Params) -> None:

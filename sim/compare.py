@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sim.cluster import Cluster, Layout
 from sim.config import PolicyConfig, register
-from sim.core import ConfigError, compose_config, fail
+from sim.core import ConfigError, compose_config, fail, group_options
 from sim.cost import make_cost
 from sim.engine import Engine, PlanArrays, run_pipeline
 from sim.plan import Plan
@@ -69,7 +69,12 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
               bounds: tuple[str, ...]) -> pd.DataFrame:
     """One seed: a row per policy and per bound, with speedups over the first policy and the best baseline."""
     cfg = OmegaConf.merge(base, {"seed": seed, "write_plans": True})
-    outputs = {name: simulate(cfg, policy_variant(name)) for name in dict.fromkeys((*policies, *baselines, *bounds))}
+    option: dict[str, str] = {}  # each policy once, named in errors by the first list that has it
+    for flag, listed in (("--policies", policies), ("--baselines", baselines), ("--bounds", bounds)):
+        for name in listed:
+            option.setdefault(name, flag)
+    variants = {name: policy_variant(name, flag) for name, flag in option.items()}  # every name checked first
+    outputs = {name: simulate(cfg, variant) for name, variant in variants.items()}
     rows = [{"policy": label(name), **{col: outputs[name].summary[key] for col, key in FIGURES.items()}}
             for name in policies]
     for name in bounds:
@@ -87,17 +92,19 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
     return frame
 
 
-def policy_variant(spec: str) -> PolicyConfig:
-    """``name`` or ``name:key=value:...``: a policy of conf/policy/ with overrides of its own config."""
+def policy_variant(spec: str, option: str = "--policies") -> PolicyConfig:
+    """``name`` or ``name:key=value:...``: a policy of conf/policy/ with overrides of its own config; errors
+    name ``option``, the list it came from."""
     name, *overrides = spec.split(":")
     try:
         policy = load_policy(name)
     except ConfigError:
-        raise ConfigError(f"--policies {spec!r}: no policy {name!r} in conf/policy/") from None
+        raise ConfigError(f"{option} {spec!r}: no policy {name!r} in conf/policy/; allowed: "
+                          f"{', '.join(group_options('policy'))}") from None
     try:
         return OmegaConf.merge(policy, OmegaConf.from_dotlist(overrides))
     except (OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(f"--policies {spec!r}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"{option} {spec!r}: {str(exc).splitlines()[0]}") from None
 
 
 def label(spec: str) -> str:

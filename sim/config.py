@@ -68,6 +68,12 @@ def validate(node: Any, prefix: str = "") -> None:
     cross-field ``check(prefix)``. Lists of numbers are checked element by element."""
     if isinstance(node, DictConfig):
         node = OmegaConf.to_object(node)
+    known = {f.name for f in fields(node)}
+    # Hydra's ``+key=value`` appends a key the schema lacks, and OmegaConf sets it on the dataclass as an attribute
+    unknown = sorted(set(vars(node)) - known)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]} is not a config key; allowed under {prefix.rstrip('.') or 'the top'}: "
+                          f"{', '.join(sorted(known))}")
     for f in fields(node):
         value, key = getattr(node, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):

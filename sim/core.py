@@ -19,6 +19,7 @@ from typing import Callable, Iterator, NoReturn, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 GROUPS = ("policy", "cluster", "model", "workload", "cost")
+PRESETS = "experiment"  # the group of presets, chosen with +experiment=<name> (not in the default list)
 EXIT_BAD_INPUT = 2
 
 
@@ -173,7 +174,7 @@ def check_group_overrides(argv: Sequence[str]) -> None:
     for arg in argv:
         key, sep, value = arg.partition("=")
         group = key.lstrip("+~").split("@")[0]
-        if not sep or group not in GROUPS:
+        if not sep or group not in (*GROUPS, PRESETS):
             continue
         inner = value[value.find("(") + 1 : value.rfind(")")] if value.startswith("choice(") else value
         for option in filter(None, (v.strip() for v in inner.split(","))):

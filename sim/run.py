@@ -31,7 +31,7 @@ from tqdm import tqdm
 from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.config import PolicyConfig, RunConfig, register, validate
-from sim.core import CONF_DIR, ConfigError, check_group_overrides, compose_config, fail, group_options
+from sim.core import CONF_DIR, ConfigError, check_group_overrides, check_writable, compose_config, fail, group_options
 from sim.cost import CostModel, make_cost
 from sim.engine import Engine
 from sim.memory import MemoryModel
@@ -178,14 +178,24 @@ def check_composition(argv: list[str]) -> None:
     job_overrides = [a for a in overrides if not a.startswith("hydra.")]
     if not any(arg in ("-m", "--multirun") for arg in argv):
         if len(job_overrides) < len(overrides):  # hydra.* values: checked on the hydra node, not in the job
-            hydra_config(overrides)
+            check_output_dir(hydra_config(overrides), "run", overrides)
         return check_jobs([job_overrides], "")
-    sweeper = hydra_config([o.input_line for o in parse(overrides) if not o.is_sweep_override()]).sweeper
+    hydra_node = hydra_config([o.input_line for o in parse(overrides) if not o.is_sweep_override()])
+    check_output_dir(hydra_node, "sweep", overrides)
+    sweeper = hydra_node.sweeper
     params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
     if sweeper._target_ != OPTUNA_SWEEPER:
         return check_jobs(sweep_jobs(params + job_overrides), " (in the sweep job: {})")
     check_optuna(sweeper)
     check_search_space(params + job_overrides)
+
+
+def check_output_dir(hydra_node: DictConfig, mode: str, overrides: list[str]) -> None:
+    """A run (or sweep) directory given on the command line must be writable before any job runs; the
+    default one, under the working directory, is left to Hydra."""
+    key = f"hydra.{mode}.dir"
+    if any(o.split("=", 1)[0].lstrip("+") == key for o in overrides):
+        check_writable(hydra_node[mode].dir, key, directory=True)
 
 
 def check_jobs(jobs: list[list[str]], label: str) -> None:

@@ -63,6 +63,13 @@ def test_sim_run_reports_sparsebalance_against_the_baseline(tmp_path):
     assert float(sb.split()[-1]) > 1.0
 
 
-def test_compare_rejects_an_unknown_experiment():
-    done = subprocess.run([sys.executable, "-m", "sim.compare", "experiment=nope"], capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1
+@pytest.mark.parametrize("args,message", [
+    (["experiment=nope"], "unknown experiment 'nope'; allowed: learning, learning_lookup, paper,"),
+    (["experiment=paper", "--baselines", "verl,nope"], "--baselines 'nope': no policy 'nope' in conf/policy/; allowed: baseline,"),
+    (["experiment=paper", "--bounds", "nope"], "--bounds 'nope': no policy 'nope'"),
+    (["experiment=paper", "--policies", "sparsebalance,nope"], "--policies 'nope': no policy 'nope'"),
+])
+def test_compare_names_the_bad_value_and_the_option_it_came_from(args, message):
+    done = subprocess.run([sys.executable, "-m", "sim.compare", "steps=1", *args], capture_output=True, text=True)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"error: {message}"), done.stderr

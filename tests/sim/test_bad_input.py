@@ -64,6 +64,11 @@ CONFIG_CASES = [
     (["cost=roofline", "cost.launch_ms=-1"], "cost.launch_ms=-1.0 is out of range; allowed: >= 0"),
     (["cost=roofline", "cost.block_size=0"], "cost.block_size=0 is out of range; allowed: in [16, 1024]"),
     (["cost.profile=calibrate/profiles/missing.json"], "no such file"),
+    (["+foo=1"], "foo is not a config key; allowed under the top: baseline, cluster"),
+    (["+layout.bogus=3"], "layout.bogus is not a config key; allowed under layout: cp, dp, micro_batches, pp"),
+    (["policy=sparsebalance", "policy.sparsity.params.min_mean_coverage=5"],
+     "policy.sparsity.params.min_mean_coverage=5.0 is out of range; allowed: in [0, 1]"),
+    (["hydra.run.dir=/proc/nope"], "hydra.run.dir='/proc/nope' cannot be written"),
 ]
 
 # (trace file name, contents, text of the error line)
@@ -131,6 +136,15 @@ def test_bad_trace_is_one_line_and_leaves_nothing(tmp_path, name, content, needl
     proc = run_cli(f"hydra.run.dir={tmp_path / 'run'}", "workload=trace", f"workload.trace_path={trace}")
     assert_one_line(proc, needle)
     assert list(tmp_path.iterdir()) == [trace]
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_a_run_or_sweep_directory_that_is_a_file_is_one_line(tmp_path, mode):
+    there = tmp_path / "taken"
+    there.write_text("a file")
+    proc = run_cli(*(["-m"] if mode == "sweep" else []), f"hydra.{mode}.dir={there}", "steps=1", cwd=tmp_path)
+    assert_one_line(proc, f"hydra.{mode}.dir='{there}' is a file; allowed: a directory path")
+    assert list(tmp_path.iterdir()) == [there]
 
 
 def test_one_bad_job_stops_a_sweep_before_any_job_runs(tmp_path):
