@@ -34,7 +34,7 @@ import torch
 from kernels.sparse_attention import (KernelOptions, VarlenBatch, select_blocks, sparse_attention,
                                       sparse_attention_naive)
 from kernels.sparse_attention import backward, forward, launch
-from sim.core import number_list
+from sim.core import ArgumentParser, ConfigError, number_list, one_line_errors
 
 H, D, B = 16, 128, 128  # the grid's heads, head dim and block size (tuning and --config apply to (B, D))
 TORCH_SELECTION = KernelOptions(selection="torch")
@@ -620,7 +620,7 @@ FAIR_HEADS = {"mha": (16, 16), "gqa": (32, 4)}
 FAIR_SPARSITIES = {"mha": (0.0, 0.75, 0.9, 0.95), "gqa": (0.0, 0.5, 0.9)}
 FAIR_FIELDS = ["case", "heads", "T", "ndocs", "padded_T", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms",
                "fwd_tflops", "fwdbwd_tflops", "error"]
-# (ours, Flex) rows of each construction: ours on the batch the construction starts from
+# (peer, ours) rows of each construction: ours on the batch the construction starts from
 FAIR_PAIRS = (("flex_token_mask", "triton_sparse"), ("flex_padded", "triton_sparse"),
               ("flex_exact", "triton_sparse_aligned"), ("flex_flash_exact", "triton_sparse_aligned"),
               ("cudnn_per_document_dense", "triton_sparse"))
@@ -963,13 +963,34 @@ def cell(ms: float, speedup: float) -> str:
     return "-" if math.isnan(ms) else f"{ms:.2f}" + ("" if math.isnan(speedup) else f" ({speedup:.2f}x)")
 
 
+# the columns each table reads, of a grid CSV and of a --fair CSV (which has ``heads``)
+TABLE_COLUMNS = {"grid": ("case", "T", "ndocs", "sparsity", "impl", "fwd_ms", "fwdbwd_ms", "speedup_vs_flex_fwdbwd",
+                          "error"),
+                 "fair": ("heads", "T", "ndocs", "padded_T", "sparsity", "impl", "fwdbwd_ms", "fwdbwd_tflops", "error")}
+TABLE_INPUT = "allowed: a grid CSV (--bench --csv) or a --fair CSV of python -m benchmarks.attention"
+
+
+def read_results(path: str):
+    """The rows of a grid or --fair CSV; any other file is one ConfigError line naming it."""
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(path, dtype={"error": str})  # an all-empty column would read as float
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--table {path!r}: not a readable CSV ({str(exc).splitlines()[0]}); {TABLE_INPUT}") from None
+    missing = [c for c in TABLE_COLUMNS["fair" if "heads" in df else "grid"] if c not in df]
+    if missing:
+        raise ConfigError(f"--table {path!r}: no column {missing[0]!r}; {TABLE_INPUT}")
+    if df.empty:
+        raise ConfigError(f"--table {path!r}: a header without rows; {TABLE_INPUT}")
+    return df
+
+
 def results_table(path: str) -> str:
     """Markdown of a grid CSV (of a --fair CSV: :func:`fair_table`): our fwd+bwd ms and FlexAttention's time over ours per case and sparsity (by
     ``do_bench``, and by CUDA-graph replay where the grid has it), the dense point against cuDNN, and the
     selection's cost."""
-    import pandas as pd
-
-    df = pd.read_csv(path, dtype={"error": str})  # an all-empty column would read as float
+    df = read_results(path)
     if "heads" in df:
         return fair_table(df)
     ours, cudnn = df[df.impl == "triton_sparse"], df[df.impl == "cudnn_dense"].set_index("T")
@@ -1049,7 +1070,7 @@ def int_at_least(minimum: int, what: str):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.attention")
+    ap = ArgumentParser(prog="python -m benchmarks.attention")
     ap.add_argument("--table", metavar="GRID_CSV", default=None,
                     help="print the markdown results table of a grid CSV and exit (no GPU needed)")
     ap.add_argument("--check", action="store_true")
@@ -1105,6 +1126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+@one_line_errors
 def main(argv=None):
     args = parse_args(argv)
     if args.table is not None:

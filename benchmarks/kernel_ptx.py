@@ -14,7 +14,6 @@ registers are indicative.
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import os
 import re
@@ -27,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.sparse_attention import backward, forward, launch, select_kernels
+from sim.core import ArgumentParser, check_writable, one_line_errors
 
 # pointer arguments by name (the attention tensors, the selection's buffers); every other non-constexpr
 # argument is an int32 size or stride, except the fp32 scales
@@ -139,14 +139,16 @@ def verdict(name: str, code: str, ref_dir: str | None) -> str:
         return "identical" if f.read() == code else "DIFFERS"
 
 
+@one_line_errors
 def main():
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_ptx", description=__doc__.split("\n\n")[0])
-    ap.add_argument("out")
+    ap = ArgumentParser(prog="python -m benchmarks.kernel_ptx", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", metavar="OUT_DIR")
     ap.add_argument("--compare", metavar="REF_DIR")
     args = ap.parse_args()
     if args.compare and not os.path.isdir(args.compare):
         ap.error(f"--compare {args.compare!r} is not a directory (write one first: "
                  "python -m benchmarks.kernel_ptx REF_DIR)")
+    check_writable(args.out, "OUT_DIR", directory=True)  # before any kernel compiles
     os.makedirs(args.out, exist_ok=True)
     differ = []
     for name, fn, consts, options, box in (*attention_jobs(), *support_jobs()):

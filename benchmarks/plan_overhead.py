@@ -7,7 +7,6 @@ machine is shared (the load average is printed too), and CPU time is what the pl
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -16,20 +15,28 @@ from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.cost import make_cost
 from sim.compare import policy_variant
-from sim.core import compose_config
+from sim.core import ArgumentParser, compose_config, one_line_errors
 from sim.workload import Workload
 
 TARGET_MS = 20.0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@one_line_errors
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(prog="python -m benchmarks.plan_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--dp", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=1024)
     parser.add_argument("--policy", default="sparsebalance",
                         help="a policy of conf/policy/, optionally with overrides: sparsebalance:batching.params.refine=true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: allowed: >= 2 (the first step, which pays one-off costs, is not timed)")
+    if args.dp < 8 or args.dp % 8:
+        parser.error(f"--dp {args.dp}: allowed: a positive multiple of 8 (whole nodes of 8 GPUs)")
+    if args.global_batch < 2 * args.dp:
+        parser.error(f"--global-batch {args.global_batch}: allowed: >= {2 * args.dp} (2 x --dp: one micro-batch "
+                     "of 2 sequences per rank)")
     micro_batches = args.global_batch // args.dp // 2
     cfg = compose_config(["workload=longqa", f"workload.global_batch={args.global_batch}",
                           f"cluster.nodes={args.dp // 8}"])
@@ -37,7 +44,7 @@ def main() -> None:
     cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
     layout = Layout(dp=args.dp, micro_batches=micro_batches, gpus=Cluster.gpus(cfg.cluster))
     workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
-    policy = policy_variant(args.policy)
+    policy = policy_variant(args.policy, "--policy")
     batching = make_batching(policy.batching.name, policy.batching.params)
     sparsity = make_sparsity(policy.sparsity.name, policy.sparsity.params)
     batches = [workload.batch(step) for step in range(args.steps)]

@@ -9,14 +9,13 @@ cost growing no faster than linearly in GPUs, the 7 x 3 x 100 sweep under 60 s.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import pandas as pd
 
 from sim.run import load_policy, simulate
 
-from sim.core import compose_config, group_options
+from sim.core import ArgumentParser, compose_config, group_options, one_line_errors
 
 MICRO_BATCHES = 8
 
@@ -52,14 +51,15 @@ def sweep(steps: int) -> tuple[int, float]:
     return len(names) * len(layouts), time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@one_line_errors
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(prog="python -m benchmarks.sim_speed", description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default="baseline,lpt,kk", help="comma-separated conf/policy names")
     parser.add_argument("--steps", type=int, default=20)
     # Planning and plan building cost per sequence (Sequence/Assignment objects), so this sets the load.
     parser.add_argument("--seqs-per-micro-batch", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="keep the fastest of this many runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for name in ("steps", "seqs_per_micro_batch", "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")

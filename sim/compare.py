@@ -184,7 +184,7 @@ def names(text: str) -> tuple[str, ...]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m sim.compare", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="experiment=<name> and Hydra overrides")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; `speedup` is over the first")
     parser.add_argument("--baselines", default=",".join(BASELINES), help="`vs_best` is over the fastest of these")

@@ -21,10 +21,30 @@ TERM_ORDER = ("attn_fwd", "attn_bwd", "attn_fwd+bwd", "select", "layer_fwd", "la
 
 
 def read_profile(path: str | Path) -> dict:
+    """A cost profile; calibrate's other profiles are named as what they are, not as a cost profile to refit."""
     try:
         return load_profile(str(path))
     except ConfigError as exc:
+        other = other_profile(path)
+        if other:
+            raise PlotError(f"{path}: a {other}, which viz does not draw; allowed: a cost profile "
+                            "(calibrate/profiles/<gpu>.json, from calibrate.fit)") from None
         raise PlotError(str(exc)) from None
+
+
+def other_profile(path: str | Path) -> str | None:
+    """What a JSON file is when it is calibrate's sensitivity or memory profile (None: neither)."""
+    try:
+        profile = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(profile, dict):
+        return None
+    if profile.get("kind") == "sensitivity":
+        return "sensitivity profile (from calibrate.sensitivity)"
+    if "shapes" in profile and "terms" not in profile:
+        return "memory profile (from calibrate.memory)"
+    return None
 
 
 def raw_csv_of(profile_path: Path, profile: dict) -> Path:

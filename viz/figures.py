@@ -9,7 +9,7 @@ from sim.core import atomic_path
 from viz.calibration import (DEFAULT_PROFILE, benchmark_vs_profile, calibration_frame, plot_calibration,
                              plot_residuals, profile_title, read_profile)
 from viz.fidelity import fidelity_frame, plot_fidelity, plot_step_fidelity, validation_frame
-from viz.kernels import plot_kernel_comparison, read_benchmark
+from viz.kernels import fair_ratios, is_fair, plot_fair, plot_kernel_comparison, read_benchmark
 from viz.learning import is_learning_tables, learning_figures
 from viz.policies import plot_frontier, plot_policies
 from viz.runs import PlotError, read_runs, settings
@@ -54,13 +54,16 @@ def figures_for(path: Path, step: int, skip: int | None = None) -> dict[str, Fig
     if path.suffix == ".json":
         return profile_figures(path)
     if path.suffix == ".csv":
+        if is_fair(path):
+            return {"fair": plot_fair(fair_ratios(path))}
         bench = read_benchmark(path)
         model = benchmark_vs_profile(bench, DEFAULT_PROFILE)
         profile = read_profile(DEFAULT_PROFILE)
         return {"kernels": plot_kernel_comparison(bench),
                 "kernel_model": plot_calibration(model, profile, source=f"benchmark {path.name}"),
                 "kernel_model_residuals": plot_residuals(model, profile)}
-    raise PlotError(f"{path}: not a Results directory, runner.collect's tables, a profile (.json) or a benchmark CSV")
+    raise PlotError(f"{path}: not a Results directory, runner.collect's tables, a cost profile (.json) or a "
+                    "benchmark CSV of python -m benchmarks.attention (its grid or --fair CSV)")
 
 
 def save(figures: dict[str, Figure], out: Path, fmt: str) -> list[Path]:

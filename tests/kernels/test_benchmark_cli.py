@@ -1,6 +1,7 @@
 """``python -m benchmarks.attention`` on a machine without a GPU, and with bad lists: one-line errors, no
-traceback; its interleaved timing rounds; the HBM floors and FLOP counts of ``--kernels``. The entry points
-run in this process (argparse's exits), but for the no-GPU case, which runs the module as a process."""
+traceback; its interleaved timing rounds; the HBM floors and FLOP counts of ``--kernels``; bad input to the
+other benchmarks (plan_overhead, sim_speed, kernel_ptx). The entry points run in this process (argparse's
+exits), but for the no-GPU case, which runs the module as a process."""
 from __future__ import annotations
 
 import subprocess
@@ -126,6 +127,68 @@ def test_missing_table_csv_is_one_line(tmp_path, capsys):
         bm.main(["--table", str(tmp_path / "none.csv")])
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("none.csv': no such file (a grid CSV of this benchmark)")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("dtype,D,ok\nbf16,128,True\n", "no column 'case'"),
+    ("", "not a readable CSV (No columns to parse from file)"),
+    ("case,heads,T,ndocs,padded_T,sparsity,impl,fwdbwd_ms,fwdbwd_tflops,error\n", "a header without rows"),
+], ids=["check-csv", "empty", "header-only"])
+def test_table_of_a_non_benchmark_csv_is_one_line(content, message, tmp_path, capsys):
+    path = tmp_path / "other.csv"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        bm.main(["--table", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --table '{path}': {message}; allowed: a grid CSV"), err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "1"], "--steps 1: allowed: >= 2"),
+    (["--dp", "0"], "--dp 0: allowed: a positive multiple of 8"),
+    (["--dp", "-4"], "--dp -4: allowed: a positive multiple of 8"),
+    (["--dp", "12"], "--dp 12: allowed: a positive multiple of 8"),
+    (["--dp", "8", "--global-batch", "15"], "--global-batch 15: allowed: >= 16"),
+    (["--policy", "nope"], "--policy 'nope': no policy 'nope' in conf/policy/"),
+    (["--policy", "sparsebalance:bogus=1"], "--policy 'sparsebalance:bogus=1': Key 'bogus' not in"),
+    (["--policy", "sparsebalance:sparsity.params.floor=nan"], "floor=nan is not allowed"),
+], ids=["steps", "dp-zero", "dp-negative", "dp-not-whole-nodes", "batch-below-ranks", "policy", "override",
+        "nan-param"])
+def test_plan_overhead_bad_arguments_are_one_line(args, message, capsys):
+    from benchmarks import plan_overhead
+
+    with pytest.raises(SystemExit) as exc:
+        plan_overhead.main(["--steps", "2", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+@pytest.mark.parametrize("module", ["plan_overhead", "sim_speed"])
+def test_benchmark_usage_names_the_module(module, capsys):
+    main = __import__(f"benchmarks.{module}", fromlist=["main"]).main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith(f"usage: python -m benchmarks.{module} ")
+
+
+@pytest.mark.parametrize("out, message", [
+    ("file", "is a file; allowed: a directory path"),
+    ("file/sub", "cannot be written"),
+], ids=["a-file", "under-a-file"])
+def test_kernel_ptx_checks_its_output_directory_first(out, message, tmp_path, monkeypatch, capsys):
+    from benchmarks import kernel_ptx
+
+    (tmp_path / "file").write_text("")
+    compiled = []
+    monkeypatch.setattr(kernel_ptx, "compile_ptx", lambda *a: compiled.append(a))
+    monkeypatch.setattr(sys, "argv", ["kernel_ptx", str(tmp_path / out)])
+    with pytest.raises(SystemExit) as exc:
+        kernel_ptx.main()
+    assert exc.value.code == 2 and not compiled
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: OUT_DIR='{tmp_path / out}'") and message in err, err
 
 
 def test_kernel_ptx_names_a_missing_reference_directory_in_one_line(tmp_path, monkeypatch, capsys):
