@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import shlex
 import sys
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -28,14 +30,16 @@ from scipy.optimize import least_squares, nnls
 from calibrate import store
 from calibrate.grid import TERMS as GRID_TERMS
 from calibrate.grid import GridPoint
-from calibrate.run import DEFAULT_CSV, meta_path
+from calibrate.run import DEFAULT_CSV, meta_path, read_runs
 from sim.cluster import Layout
 from sim.config import ModelConfig
-from sim.core import ConfigError, atomic_path, one_line_errors
+from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, one_line_errors
 from sim.cost import PROFILE_SCHEMA_VERSION, TERMS, CostModel, load_profile
 
 DEFAULT_OUT = DEFAULT_CSV.with_name("h200.json")
 ROOT = Path(__file__).resolve().parents[1]
+RAW_SUFFIX = "_raw.csv"  # calibrate/profiles/<gpu>_raw.csv is fitted into <gpu>.json
+SPLITS = ("fit", "heldout", "validate")
 
 
 @dataclass(frozen=True)
@@ -50,24 +54,63 @@ class Measurement:
     spread: float  # (p80 - p20) / median
 
     @classmethod
-    def from_row(cls, row: dict) -> Measurement:
-        median = float(row["median_ms"])
+    def from_row(cls, row: dict, models: Collection[str]) -> Measurement:
+        """One CSV row of a run over ``models``; a field calibrate.run would not write is a ConfigError naming
+        the row, the field, its value and what is allowed."""
+        def field(name: str, parse, ok, allowed: str):
+            try:
+                value = parse(row[name])
+                good = ok(value)
+            except ValueError:
+                good = False
+            if not good:
+                raise ConfigError(f"row key={row['key']!r} term={row['term']!r}: {name}={row[name]!r}; "
+                                  f"allowed: {allowed}")
+            return value
+
+        def numbers(kind):
+            return lambda text: tuple(kind(x) for x in text.split(";"))
+
+        def point_kind(key: str) -> str:
+            kind, _model, _lengths, budgets = key.split("|")
+            [float(b) for b in budgets.split("+")]  # composition and the plots read the requested budgets
+            return kind
+
+        kind = field("key", point_kind, lambda k: k in GRID_TERMS, "a calibrate.grid point key, "
+                     f"<kind>|<model>|<lengths>|<'+'-joined budgets> with kind one of {', '.join(GRID_TERMS)}")
+        term = field("term", str, lambda t: t in GRID_TERMS[kind],
+                     f"{', '.join(GRID_TERMS[kind])} (the key's kind is {kind})")
+        lengths = field("lengths", numbers(int), lambda v: min(v) >= 1, "';'-joined whole numbers of tokens >= 1")
+        median = field("median_ms", float, lambda v: math.isfinite(v) and v > 0, "a finite number of ms > 0")
+        quantiles = [field(q, float, lambda v: math.isfinite(v) and v >= 0, "a finite number of ms >= 0")
+                     for q in ("p20_ms", "p80_ms")]
+        field("reps", int, lambda v: v >= 1, "a whole number of repetitions >= 1")
         return cls(
             key=row["key"],
-            term=row["term"],
-            split=row["split"],
-            model=row["model"],
-            lengths=tuple(int(x) for x in row["lengths"].split(";")),
-            kept_fractions=tuple(float(x) for x in row["kept_fractions"].split(";")),
+            term=term,
+            split=field("split", str, lambda v: v in SPLITS, ", ".join(SPLITS)),
+            model=field("model", str, lambda v: v in models, f"a model of the run's grid: {', '.join(models)}"),
+            lengths=lengths,
+            kept_fractions=field("kept_fractions", numbers(float),
+                                 lambda v: len(v) == len(lengths) and all(0 < f <= 1 for f in v),
+                                 f"{len(lengths)} ';'-joined numbers in (0, 1], one per length"),
             median_ms=median,
-            spread=(float(row["p80_ms"]) - float(row["p20_ms"])) / median,
+            spread=(quantiles[1] - quantiles[0]) / median,
         )
 
 
 def load_measurements(csv: Path) -> list[Measurement]:
-    """Rows of the raw CSV; a point measured twice (a resumed run) counts once, its last measurement."""
+    """Rows of the raw CSV, checked against the models of its run (the metadata beside it); a point measured
+    twice (a resumed run) counts once, its last measurement."""
+    runs = read_runs(csv)
+    models = runs[-1].get("grid", {}).get("models", {}) if runs else {}
     latest = {(r["key"], r["term"]): r for r in store.read_rows(csv)}
-    return [Measurement.from_row(r) for r in latest.values()]
+    if not latest:
+        raise ConfigError(f"--csv {csv}: no measurements; allowed: a CSV that calibrate.run has measured into")
+    try:
+        return [Measurement.from_row(r, models) for r in latest.values()]
+    except ConfigError as exc:
+        raise ConfigError(f"--csv {csv}: {exc}") from None
 
 
 class _FeatureTap(CostModel):
@@ -215,7 +258,8 @@ def fit_all(measurements: list[Measurement], features: FeatureSource) -> Fit:
         # at zero) says nothing about the coefficients; it is reported, not fitted.
         rows = [(m, f) for m, f in rows if any(f.values())]
         if not rows:
-            raise ValueError(f"no 'fit' measurements of term {term!r}; cannot fit it")
+            raise ConfigError(f"no 'fit' measurements of term {term!r} (besides all-dense selections, priced at 0); "
+                              "allowed: raw measurements with them (calibrate.run measures them)")
         names = list(rows[0][1])
         X = np.array([[f[n] for n in names] for _, f in rows])
         y = np.array([m.median_ms for m, _ in rows])
@@ -352,7 +396,10 @@ def write_profile(path: Path, profile: dict) -> None:
     replaces ``path`` (a refused one leaves ``path`` as it was and no temporary file)."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(profile, indent=2, sort_keys=True) + "\n")
-        load_profile(str(tmp), key="--out")
+        try:
+            load_profile(str(tmp), key="--out")
+        except ConfigError as exc:  # the problem is the user's --out, not the temporary name it is checked under
+            raise ConfigError(str(exc).replace(str(tmp), str(path))) from None
 
 
 def print_report(report: dict) -> None:
@@ -425,15 +472,47 @@ def check(path: Path) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m calibrate.fit", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m calibrate.fit", description=__doc__.splitlines()[0])
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="raw measurements from calibrate.run")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="profile to write")
-    ap.add_argument("--gpu", default="h200", help="the profile's gpu name")
+    ap.add_argument("--out", type=Path, help=f"profile to write (default: <gpu>.json beside --csv <gpu>{RAW_SUFFIX})")
+    ap.add_argument("--gpu", help=f"the profile's gpu name (default: <gpu> of --csv <gpu>{RAW_SUFFIX})")
+    ap.add_argument("--replace-measured", action="store_true",
+                    help="allow --out to name a profile measured on another GPU, which is then overwritten")
     ap.add_argument("--check", nargs="?", const=DEFAULT_OUT, type=Path, metavar="PROFILE",
                     help=f"fit nothing; check that PROFILE (default {DEFAULT_OUT.relative_to(ROOT)}) meets the "
                          f"error targets: held-out median <= {HELDOUT_TARGET_PCT:g}%% for attention fwd+bwd and "
                          f"whole layers, every validation point within {VALIDATION_TARGET_PCT:g}%%")
     return ap.parse_args(argv)
+
+
+def output_names(args: argparse.Namespace) -> tuple[str, Path]:
+    """The profile's gpu name and path: as given, else the GPU that --csv <gpu>_raw.csv is named after."""
+    named = args.csv.name[:-len(RAW_SUFFIX)] if args.csv.name.endswith(RAW_SUFFIX) else ""
+    if (args.gpu is None or args.out is None) and not named:
+        raise ConfigError(f"--csv {args.csv}: its name does not say the GPU; allowed: a CSV named "
+                          f"<gpu>{RAW_SUFFIX}, or --gpu and --out")
+    gpu = named if args.gpu is None else args.gpu
+    if not gpu.strip():
+        raise ConfigError(f"--gpu={gpu!r}: allowed: a non-empty name, such as h200")
+    return gpu, args.csv.with_name(f"{named}.json") if args.out is None else args.out
+
+
+def check_same_gpu(out: Path, gpu_name: str | None, csv: Path) -> None:
+    """Refuse to overwrite a measured profile of another GPU (or a file that is not a provisional profile):
+    refitting a GPU's own measurements replaces its profile, fitting another's needs --replace-measured."""
+    if not out.exists():
+        return
+    try:
+        existing = json.loads(out.read_bytes())
+    except (OSError, ValueError):
+        existing = None
+    if isinstance(existing, dict) and existing.get("provisional") is True:
+        return
+    meta = existing.get("meta") if isinstance(existing, dict) else None
+    theirs = meta.get("gpu_name") if isinstance(meta, dict) else None
+    if theirs != gpu_name:
+        raise ConfigError(f"--out={out}: holds a measured profile of {theirs!r}, and --csv {csv} was measured on "
+                          f"{gpu_name!r}; pass --replace-measured to overwrite it with this fit")
 
 
 @one_line_errors
@@ -443,14 +522,21 @@ def main(argv: list[str] | None = None) -> int:
         return check(args.check)
     if not args.csv.is_file():
         raise ConfigError(f"--csv {args.csv}: no such file (raw measurements are written by calibrate.run)")
-    meta = meta_path(args.csv)
-    if not meta.exists():
-        raise ConfigError(f"--csv {args.csv}: no run metadata {meta.name} beside it (written by calibrate.run)")
-    runs = json.loads(meta.read_text())["runs"]
+    runs = read_runs(args.csv)
+    if not runs:
+        raise ConfigError(f"--csv {args.csv}: no run metadata {meta_path(args.csv).name} beside it (written by "
+                          "calibrate.run)")
+    gpu, out = output_names(args)
+    check_writable(out, "--out")
+    if not args.replace_measured:
+        check_same_gpu(out, runs[-1].get("gpu_name"), args.csv)
     grid = runs[-1]["grid"]
     measurements = load_measurements(args.csv)
     features = FeatureSource(grid["models"], grid["block_size"])
-    fitted = fit_all(measurements, features)
+    try:
+        fitted = fit_all(measurements, features)
+    except ConfigError as exc:
+        raise ConfigError(f"--csv {args.csv}: {exc}") from None
     coefs = fitted.coefs
     report = {
         "conditioning": fitted.conditioning(),
@@ -462,9 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         "points": {s: sum(m.split == s for m in measurements) for s in ("fit", "heldout", "validate")},
     }
     fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])
-    write_profile(args.out, build_profile(args.gpu, runs, coefs, report, fit_command, args.csv))
+    write_profile(out, build_profile(gpu, runs, coefs, report, fit_command, args.csv))
     print_report(report)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

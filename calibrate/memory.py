@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from calibrate.store import append_rows
-from sim.core import fail, write_json_atomic
+from sim.core import check_writable, fail, one_line_errors, write_json_atomic
 from sim.shapes import ModelShape, load_shapes, model_names
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "h200_memory.json"
@@ -243,7 +243,46 @@ def read_rows(path: Path):
     missing = [c for c in COLUMNS if c not in rows.columns]
     if missing or rows.empty:
         fail(f"--fit {path}: needs the columns of calibrate.memory's CSV and at least one row; missing: {missing}")
+    problem = rows_problem(rows)
+    if problem:
+        fail(f"--fit {path}: {problem}")
     return rows
+
+
+def rows_problem(rows) -> str | None:
+    """The first field calibrate.memory's measurer would not write, as ``row N (model M) has F=V; allowed: ...``."""
+    import numpy as np
+    import pandas as pd
+
+    def number(column):
+        return pd.to_numeric(rows[column], errors="coerce")
+
+    def whole(column, minimum):
+        values = number(column)
+        return (values >= minimum) & (values == np.floor(values))
+
+    def lengths_ok(text, tokens) -> bool:
+        try:
+            lengths = [int(v) for v in str(text).split(";")]
+        except ValueError:
+            return False
+        return min(lengths) >= 1 and sum(lengths) == tokens
+
+    checks = [(c, whole(c, 1), "a whole number >= 1")
+              for c in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "block_size", "layers", "tokens")]
+    checks += [("checkpointing", number("checkpointing").isin([0, 1]), "0 or 1"),
+               ("kept_fraction", (number("kept_fraction") > 0) & (number("kept_fraction") <= 1), "a number in (0, 1]"),
+               ("lengths", pd.Series(map(lengths_ok, rows["lengths"], number("tokens"))),
+                "';'-joined whole numbers >= 1 adding up to tokens")]
+    checks += [(c, np.isfinite(number(c)) & (number(c) >= 0), "a finite number of bytes >= 0")
+               for c in ("base_bytes", "held_bytes", "peak_bytes", "forward_peak_bytes")]
+    for column, ok, allowed in checks:
+        bad = np.flatnonzero(~ok.to_numpy(dtype=bool))
+        if bad.size:
+            i = bad[0]
+            return (f"row {i + 1} (model {rows['model'].tolist()[i]}) has {column}={rows[column].tolist()[i]!r}; "
+                    f"allowed: {allowed}")
+    return None
 
 
 def model_config(row):
@@ -309,8 +348,8 @@ def fit_profile(rows, meta: dict):
             train = points[points["tokens"] != HELDOUT_TOKENS]
             if train["layers"].nunique() < 2 or train["tokens"].nunique() < 2:
                 fail(f"--fit: model {model} ({mode}) needs points at 2+ layer counts and 2+ token counts besides "
-                     f"the held-out {HELDOUT_TOKENS}; it has layers {sorted(train['layers'].unique())}, tokens "
-                     f"{sorted(train['tokens'].unique())}")
+                     f"the held-out {HELDOUT_TOKENS}; it has layers {_ints(train['layers'])}, tokens "
+                     f"{_ints(train['tokens'])}")
             terms = fit_terms(train)
             modes[mode] = {k: getattr(terms, k) for k in TERMS}
             table += [point_row(row, mode, terms) for _, row in points.iterrows()]
@@ -343,12 +382,16 @@ def abs_errors(errors) -> dict | None:
     return {"median": float(errors.abs().median()), "max": float(errors.abs().max())}
 
 
+def _ints(values) -> list[int]:
+    return sorted(int(v) for v in values.unique())
+
+
 def run_fit(args: argparse.Namespace, argv: list[str]) -> int:
     from sim.memory import profile_problem
 
     rows = read_rows(args.fit)
     if rows["block_size"].nunique() != 1:
-        fail(f"--fit {args.fit}: the rows mix block sizes {sorted(rows['block_size'].unique())}; allowed: one")
+        fail(f"--fit {args.fit}: the rows mix block sizes {_ints(rows['block_size'])}; allowed: one")
     meta_path = args.fit.with_name(args.fit.stem + ".meta.json")
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     meta["fit_command"] = shlex.join(["python", "-m", "calibrate.memory", *argv])
@@ -390,9 +433,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         fail(f"--time-budget-s {args.time_budget_s}: allowed: a number of seconds > 0")
     if args.fit is not None and not args.fit.is_file():
         fail(f"--fit {args.fit}: no such file")
+    # output paths are checked before anything is measured or fitted
+    if args.out is not None:
+        check_writable(args.out, "--out", directory=True)
+    else:
+        check_writable(args.profile, "--profile")
     return args
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)

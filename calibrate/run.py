@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import shlex
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from calibrate import grid, store, timing
 from calibrate.grid import GridPoint, build_grid
+from sim.core import ArgumentParser, ConfigError, one_line_errors
 from sim.shapes import ModelShape, load_shapes, model_names
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / "h200_raw.csv"
@@ -33,7 +35,7 @@ CALIBRATED_MODELS = ("llama3-8b", "qwen2.5-3b")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m calibrate.run", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m calibrate.run", description=__doc__.splitlines()[0])
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="raw measurements, appended per point")
     ap.add_argument("--models", nargs="*", default=list(CALIBRATED_MODELS),
                     help=f"conf/model/ names (default: {' '.join(CALIBRATED_MODELS)})")
@@ -49,15 +51,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="commit of the kernel and layer code being timed (GPU boxes get a copy without .git)")
     args = ap.parse_args(argv)
     known = model_names()
-    unknown = [m for m in args.models or [] if m not in known]
+    if not args.models:
+        ap.error(f"--models: no model named; allowed: one or more of {', '.join(known)}")
+    unknown = [m for m in args.models if m not in known]
     if unknown:
         ap.error(f"--models {' '.join(unknown)}: no such model config; allowed: {', '.join(known)}")
     if args.block_size not in (64, 128):
         ap.error(f"--block-size {args.block_size}: the kernel is tuned for 64 or 128")
     for name in ("max_tokens", "time_budget_s"):
         value = getattr(args, name)
-        if value is not None and value <= 0:
-            ap.error(f"--{name.replace('_', '-')} {value}: must be > 0")
+        if value is not None and not (math.isfinite(value) and value > 0):
+            ap.error(f"--{name.replace('_', '-')} {value}: must be a finite number > 0")
     return args
 
 
@@ -97,6 +101,28 @@ def estimated_seconds(points: list[GridPoint], shapes: dict[str, ModelShape]) ->
             total_ms += (6 * t + max(timing.HEAT_MS, t) + max(timing.WARMUP_MS, t)
                          + max(timing.REP_MS, timing.MIN_REPS * t))
     return total_ms / 1e3
+
+
+def measurement_settings(run: dict) -> dict:
+    """What changes the time a run (a meta entry) records for a point, flattened (``models.<name>.<field>``):
+    the block size, the grid's timing settings, each model's shape, the clock and the device. The models and
+    ``max_tokens`` only choose which points are measured."""
+    facts = run.get("grid", {})
+    settings = {k: v for k, v in facts.items() if k not in ("models", "max_tokens", "points")}
+    settings |= {f"models.{name}.{k}": v for name, shape in facts.get("models", {}).items() for k, v in shape.items()}
+    return settings | {k: run[k] for k in ("timing", "device") if k in run}
+
+
+def check_same_settings(csv: Path, settings: dict) -> None:
+    """Refuse to resume a CSV whose earlier runs measured with other settings: its points would count as done
+    though they time something else. Settings a run did not record (an older calibrate.run) are not compared."""
+    for past in read_runs(csv):
+        theirs = measurement_settings(past)
+        for key in sorted(settings.keys() & theirs.keys()):
+            if settings[key] != theirs[key]:
+                raise ConfigError(f"--csv {csv}: measured with {key}={theirs[key]!r} (its {meta_path(csv).name}), "
+                                  f"this run has {key}={settings[key]!r}; allowed: the same settings, or another "
+                                  "--csv for these")
 
 
 def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int | None, n_points: int) -> dict:
@@ -156,7 +182,7 @@ def write_meta(csv: Path, entry: dict, replace_last: bool = False) -> Path:
     leaves its machine facts and command behind.
     """
     path = meta_path(csv)
-    runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    runs = read_runs(csv)
     runs = runs[:-1] if replace_last else runs
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -167,6 +193,21 @@ def write_meta(csv: Path, entry: dict, replace_last: bool = False) -> Path:
 
 def meta_path(csv: Path) -> Path:
     return csv.with_name(csv.stem + ".meta.json")
+
+
+def read_runs(csv: Path) -> list[dict]:
+    """The runs the CSV's metadata lists (none without the file); a file of another shape is a ConfigError."""
+    path = meta_path(csv)
+    if not path.exists():
+        return []
+    try:
+        runs = json.loads(path.read_text())["runs"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        runs = None
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        raise ConfigError(f"--csv {csv}: {path.name} is not calibrate.run's metadata; allowed: a JSON object with a "
+                          "list of runs (written by calibrate.run)")
+    return runs
 
 
 def comm_figures(device: str) -> dict | str:
@@ -202,11 +243,15 @@ def make_measurer(shapes: list[ModelShape], device: str, block_size: int, clock:
     return Measurer(shapes, kernel, attention, bench, device=device, dtype=dtype, block_size=block_size)
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shapes = load_shapes(args.models)
     by_name = {s.name: s for s in shapes}
     points = select_points(build_grid(shapes), args.max_tokens)
+    grid_facts = grid_description(shapes, args.block_size, args.max_tokens, len(points))
+    check_same_settings(args.csv, measurement_settings({"grid": grid_facts, "timing": args.timing,
+                                                         "device": args.device}))
     todo = pending(points, args.csv)
     estimate_s = estimated_seconds(todo, by_name)
     print(f"{len(points)} points, {len(todo)} to measure, roughly {estimate_s:.0f}s of GPU time", file=sys.stderr)
@@ -222,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "calibrate.run", *(sys.argv[1:] if argv is None else argv)])
     entry = {"command": command, "code_version": args.code_version, "timing": args.timing,
              **machine_facts(args.device),
-             "grid": grid_description(shapes, args.block_size, args.max_tokens, len(points))}
+             "grid": grid_facts}
     write_meta(args.csv, entry | {"points_measured": None, "points_left": len(todo)})
     started = time.monotonic()
     measurer = make_measurer(shapes, args.device, args.block_size, args.timing)

@@ -38,7 +38,7 @@ import pandas as pd
 from scipy.special import expit, logit
 from scipy.stats import norm, spearmanr
 
-from sim.core import ConfigError, atomic_path, one_line_errors
+from sim.core import ConfigError, atomic_path, check_writable, one_line_errors
 from sim.sensitivity import (FAMILY, KIND, MODES, RAW_COLUMNS, SENSITIVITY_SCHEMA_VERSION, SensitivityModel,
                              raw_meta_path, read_profile)
 from sim.workload import MIN_SENSITIVITY
@@ -294,7 +294,10 @@ def write_profile(path: Path, profile: dict) -> None:
     replaces ``path``."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(profile, indent=2, sort_keys=True) + "\n")
-        read_profile(str(tmp), key="--out")
+        try:
+            read_profile(str(tmp), key="--out")
+        except ConfigError as exc:  # the problem is the user's --out, not the temporary name it is checked under
+            raise ConfigError(str(exc).replace(str(tmp), str(path))) from None
 
 
 def print_report(profile: dict) -> None:
@@ -395,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             raise ConfigError("--out is missing; allowed: the profile path to write, e.g. "
                               "calibrate/profiles/sensitivity_<name>.json")
+        check_writable(args.out, "--out")
         raw, facts = read_raw(args.csv)
         fit_command = shlex.join(["python", "-m", "calibrate.sensitivity", *(sys.argv[1:] if argv is None else argv)])
         profile = build_profile(raw, facts, fit_command)

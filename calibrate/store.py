@@ -9,6 +9,8 @@ import csv
 import os
 from pathlib import Path
 
+from sim.core import ConfigError
+
 COLUMNS = (
     "key",          # grid point id (see calibrate.grid.GridPoint.key)
     "term",         # attn_fwd | attn_bwd | select | layer_fwd | layer_bwd | layer_full
@@ -49,16 +51,19 @@ def _drop_partial_tail(path: Path) -> None:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """All complete rows; a trailing partial line (a kill mid-write) is dropped, not an error.
+    """All complete rows; a trailing partial line (a kill mid-write) is dropped, not an error, and a file with
+    other columns is a ConfigError.
 
     A point measured twice (killed between its rows, then redone) appears twice; readers keep the last.
     """
     if not path.exists():
         return []
     with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    if rows and rows[0] and set(rows[0]) != set(COLUMNS):
-        raise ValueError(f"{path}: columns {sorted(rows[0])} differ from the expected {sorted(COLUMNS)}")
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    if reader.fieldnames is not None and set(reader.fieldnames) != set(COLUMNS):
+        raise ConfigError(f"{path}: columns {sorted(reader.fieldnames)}; allowed: calibrate.run's, "
+                          f"{', '.join(COLUMNS)}")
     return [r for r in rows if all(r.get(c) not in (None, "") for c in COLUMNS)]
 
 

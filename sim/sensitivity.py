@@ -104,11 +104,12 @@ def profile_problem(profile) -> str | None:
     """What is wrong with a parsed profile, as ``<key>=<value>: <what is allowed>``; None when it is usable."""
     if not isinstance(profile, dict):
         return f"the top level is a {type(profile).__name__}; a sensitivity profile is a JSON object"
+    # the kind first: a cost or memory profile is refused for what it is, whatever its schema version
+    if profile.get("kind") != KIND:
+        return f"kind={profile.get('kind')!r}: allowed: {KIND!r} (a cost or memory profile is not a sensitivity one)"
     version = profile.get("schema_version")
     if version != SENSITIVITY_SCHEMA_VERSION or isinstance(version, bool):
         return f"schema_version={version!r}: this simulator reads {SENSITIVITY_SCHEMA_VERSION}"
-    if profile.get("kind") != KIND:
-        return f"kind={profile.get('kind')!r}: allowed: {KIND!r} (a cost or memory profile is not a sensitivity one)"
     missing = [k for k in KEYS if k not in profile]
     if missing:
         return f"missing key {missing[0]!r}; a sensitivity profile has {', '.join(KEYS)}"

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import copy
+import csv as csvlib
 import dataclasses
 import json
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,8 +145,8 @@ def test_fit_term_handles_features_twelve_orders_of_magnitude_apart():
     assert term.merged == {"tokens": {}}  # all zero: nothing to fit
 
 
-def write_synthetic_run(tmp_path, shapes, features):
-    csv = tmp_path / "h200_raw.csv"
+def write_synthetic_run(tmp_path, shapes, features, name="h200_raw.csv", gpu_name="synthetic"):
+    csv = tmp_path / name
     for m in synthetic(build_grid(shapes), features, noise=0.01):
         store.append_rows(csv, [{
             "key": m.key, "term": m.term, "split": m.split, "model": m.model,
@@ -152,7 +155,7 @@ def write_synthetic_run(tmp_path, shapes, features):
         }])
     grid = run.grid_description(shapes, BLOCK, None, len(build_grid(shapes)))
     run.write_meta(csv, {"command": "python -m calibrate.run", "date": "2026-12-02T00:00:00+00:00",
-                         "torch": "t", "triton": "tr", "gpu_name": "synthetic", "driver": "d", "grid": grid})
+                         "torch": "t", "triton": "tr", "gpu_name": gpu_name, "driver": "d", "grid": grid})
     return csv
 
 
@@ -176,8 +179,9 @@ def test_fit_refuses_to_write_a_profile_the_simulator_would_reject(tmp_path, sha
     bad["terms"]["attn_fwd"]["const"] = -1.0
     out = tmp_path / "h200.json"
     out.write_text("the profile in place")
-    with pytest.raises(ConfigError, match="negative"):
+    with pytest.raises(ConfigError, match="negative") as err:
         fit.write_profile(out, bad)
+    assert str(err.value).startswith(f"--out='{out}': ")  # the user's path, not the temporary copy's
     assert out.read_text() == "the profile in place"
     assert sorted(tmp_path.iterdir()) == sorted([csv, run.meta_path(csv), out])  # no temporary copy left
 
@@ -224,3 +228,125 @@ def test_bad_profile_files_are_rejected_with_one_line(tmp_path, shapes, features
     with pytest.raises(ConfigError, match=message) as err:
         load_profile(str(path))
     assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory, shapes, features):
+    """A synthetic run's CSV and metadata text, for tests to copy and change."""
+    csv = write_synthetic_run(tmp_path_factory.mktemp("run"), shapes, features)
+    return csv.read_text(), run.meta_path(csv).read_text()
+
+
+def copy_run(good_run, directory, name="h200_raw.csv", edit=None):
+    """The good run under ``name`` in ``directory``; ``edit(rows)`` may change its rows (dicts) first."""
+    text, meta = good_run
+    csv = directory / name
+    if edit is None:
+        csv.write_text(text)
+    else:
+        rows = list(csvlib.DictReader(text.splitlines()))
+        edit(rows)
+        with csv.open("w", newline="") as f:
+            writer = csvlib.DictWriter(f, fieldnames=store.COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+    run.meta_path(csv).write_text(meta)
+    return csv
+
+
+def test_fit_defaults_follow_the_csv_name(tmp_path, good_run, capsys):
+    csv = copy_run(good_run, tmp_path, "h100_raw.csv")
+    assert fit.main(["--csv", str(csv)]) == 0
+    assert load_profile(str(tmp_path / "h100.json"))["gpu"] == "h100"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h100.json", "h100_raw.csv", "h100_raw.meta.json"]
+    other = copy_run(good_run, tmp_path, "raw.csv")
+    assert "--csv {}: its name does not say the GPU; allowed: a CSV named <gpu>_raw.csv, or --gpu and --out".format(
+        other) in bad_input(capsys, ["--csv", str(other), "--out", str(tmp_path / "p.json")])
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_fit_does_not_overwrite_a_measured_profile_of_another_gpu(tmp_path, shapes, features, capsys):
+    h200 = write_synthetic_run(tmp_path, shapes, features, "h200_raw.csv", "NVIDIA H200")
+    assert fit.main(["--csv", str(h200)]) == 0
+    assert fit.main(["--csv", str(h200)]) == 0  # refitting a GPU's own measurements replaces its profile
+    profile = (tmp_path / "h200.json").read_text()
+    h100 = write_synthetic_run(tmp_path, shapes, features, "h100_raw.csv", "NVIDIA H100 80GB HBM3")
+    out = tmp_path / "h200.json"
+    err = bad_input(capsys, ["--csv", str(h100), "--out", str(out)])
+    assert (f"--out={out}: holds a measured profile of 'NVIDIA H200', and --csv {h100} was measured on 'NVIDIA H100 "
+            "80GB HBM3'; pass --replace-measured to overwrite it with this fit") in err
+    assert out.read_text() == profile
+    assert fit.main(["--csv", str(h100), "--out", str(out), "--replace-measured"]) == 0
+    replaced = load_profile(str(out))
+    assert replaced["gpu"] == "h100" and replaced["meta"]["gpu_name"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_fit_overwrites_a_provisional_profile(tmp_path, good_run):
+    out = tmp_path / "h200.json"
+    out.write_text(json.dumps({"provisional": True}))
+    assert fit.main(["--csv", str(copy_run(good_run, tmp_path))]) == 0
+    assert load_profile(str(out))["provisional"] is False
+
+
+def set_field(field, value, term="attn_fwd"):
+    """Change ``field`` of the first fit row of ``term``."""
+    def edit(rows):
+        row = next(r for r in rows if r["term"] == term and r["split"] == "fit")
+        row[field] = value
+    return edit
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("median_ms", "nan", "a finite number of ms > 0"),
+    ("median_ms", "inf", "a finite number of ms > 0"),
+    ("median_ms", "-1", "a finite number of ms > 0"),
+    ("median_ms", "0", "a finite number of ms > 0"),
+    ("median_ms", "abc", "a finite number of ms > 0"),
+    ("p80_ms", "nan", "a finite number of ms >= 0"),
+    ("reps", "abc", "a whole number of repetitions >= 1"),
+    ("lengths", "0", "';'-joined whole numbers of tokens >= 1"),
+    ("lengths", "-5", "';'-joined whole numbers of tokens >= 1"),
+    ("lengths", "1024.5", "';'-joined whole numbers of tokens >= 1"),
+    ("kept_fractions", "0", "1 ';'-joined numbers in (0, 1], one per length"),
+    ("kept_fractions", "0.5;0.5", "1 ';'-joined numbers in (0, 1], one per length"),
+    ("model", "gpt5", "a model of the run's grid: llama3-8b, qwen2.5-3b"),
+    ("term", "foo", "select, attn_fwd, attn_bwd (the key's kind is attn)"),
+    ("term", "layer_fwd", "select, attn_fwd, attn_bwd (the key's kind is attn)"),
+    ("split", "train", "fit, heldout, validate"),
+    ("key", "nonsense", "a calibrate.grid point key"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 12 else None)
+def test_a_bad_row_is_one_line_naming_it_and_nothing_is_written(tmp_path, good_run, capsys, field, value, allowed):
+    csv = copy_run(good_run, tmp_path, edit=set_field(field, value))
+    row = next(r for r in csvlib.DictReader(csv.read_text().splitlines()) if r[field] == value)
+    err = bad_input(capsys, ["--csv", str(csv)])
+    assert err.startswith(f"error: --csv {csv}: row key={row['key']!r} term={row['term']!r}: {field}={value!r}; "
+                          f"allowed: {allowed}"), err
+    assert not (tmp_path / "h200.json").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda rows: rows.clear(), "no measurements; allowed: a CSV that calibrate.run has measured into"),
+    (lambda rows: rows.__setitem__(slice(None), [r for r in rows if r["term"] != "select" or r["split"] != "fit"]),
+     "no 'fit' measurements of term 'select'"),
+], ids=["header-only", "a-term-without-fit-rows"])
+def test_a_csv_without_what_the_fit_needs_is_one_line(tmp_path, good_run, capsys, edit, message):
+    csv = copy_run(good_run, tmp_path, edit=edit)
+    assert f"--csv {csv}: {message}" in bad_input(capsys, ["--csv", str(csv)])
+    assert not (tmp_path / "h200.json").exists()
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_fit(tmp_path, good_run, capsys):
+    csv = copy_run(good_run, tmp_path)
+    for out in [csv / "x.json"] + ([Path("/proc/x.json")] if Path("/proc/self").is_dir() else []):
+        with pytest.raises(SystemExit):
+            fit.main(["--csv", str(csv), "--out", str(out)])
+        printed, err = capsys.readouterr()
+        assert err.startswith(f"error: --out='{out}' cannot be written (") and len(err.splitlines()) == 1, err
+        assert printed == ""  # refused before fitting
+
+
+def test_an_empty_gpu_name_is_refused_naming_the_option(tmp_path, good_run, capsys):
+    csv = copy_run(good_run, tmp_path)
+    err = bad_input(capsys, ["--csv", str(csv), "--gpu", ""])
+    assert err == "error: --gpu='': allowed: a non-empty name, such as h200\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h200_raw.csv", "h200_raw.meta.json"]

@@ -7,6 +7,7 @@ import pytest
 
 from calibrate import grid, run, store
 from calibrate.grid import GridPoint, build_grid
+from sim.core import ConfigError
 from sim.shapes import load_shapes
 
 
@@ -73,11 +74,16 @@ def test_time_budget_stops_starting_points(tmp_path, points):
     assert run.measure_all(points, FakeMeasurer(), csv, time_budget_s=0.0) <= 1
 
 
-def test_csv_with_foreign_columns_is_refused(tmp_path):
+def test_csv_with_foreign_columns_is_refused(tmp_path, capsys):
     csv = tmp_path / "raw.csv"
     csv.write_text("a,b\n1,2\n")
-    with pytest.raises(ValueError, match="columns"):
+    with pytest.raises(ConfigError, match="columns"):
         store.read_rows(csv)
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--csv", str(csv), "--dry-run"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {csv}: columns ['a', 'b']; allowed: calibrate.run's, "
+                                                    + ", ".join(store.COLUMNS)]
 
 
 def test_grid_keys_unique_lengths_within_context_and_validation_outside_grid():
@@ -116,14 +122,54 @@ def test_dry_run_prints_estimate_and_writes_nothing(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--models", "llama3-8b", "gpt5"], "--models gpt5: no such model config; allowed: llama3-8b, qwen2.5-3b, tiny"),
     (["--block-size", "96"], "--block-size 96: the kernel is tuned for 64 or 128"),
-    (["--max-tokens", "0"], "--max-tokens 0: must be > 0"),
-    (["--time-budget-s", "-5"], "--time-budget-s -5.0: must be > 0"),
-], ids=["unknown-model", "block-size", "max-tokens", "time-budget"])
+    (["--models"], "--models: no model named; allowed: one or more of llama3-8b, qwen2.5-3b, tiny"),
+    (["--max-tokens", "0"], "--max-tokens 0: must be a finite number > 0"),
+    (["--time-budget-s", "-5"], "--time-budget-s -5.0: must be a finite number > 0"),
+    (["--time-budget-s", "nan"], "--time-budget-s nan: must be a finite number > 0"),
+    (["--time-budget-s", "inf"], "--time-budget-s inf: must be a finite number > 0"),
+], ids=["unknown-model", "block-size", "no-model", "max-tokens", "time-budget", "time-budget-nan", "time-budget-inf"])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
         run.main(["--csv", str(tmp_path / "raw.csv"), "--dry-run", *args])
     assert exc.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith("error: " + message)
+    assert capsys.readouterr().err.splitlines() == ["error: " + message]
+
+
+def measured_run(tmp_path, points, **facts):
+    """A CSV with ``points`` measured by a run over the calibrated models at block 128, busy timing on cuda,
+    changed by ``facts``; its text and its metadata's."""
+    csv = tmp_path / "raw.csv"
+    run.measure_all(points, FakeMeasurer(), csv, time_budget_s=None)
+    shapes = load_shapes(list(run.CALIBRATED_MODELS))
+    entry = {"timing": "busy", "device": "cuda", "grid": run.grid_description(shapes, 128, None, len(points))}
+    run.write_meta(csv, entry | facts)
+    return csv, csv.read_text(), run.meta_path(csv).read_text()
+
+
+@pytest.mark.parametrize("args, recorded, named", [
+    (["--block-size", "64"], {}, "measured with block_size=128 (its raw.meta.json), this run has block_size=64"),
+    (["--timing", "events"], {}, "measured with timing='busy' (its raw.meta.json), this run has timing='events'"),
+    ([], {"device": "cpu"}, "measured with device='cpu' (its raw.meta.json), this run has device='cuda'"),
+], ids=["block-size", "timing", "device"])
+def test_a_csv_measured_with_other_settings_is_not_resumed(tmp_path, capsys, points, args, recorded, named):
+    """Its points time something else: they must not count as done (nor be mixed with this run's)."""
+    csv, rows, meta = measured_run(tmp_path, points, **recorded)
+    capsys.readouterr()  # the measuring's progress bar
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--csv", str(csv), "--dry-run", *args])
+    lines = capsys.readouterr().err.splitlines()
+    assert exc.value.code == 2 and len(lines) == 1 and named in lines[0], lines
+    assert lines[0].startswith(f"error: --csv {csv}: ") and lines[0].endswith("; allowed: the same settings, or "
+                                                                              "another --csv for these")
+    assert csv.read_text() == rows and run.meta_path(csv).read_text() == meta
+
+
+def test_a_csv_measured_with_the_same_settings_resumes_with_other_models(tmp_path, capsys, points):
+    csv, _, _ = measured_run(tmp_path, points)
+    assert run.main(["--csv", str(csv), "--dry-run", "--models", "llama3-8b", "--max-tokens", "4096"]) == 0
+    assert run.main(["--csv", str(csv), "--dry-run"]) == 0
+    total = len(build_grid(load_shapes(list(run.CALIBRATED_MODELS))))
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"{total} points, {total - len(points)} to measure")
 
 
 def test_no_gpu_is_one_line_before_anything_is_written(tmp_path):

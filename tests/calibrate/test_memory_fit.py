@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from calibrate import memory
 from calibrate.memory import COLUMNS, HELDOUT_TOKENS, activation_bytes, build_points, fit_profile
 from sim.config import ModelConfig
 from sim.memory import MODES, TokenTerms, load_profile_terms
@@ -80,4 +81,49 @@ def test_too_few_points_to_fit_is_one_line(tmp_path):
                            str(tmp_path / "p.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "needs points at 2+ layer counts" in lines[0], proc.stderr
+    assert "it has layers [1], tokens [4096, 8192, 32768, 65536]" in lines[0]  # plain numbers, not np.int64(1)
     assert not (tmp_path / "p.json").exists()
+
+
+def refused(capsys, argv) -> str:
+    """The one ``error:`` line of calibrate.memory refusing ``argv`` (exit code 2)."""
+    with pytest.raises(SystemExit) as done:
+        memory.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("column, value, shown, allowed", [
+    ("peak_bytes", float("nan"), "nan", "a finite number of bytes >= 0"),
+    ("peak_bytes", -1000, "-1000.0", "a finite number of bytes >= 0"),
+    ("held_bytes", float("inf"), "inf", "a finite number of bytes >= 0"),
+    ("tokens", "abc", "'abc'", "a whole number >= 1"),
+    ("layers", 0, "0", "a whole number >= 1"),
+    ("checkpointing", 2, "2", "0 or 1"),
+    ("kept_fraction", 1.5, "1.5", "a number in (0, 1]"),
+    ("lengths", "4096;-1", "'4096;-1'", "';'-joined whole numbers >= 1 adding up to tokens"),
+    ("lengths", "1;2", "'1;2'", "';'-joined whole numbers >= 1 adding up to tokens"),
+], ids=["nan-peak", "negative-peak", "inf-held", "text-tokens", "no-layers", "checkpointing", "kept", "negative-length",
+        "lengths-not-tokens"])
+def test_a_bad_row_is_one_line_and_writes_nothing(tmp_path, capsys, column, value, shown, allowed):
+    raw = tmp_path / "memory_raw.csv"
+    rows = synthetic_rows().astype({column: object})
+    rows.loc[2, column] = value
+    rows.to_csv(raw, index=False)
+    out = tmp_path / "p.json"
+    err = refused(capsys, ["--fit", raw, "--profile", out])
+    assert f"--fit {raw}: row 3 (model {rows.loc[2, 'model']}) has {column}={shown}; allowed: {allowed}" in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_an_output_path_that_cannot_be_written_is_refused_first(tmp_path, capsys, where):
+    raw = tmp_path / "memory_raw.csv"
+    synthetic_rows().to_csv(raw, index=False)
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    profile = raw / "p.json" if where == "under-a-file" else Path("/proc/m.json")
+    assert f"--profile='{profile}' cannot be written (" in refused(capsys, ["--fit", raw, "--profile", profile])
+    assert capsys.readouterr().out == ""  # refused before fitting
+    assert "--out='{}' is a file; allowed: a directory path".format(raw) in refused(capsys, ["--out", raw])

@@ -15,8 +15,7 @@ from hypothesis import given, settings, strategies as st
 from scipy.special import expit
 
 from calibrate import sensitivity as fit
-from sim.cost import PROFILE_SCHEMA_VERSION as COST_SCHEMA_VERSION
-from sim.sensitivity import RAW_COLUMNS, SENSITIVITY_SCHEMA_VERSION, load_sensitivity_profile, raw_meta_path
+from sim.sensitivity import RAW_COLUMNS, load_sensitivity_profile, raw_meta_path
 
 LENGTHS = (512, 1024, 2048, 4096)
 KEPT = (0.1, 0.25, 0.5, 1.0)  # kept fraction 1 says nothing about s and is left out
@@ -217,10 +216,31 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, name):
 @pytest.mark.parametrize("argv, needle", [
     ([], "nothing to do; allowed: raw CSVs to fit (with --out), or --check PROFILE"),
     (["raw.csv"], "--out is missing"),
-    # a cost profile: refused at its schema version (the sensitivity profile's is another)
+    # a cost or memory profile is named as not a sensitivity profile, whatever its schema version
     (["--check", "tests/fixtures/profile_h200.json"],
-     f"schema_version={COST_SCHEMA_VERSION}: this simulator reads {SENSITIVITY_SCHEMA_VERSION}"),
+     "--check='tests/fixtures/profile_h200.json': kind=None: allowed: 'sensitivity' (a cost or memory profile is "
+     "not a sensitivity one)"),
+    (["--check", "calibrate/profiles/h200_memory.json"], "kind=None: allowed: 'sensitivity'"),
 ])
 def test_bad_options_are_one_line(capsys, argv, needle):
     code, _, err = run(capsys, *argv)
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_fit(tmp_path, capsys):
+    csv = tmp_path / "raw.csv"
+    synthetic(csv, linear, 0.3)
+    out = csv / "p.json"  # under a file
+    code, printed, err = run(capsys, csv, "--out", out)
+    assert code == 2 and err.startswith(f"error: --out='{out}' cannot be written (") and printed == ""
+
+
+def test_a_profile_the_simulator_refuses_names_the_out_path_not_its_temporary_copy(tmp_path, capsys):
+    csv, out = tmp_path / "raw.csv", tmp_path / "p.json"
+    synthetic(csv, linear, 0.3)
+    assert run(capsys, csv, "--out", out)[0] == 0
+    profile = json.loads(out.read_text()) | {"family": "beta"}
+    with pytest.raises(fit.ConfigError) as err:
+        fit.write_profile(out, profile)
+    assert str(err.value).startswith(f"--out='{out}': family='beta'")
+    assert json.loads(out.read_text())["family"] == "logit_normal"
