@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from sim.core import ArgumentParser, ConfigError, atomic_path, number_list, one_line_errors
+from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, number_list, one_line_errors
 
 # Six significant digits: the tables are read by people and plots, and stay a few MB for thousands of steps.
 TABLE_FORMAT = "%.6g"
@@ -108,9 +108,8 @@ def tables(runs: list[Path], edges: list[int]) -> dict[str, pd.DataFrame]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_edges(args.length_edges)
+    check_writable(args.out, "--out", directory=True)
     collected = tables(args.runs, args.length_edges)
-    if args.out.exists() and not args.out.is_dir():
-        raise ConfigError(f"--out {args.out}: exists and is not a directory")
     for file, table in collected.items():
         with atomic_path(args.out / file) as tmp:
             table.to_csv(tmp, index=False, float_format=TABLE_FORMAT)

@@ -14,8 +14,12 @@ compile kernels, skipped; each step's Triton compilations beside it), and writes
 ``sim.memory`` for the same Plans, layout, block size and memory config as the run's, against what the runner
 measured on CUDA (``peak_memory_gb`` of ``micro_batches.csv``; empty for a CPU run), with the relative error,
 printed and written to ``memory.csv``. Given several run dirs (the first is the baseline), also the measured
-speedup, coverage and retrieval accuracy of each against the first; ``--out`` writes all of it as one CSV
-(per step) and JSON (per run), and every run's memory table as ``<stem>_memory.csv`` beside them.
+speedup, coverage and retrieval accuracy of each against the first. ``--out X.csv`` writes all of it there
+instead of into the run dirs: one CSV (per step, every run), ``X.json`` (per run) and ``X_memory.csv`` (every
+run's memory table), so that run dirs one only reads (committed results) stay as they are.
+
+A key that the config schema has made mandatory since a run wrote its ``.hydra/config.yaml`` (``cluster.hbm_gb``)
+is read from the run's own group option (``conf/cluster/<its cluster.name>.yaml``), with a note on stderr.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from omegaconf.errors import OmegaConfBaseException
 from runner.config import TrainConfig
 from sim.cluster import Cluster, Layout
 from sim.config import validate
-from sim.core import ArgumentParser, ConfigError, atomic_path, one_line_errors, write_json_atomic
+from sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, compose_config, group_options,
+                      one_line_errors, write_json_atomic)
 from sim.cost import make_cost
 from sim.engine import Engine
 from sim.memory import GB, MemoryModel
@@ -62,7 +67,9 @@ def load_run(run_dir: Path):
 
 def _config(path: Path) -> TrainConfig:
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path)))
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
+        _fill_new_keys(merged, path)
+        cfg = OmegaConf.to_object(merged)
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
         raise ConfigError(f"{path} is not a runner config: {_first_line(exc)}") from None
     try:
@@ -70,6 +77,22 @@ def _config(path: Path) -> TrainConfig:
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return cfg
+
+
+def _fill_new_keys(cfg, path: Path) -> None:
+    """Each mandatory key inside a group that the run's config lacks (the schema gained it after the run) from the
+    group option the run names (``conf/<group>/<name>.yaml``), where that option exists; else one line saying which
+    key is missing and how to supply it. A missing whole group is left to the schema's own error."""
+    for key in sorted(k for k in OmegaConf.missing_keys(cfg) if "." in k):
+        group = key.split(".")[0]
+        name = OmegaConf.select(cfg, f"{group}.name", default=None)
+        if name not in group_options(group):
+            raise ConfigError(f"it lacks {key} (a key added to the schema after the run) and {group}.name={name!r} "
+                              f"is no conf/{group}/ option to read it from; allowed: a config that sets {key}")
+        value = OmegaConf.select(compose_config([f"{group}={name}"]), key)
+        OmegaConf.update(cfg, key, value)
+        print(f"note: {path} lacks {key} (added to the schema after the run); read as {value} from "
+              f"conf/{group}/{name}.yaml", file=sys.stderr)
 
 
 def _plans(path: Path) -> list[Plan]:
@@ -202,12 +225,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("run_dirs", type=Path, nargs="+", help="runner run dirs; the first is the baseline")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="calibrated cost profile (JSON)")
     parser.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the error")
-    parser.add_argument("--out", type=Path, help="write the combined per-step CSV here (and a .json beside it)")
+    parser.add_argument("--out", type=Path, help="write the combined per-step CSV here (its .json and _memory.csv "
+                                                 "beside it) instead of into the run dirs")
     args = parser.parse_args(argv)
     if args.skip < 0:
         raise ConfigError(f"--skip {args.skip}: must be >= 0 (the number of warm-up steps left out)")
-    if args.out is not None and not args.out.parent.is_dir():
-        raise ConfigError(f"--out {args.out}: no directory {args.out.parent} to write it in")
+    if args.out is not None:
+        if not args.out.parent.is_dir():
+            raise ConfigError(f"--out {args.out}: no directory {args.out.parent} to write it in")
+        if args.out.suffix == ".json":
+            raise ConfigError(f"--out {args.out}: names the CSV, and its JSON goes to the same path with .json; "
+                              "allowed: a path not ending in .json (e.g. compare.csv)")
+        check_writable(args.out, "--out")  # its .json and _memory.csv go into the same directory
     return args
 
 
@@ -222,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         summary["measured_speedup_vs_first"] = base["measured_step_ms_median"] / summary["measured_step_ms_median"]
         summary["sim_speedup_vs_first"] = base["sim_step_ms_median"] / summary["sim_step_ms_median"]
     for run_dir, (table, memory, summary) in zip(args.run_dirs, replayed):
-        _write_csv(table, run_dir / "compare.csv")
-        _write_csv(memory, run_dir / "memory.csv")
-        write_json_atomic(run_dir / "compare.json", summary)
+        if not args.out:
+            _write_csv(table, run_dir / "compare.csv")
+            _write_csv(memory, run_dir / "memory.csv")
+            write_json_atomic(run_dir / "compare.json", summary)
         print(table.round(2).to_string(index=False))
         print(f"{summary['policy']}: median |error| {summary['median_abs_error_pct']:.2f}% over "
               f"{summary['steps_compared']} steps (measured kept fractions); "

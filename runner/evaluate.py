@@ -37,7 +37,7 @@ from runner.attention import BACKENDS, make_attention
 from runner.data import TaskConfig, pack
 from runner.model import ModelShape, TinyLlama
 from sim.config import ModelConfig, validate
-from sim.core import ArgumentParser, ConfigError, atomic_path, number_list, one_line_errors
+from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, number_list, one_line_errors
 from sim.plan import Assignment, Budget
 from sim.results import FLOAT_FORMAT
 
@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("sequences", "batch_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: allowed: >= 1")
+    if args.seed < 0:  # numpy's generators take only non-negative seeds
+        raise ConfigError(f"--seed {args.seed}: allowed: a whole number >= 0 other than the training seed")
     bad_p = [p for p in args.p if not 0.0 < p <= 1.0]  # NaN fails the comparison too
     if bad_p:
         raise ConfigError(f"--p {bad_p[0]}: allowed: budgets in (0, 1]")
@@ -219,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or path.parent
     if not out_dir.is_dir():
         raise ConfigError(f"--out {out_dir}: no such directory")
+    check_writable(out_dir, "--out", directory=True)
     trained = load(path)
     task = trained.task
     if args.seed == trained.seed:

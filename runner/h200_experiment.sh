@@ -17,8 +17,7 @@
 # answer positions (logits_bytes=0).
 #
 # Writes under $OUT (7 files, nothing deeper): h200_experiment.log (everything printed), h200_runs.tgz (both
-# run dirs with their compare.csv/.json and memory.csv; tarred again after every run, so a timeout keeps what
-# is done), compare.csv and compare.json (both runs' steps and summaries), compare_memory.csv (the memory
+# run dirs; tarred again after every run, so a timeout keeps what is done), compare.csv and compare.json (both runs' steps and summaries), compare_memory.csv (the memory
 # table), environment.txt (GPU, driver, torch and Triton versions), status.txt (the exit code of each part).
 # Nothing is fetched: Hydra, OmegaConf, ANTLR, SimPy and tqdm come from the wheels in .whl/ (carried; ignored by
 # git) where the machine lacks them. Extra arguments are Hydra overrides for both runs (the CPU check runs it

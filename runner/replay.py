@@ -62,7 +62,8 @@ from runner.train import check_attention, device_type
 from sim.cluster import Layout
 from sim.compare import BASELINES, hydra_overrides, label, names, policy_variant
 from sim.config import PolicyConfig, RunConfig
-from sim.core import ArgumentParser, ConfigError, compose_config, group_options, one_line_errors, write_json_atomic
+from sim.core import (ArgumentParser, ConfigError, check_writable, compose_config, group_options, one_line_errors,
+                      write_json_atomic)
 from sim.engine import Engine, PlanArrays
 from sim.plan import Budget, Plan
 from sim.policy import plan_step
@@ -428,6 +429,7 @@ def check_task(cfg: RunConfig) -> None:
 def check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out={out}: exists and is not an empty directory; allowed: a new or empty directory")
+    check_writable(out, "--out", directory=True)
 
 
 # ----------------------------------------------------------------------------- the run

@@ -10,7 +10,8 @@ answer noise of one run only; the seed-to-seed spread, which decides whether a r
 far larger, so only the seeds can say whether the policy matters.
 
 Printed per budget ``p``: one row per seed (both accuracies, the difference) and the summary; written to
-``--out`` (if given) as one CSV of the per-seed rows.
+``--out`` (if given) as one CSV of the per-seed rows. From one seed pair there is no spread to estimate: the
+summary gives the difference and says that the interval and the p-value are n/a (one seed pair).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 from scipy import stats
 
-from sim.core import ArgumentParser, ConfigError, atomic_path, one_line_errors
+from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, one_line_errors
 from sim.results import FLOAT_FORMAT
 
 CONFIDENCE = 0.95
@@ -69,11 +70,14 @@ def paired(runs: pd.DataFrame, baseline: str, policy: str) -> pd.DataFrame:
 
 
 def effect(differences: pd.Series) -> dict:
-    """Mean paired difference, its Student-t interval over seeds, and the Wilcoxon signed-rank p-value."""
+    """Mean paired difference, its Student-t interval over seeds, and the Wilcoxon signed-rank p-value; the last
+    three None from one seed pair, which has no spread."""
     n, mean = len(differences), float(differences.mean())
     if n < 2:
-        return {"seeds": n, "mean": mean, "ci_low": float("nan"), "ci_high": float("nan"), "wilcoxon_p": float("nan")}
-    low, high = stats.t.interval(CONFIDENCE, n - 1, loc=mean, scale=stats.sem(differences))
+        return {"seeds": n, "mean": mean, "ci_low": None, "ci_high": None, "wilcoxon_p": None}
+    sem = stats.sem(differences)
+    # Equal differences have no spread: the interval is the mean itself (scipy's t.interval gives NaN at scale 0).
+    low, high = (mean, mean) if sem == 0 else stats.t.interval(CONFIDENCE, n - 1, loc=mean, scale=sem)
     nonzero = differences[differences != 0]
     wilcoxon = float(stats.wilcoxon(nonzero).pvalue) if len(nonzero) else 1.0
     return {"seeds": n, "mean": mean, "ci_low": float(low), "ci_high": float(high), "wilcoxon_p": wilcoxon}
@@ -82,13 +86,16 @@ def effect(differences: pd.Series) -> dict:
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.out:
+        check_writable(args.out, "--out")
     runs = pd.concat([run_accuracy(run) for run in args.runs], ignore_index=True)
     rows = paired(runs, args.baseline, args.policy)
     for p, group in rows.groupby("p", sort=False):
         e = effect(group["difference"])
-        print(f"p = {p:g}: {args.policy} - {args.baseline} over {e['seeds']} seeds: {e['mean']:+.4f} "
-              f"[{e['ci_low']:+.4f}, {e['ci_high']:+.4f}] ({CONFIDENCE:.0%} t over seeds), "
-              f"Wilcoxon p = {e['wilcoxon_p']:.3f}")
+        spread = ("interval and Wilcoxon p n/a (one seed pair)" if e["seeds"] < 2 else
+                  f"[{e['ci_low']:+.4f}, {e['ci_high']:+.4f}] ({CONFIDENCE:.0%} t over seeds), "
+                  f"Wilcoxon p = {e['wilcoxon_p']:.3f}")
+        print(f"p = {p:g}: {args.policy} - {args.baseline} over {e['seeds']} seeds: {e['mean']:+.4f} {spread}")
         print(group.drop(columns="p").to_string(index=False, float_format=lambda x: f"{x:.4f}"))
     if args.out:
         with atomic_path(args.out) as tmp:

@@ -40,7 +40,7 @@ from runner.loop import make_model
 from runner.model import TinyLlama
 from sim.cluster import Cluster
 from sim.config import ClusterConfig, CostConfig, ModelConfig, WorkloadConfig
-from sim.core import ConfigError, atomic_path, one_line_errors, parse_numbers, write_json_atomic
+from sim.core import ConfigError, atomic_path, check_writable, one_line_errors, parse_numbers, write_json_atomic
 from sim.cost import make_cost
 from sim.results import FLOAT_FORMAT
 from sim.sensitivity import MODES, RAW_COLUMNS, raw_meta_path
@@ -274,6 +274,7 @@ def run_facts(args: argparse.Namespace, trained: Trained, device: torch.device, 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_writable(args.out, "--out")  # its .meta.json goes beside it
     device = pick_device(args.device)
     if device.type == "cpu" and args.attention == "triton":
         raise ConfigError("--attention triton on the CPU needs the Triton interpreter; allowed here: kernel, naive")

@@ -10,7 +10,7 @@ plus loss and retrieval accuracy. Rank 0 writes the simulator's Results files in
 
 Bad input (world size vs layout, unknown policy or data parallelism, a workload that does not fit the
 model's context or the task, sequences too short for the CP chunks, a runner key out of range, a
-checkpoint this run cannot continue) is one
+checkpoint this run cannot continue, a run dir that cannot be written) is one
 ``error:`` line and
 exit code 2 before Hydra makes a run dir or any process group exists; a rank that dies or hangs ends the
 job with a ``RankFailure`` line and exit code 1 within ``runner.timeout_s``.
@@ -37,7 +37,7 @@ from runner.parallel import DATA_PARALLEL
 from sim.cluster import Cluster, Layout
 from sim.core import CONF_DIR, ConfigError, check_group_overrides, compose_config, fail
 from sim.policy import plan_step
-from sim.run import make_policy, prepare, sweep_jobs
+from sim.run import check_output_dir, make_policy, prepare, sweep_jobs
 from sim.workload import Workload
 
 EXIT_RANK_FAILURE = 1
@@ -147,11 +147,14 @@ def check_inputs(argv: list[str], world: World) -> None:
     check_group_overrides(argv)
     overrides = [a for a in argv if "=" in a and not a.startswith(("-", "hydra."))]
     sweep = any(arg in ("-m", "--multirun") for arg in argv)
-    for job in sweep_jobs(overrides) if sweep else [overrides]:
+    jobs = sweep_jobs(overrides) if sweep else [overrides]
+    for job in jobs:
         cfg = compose(job)
         planner, _ = build_planner(cfg, world)
         if cfg.runner.resume:
             check_resume(cfg, planner, world.size)
+    hydra_args = [a for a in argv if "=" in a and a.lstrip("+").startswith(("hydra.", "hydra/"))]
+    check_output_dir([*jobs[0], *hydra_args], "sweep" if sweep else "run", config_name="runner")
 
 
 register()

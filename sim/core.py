@@ -105,26 +105,22 @@ def check_writable(path: str | Path, key: str, *, directory: bool = False) -> Pa
     """``path`` if the command can write it (a file, or with ``directory`` a directory), else one ConfigError
     line naming ``key``; for commands to call before any work runs, so that a bad output path costs nothing.
 
-    It writes and removes a temporary file where the output would go (permission bits do not tell: root
-    passes them on /proc), creating the missing parent directories for that and removing them again.
+    It writes and removes a temporary file in the deepest directory of the path that exists (permission bits
+    do not tell: root passes them on /proc). It makes no directory, so that processes checking one path at
+    once (the ranks of a torchrun job) cannot remove one from under another.
     """
     path = Path(path)
     if path.exists() and path.is_dir() != directory:
         raise ConfigError(f"{key}={str(path)!r} is a {'file' if directory else 'directory'}; allowed: a "
                           f"{'directory' if directory else 'file'} path")
-    target = path if directory else path.parent
-    missing = [d for d in (target, *target.parents) if not d.exists()]
+    target = (path if directory else path.parent).absolute()
+    existing = next(d for d in (target, *target.parents) if d.exists())
     try:
-        target.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=target):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
         raise ConfigError(f"{key}={str(path)!r} cannot be written ({exc.strerror or type(exc).__name__}); "
                           "allowed: a path in a writable directory") from None
-    finally:
-        for d in missing:  # deepest first
-            with contextlib.suppress(OSError):
-                d.rmdir()
     return path
 
 

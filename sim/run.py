@@ -178,11 +178,12 @@ def check_composition(argv: list[str]) -> None:
     job_overrides = [a for a in overrides if not a.startswith("hydra.")]
     if not any(arg in ("-m", "--multirun") for arg in argv):
         if len(job_overrides) < len(overrides):  # hydra.* values: checked on the hydra node, not in the job
-            check_output_dir(hydra_config(overrides), "run", overrides)
+            hydra_config(overrides)
+            check_output_dir(overrides, "run")
         return check_jobs([job_overrides], "")
-    hydra_node = hydra_config([o.input_line for o in parse(overrides) if not o.is_sweep_override()])
-    check_output_dir(hydra_node, "sweep", overrides)
-    sweeper = hydra_node.sweeper
+    fixed = [o.input_line for o in parse(overrides) if not o.is_sweep_override()]
+    sweeper = hydra_config(fixed).sweeper
+    check_output_dir(fixed, "sweep")
     params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
     if sweeper._target_ != OPTUNA_SWEEPER:
         return check_jobs(sweep_jobs(params + job_overrides), " (in the sweep job: {})")
@@ -190,12 +191,25 @@ def check_composition(argv: list[str]) -> None:
     check_search_space(params + job_overrides)
 
 
-def check_output_dir(hydra_node: DictConfig, mode: str, overrides: list[str]) -> None:
-    """A run (or sweep) directory given on the command line must be writable before any job runs; the
-    default one, under the working directory, is left to Hydra."""
+def check_output_dir(overrides: list[str], mode: str, config_name: str = "config") -> None:
+    """A run (``mode`` "run") or sweep directory set by ``overrides`` (no swept values) must be writable before
+    any job runs: Hydra makes it with a traceback otherwise. The path is resolved as in the job, ``${hydra:...}``
+    included; the default one, under the working directory, is left to Hydra."""
     key = f"hydra.{mode}.dir"
-    if any(o.split("=", 1)[0].lstrip("+") == key for o in overrides):
-        check_writable(hydra_node[mode].dir, key, directory=True)
+    if not any(o.split("=", 1)[0].lstrip("+") == key for o in overrides):
+        return
+    hydra = HydraConfig.instance()
+    previous = hydra.cfg
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            node = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        hydra.set_config(node)  # what ${hydra:...} in the path resolves against, as in the job
+        path = OmegaConf.select(node, key)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_reason(exc)) from None
+    finally:
+        hydra.cfg = previous
+    check_writable(path, key, directory=True)
 
 
 def check_jobs(jobs: list[list[str]], label: str) -> None:

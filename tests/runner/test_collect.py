@@ -83,3 +83,17 @@ def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, capsys, case, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("under a file", "/file/out' cannot be written (Not a directory)"),
+    ("a file", "/file' is a file; allowed: a directory path"),
+])
+def test_an_out_that_cannot_be_written_is_one_line(runs, tmp_path, capsys, case, message):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out" if case == "under a file" else tmp_path / "file"
+    with pytest.raises(SystemExit) as exit_:
+        collect.main([*map(str, runs), "--out", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out=") and message in err[0], err

@@ -108,6 +108,8 @@ def test_the_same_inputs_write_the_same_files(run_dir, evaluated, tmp_path):
     (["--lengths", "64,4096"], "--lengths 4096: allowed: lengths in [25, 512]"),
     (["--sequences", "0"], "--sequences 0: allowed: >= 1"),
     (["--seed", "5"], "--seed 5: the checkpoint trained on that seed; allowed: any other"),
+    (["--seed", "-1"], "--seed -1: allowed: a whole number >= 0 other than the training seed"),
+    (["--out", "/proc"], "--out='/proc' cannot be written (No such file or directory)"),
     (["--device", "tpu"], "--device 'tpu': allowed: auto, cpu, cuda"),
 ])
 def test_a_bad_option_is_one_line_and_writes_nothing(run_dir, tmp_path, capsys, args, message):

@@ -242,6 +242,16 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, messag
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_an_out_dir_that_cannot_be_made_is_refused_before_the_replay(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main([*TINY, "--out", str(tmp_path / "file" / "out")])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"error: --out='{tmp_path / 'file' / 'out'}' cannot be written (Not a directory)")
+
+
 def test_an_out_dir_with_files_is_refused_from_the_command_line(tmp_path):
     (tmp_path / "kept.txt").write_text("mine")
     proc = subprocess.run([sys.executable, "-m", "runner.replay", *TINY, "--out", str(tmp_path)], cwd=ROOT,

@@ -63,6 +63,9 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
     pytest.param("runner.device=cuda", "runner.device=cuda but no CUDA device is visible", marks=NO_CUDA),
     pytest.param("runner.attention=triton", "runner.attention='triton' on the CPU runs only under TRITON_INTERPRET=1",
                  marks=NO_CUDA),
+
+    ("hydra.run.dir=/proc/run", "hydra.run.dir='/proc/run' cannot be written (No such file or directory)"),
+    ("-m seed=1,2 hydra.sweep.dir=/proc/sweep", "hydra.sweep.dir='/proc/sweep' cannot be written"),
 ])
 def test_a_bad_runner_value_is_one_line(override, message, monkeypatch):
     """``override``: one or more overrides, separated by spaces."""
@@ -76,6 +79,20 @@ def test_a_bad_runner_value_is_one_line(override, message, monkeypatch):
 def test_a_sweep_is_checked_job_by_job_before_any_runs():
     with pytest.raises(ConfigError, match=r"runner.lr=-1.0 is out of range"):
         check_inputs(["-m", *OVERRIDES, "runner.lr=1e-3,-1"], ONE_RANK)
+
+
+def test_a_run_dir_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"^hydra.run.dir='.*/file/run' cannot be written \(Not a directory\)"):
+        check_inputs([*OVERRIDES, f"hydra.run.dir={tmp_path / 'file' / 'run'}"], ONE_RANK)
+
+
+def test_a_new_run_dir_passes_and_the_check_makes_nothing(tmp_path):
+    """Every rank probes at once, so the check writes only in the deepest directory that exists and leaves it
+    as it was; ``${hydra:...}`` in the path resolves as Hydra resolves it."""
+    check_inputs([*OVERRIDES, f"hydra.run.dir={tmp_path}/a/b/${{hydra:job.name}}"], ONE_RANK)
+    check_inputs(["-m", *OVERRIDES, "seed=1,2", f"hydra.sweep.dir={tmp_path}/sweep"], ONE_RANK)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_good_runner_values_pass():
@@ -135,6 +152,15 @@ def set_config(key: str, value):
     return edit
 
 
+def drop_config_key(key: str):
+    def edit(run: Path) -> None:
+        cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+        group, leaf = key.split(".")
+        del cfg[group][leaf]
+        OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+    return edit
+
+
 BAD_RUNS = {
     "no summary": (lambda run: (run / "summary.json").unlink(), "is not a complete runner run dir: missing"),
     "a summary that is not JSON": (rewrite("summary.json", "{"), "summary.json is not JSON"),
@@ -150,6 +176,10 @@ BAD_RUNS = {
     "a config that is a list": (rewrite(".hydra/config.yaml", "[1, 2]\n"), "is not a runner config"),
     "a config value of the wrong type": (set_config("model.hidden", "wide"), "could not be converted to Integer"),
     "a config value out of range": (set_config("model.hidden", -3), "model.hidden=-3 is out of range"),
+    "a config without a key added since, of no known cluster": (
+        lambda run: (drop_config_key("cluster.hbm_gb")(run), set_config("cluster.name", "mine")(run)),
+        "lacks cluster.hbm_gb (a key added to the schema after the run) and cluster.name='mine' is no conf/cluster/ "
+        "option to read it from; allowed: a config that sets cluster.hbm_gb"),
 }
 
 
@@ -165,6 +195,29 @@ def refused(argv: list[str], capsys) -> str:
 def test_a_good_run_dir_is_compared(run):
     assert compare.main([str(run), "--profile", str(PINNED_PROFILE)]) == 0
     assert len(pd.read_csv(run / "compare.csv")) == 3
+
+
+def test_with_out_only_out_is_written(run, tmp_path):
+    """The run dirs may be committed results: --out takes every table instead of them."""
+    before = sorted(p.name for p in run.iterdir())
+    assert compare.main([str(run), "--profile", str(PINNED_PROFILE), "--out", str(tmp_path / "all.csv")]) == 0
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert len(pd.read_csv(tmp_path / "all.csv")) == 3 and len(pd.read_csv(tmp_path / "all_memory.csv")) == 1
+    assert json.loads((tmp_path / "all.json").read_text())["runs"][0]["steps_compared"] == 2
+
+
+def test_a_key_the_schema_gained_is_read_from_the_runs_cluster(run, capsys):
+    drop_config_key("cluster.hbm_gb")(run)
+    assert compare.main([str(run), "--profile", str(PINNED_PROFILE)]) == 0
+    assert "lacks cluster.hbm_gb (added to the schema after the run); read as 141.0 from conf/cluster/h200.yaml" in \
+        capsys.readouterr().err
+
+
+def test_the_committed_qmajor_runs_read_their_clusters_hbm():
+    """Their configs predate cluster.hbm_gb; read only, nothing written."""
+    for policy in ("baseline", "sparsebalance"):
+        cfg = compare._config(ROOT / "runner/results/h200_qmajor" / policy / ".hydra/config.yaml")
+        assert cfg.cluster.name == "h200" and cfg.cluster.hbm_gb == 141.0
 
 
 @pytest.mark.parametrize("name", BAD_RUNS)
@@ -188,6 +241,7 @@ def test_a_bad_run_dir_after_a_good_one_leaves_the_good_one_untouched(run_dir, r
     (["--skip", "-1"], "error: --skip -1: must be >= 0"),
     (["--skip", "3"], "error: --skip 3 leaves none of the run's 3 steps to compare"),
     (["--out", "/no/such/dir/all.csv"], "error: --out /no/such/dir/all.csv: no directory /no/such/dir"),
+    (["--out", "/proc/all.csv"], "error: --out='/proc/all.csv' cannot be written (No such file or directory)"),
     (["--profile", "/no/such/profile.json"], "no such file"),
     (["--no-such-option"], "error: unrecognized arguments: --no-such-option"),
 ])
@@ -195,3 +249,10 @@ def test_a_bad_option_is_one_line_and_nothing_is_written(run, capsys, args, mess
     line = refused([str(run), "--profile", str(PINNED_PROFILE), *args], capsys)
     assert line.startswith(message) or message in line
     assert not list(run.glob("compare.*"))
+
+
+def test_an_out_ending_in_json_is_refused(run, tmp_path, capsys):
+    """Its JSON would go to the same path as the CSV."""
+    line = refused([str(run), "--profile", str(PINNED_PROFILE), "--out", str(tmp_path / "all.json")], capsys)
+    assert "names the CSV, and its JSON goes to the same path with .json" in line
+    assert list(tmp_path.iterdir()) == [run]

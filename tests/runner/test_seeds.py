@@ -48,9 +48,29 @@ def test_a_seed_without_its_pair_is_left_out(runs, tmp_path):
     assert sorted(set(rows["seed"])) == [0, 1, 2]
 
 
-def test_no_interval_from_one_seed():
-    result = seeds.effect(pd.Series([0.1]))
-    assert result["seeds"] == 1 and np.isnan(result["ci_low"]) and np.isnan(result["wilcoxon_p"])
+def test_one_seed_pair_gives_its_difference_and_says_the_interval_is_na(runs, tmp_path, capsys):
+    assert seeds.main([str(runs[0]), str(runs[1]), "--out", str(tmp_path / "seeds.csv")]) == 0
+    printed = capsys.readouterr().out
+    assert "sparsebalance - baseline over 1 seeds: +0.0250 interval and Wilcoxon p n/a (one seed pair)" in printed
+    assert "nan" not in printed.lower()
+    assert seeds.effect(pd.Series([0.1])) == {"seeds": 1, "mean": 0.1, "ci_low": None, "ci_high": None,
+                                              "wilcoxon_p": None}
+
+
+@pytest.mark.parametrize("difference", [0.0, 0.1])
+def test_equal_differences_give_the_mean_as_the_interval(difference):
+    result = seeds.effect(pd.Series([difference] * 3))
+    assert (result["ci_low"], result["ci_high"]) == pytest.approx((difference, difference))
+    assert not np.isnan(result["wilcoxon_p"])
+
+
+def test_an_out_that_cannot_be_written_is_one_line_before_any_work(runs, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        seeds.main([*map(str, runs), "--out", str(tmp_path / "file" / "seeds.csv")])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "seeds.csv' cannot be written" in captured.err
 
 
 @pytest.mark.parametrize("case, message", [

@@ -193,6 +193,13 @@ def test_bad_input_is_one_line_and_writes_nothing(checkpoint_dir, tmp_path, caps
     assert not out.exists() and not raw_meta_path(out).exists()
 
 
+def test_an_out_that_cannot_be_written_is_one_line_before_any_measurement(checkpoint_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    code, err = measure(capsys, checkpoint_dir, "--lengths", "128", "--sequences", "1", "--out",
+                        tmp_path / "file" / "raw.csv")
+    assert code == 2 and err.count("\n") == 1 and "raw.csv' cannot be written (File exists)" in err, err
+
+
 def test_checkpoint_to_simulator(checkpoint_dir, tmp_path, capsys):
     """The whole path on the CPU: measure, fit, and simulate with the fitted profile."""
     raw, profile = tmp_path / "raw.csv", tmp_path / "sensitivity_tiny.json"

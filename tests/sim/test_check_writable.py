@@ -12,6 +12,12 @@ def test_a_new_file_in_new_directories_is_writable_and_the_probe_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_existing_file_can_be_written_over(tmp_path):
+    (tmp_path / "old.csv").write_text("x")
+    assert check_writable(tmp_path / "old.csv", "--out") == tmp_path / "old.csv"
+    assert [p.name for p in tmp_path.iterdir()] == ["old.csv"]
+
+
 def test_an_existing_directory_is_writable_and_keeps_its_files(tmp_path):
     (tmp_path / "kept.txt").write_text("x")
     check_writable(tmp_path, "--out", directory=True)
