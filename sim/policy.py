@@ -115,7 +115,11 @@ def load_policy_packages() -> tuple[str, ...]:
 
 
 def _make(registry: dict, kind: str, name: str, params: Mapping[str, Any]):
-    load_policy_packages()
+    packages = load_policy_packages()
+    if not registry:
+        where = ", ".join(f"{m} from {getattr(import_module(m), '__path__', ['?'])[0]}" for m in packages)
+        raise ConfigError(f"no {kind} policy is registered: imported {where}; a directory of that name in the "
+                          "working directory shadows the installed package (run from another directory)")
     if name not in registry:
         raise ConfigError(f"policy.{kind}.name={name!r} is unknown; allowed: {', '.join(sorted(registry))}")
     cls = registry[name]

@@ -158,3 +158,11 @@ def test_force_lifts_the_size_guard_but_not_the_range_checks(tmp_path):
     check_composition(["cluster.nodes=100000", "force=true", "workload.global_batch=800000", "steps=1"])
     with pytest.raises(ConfigError, match="workload.sigma=nan"):
         check_composition(["force=true", "workload.sigma=nan"])
+
+
+def test_a_policies_directory_in_the_working_directory_is_named_as_the_cause(tmp_path):
+    """``python -m`` puts the working directory first on the path, so a directory called ``policies`` there (a
+    sweep dir, say) hides the installed policies; the run says so instead of 'unknown policy; allowed: '."""
+    (tmp_path / "policies").mkdir()
+    proc = run_cli("steps=1", "baseline=null", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_one_line(proc, f"imported policies from {tmp_path / 'policies'}; a directory of that name in the working")
