@@ -197,7 +197,7 @@ def test_an_out_that_cannot_be_written_is_one_line_before_any_measurement(checkp
     (tmp_path / "file").write_text("")
     code, err = measure(capsys, checkpoint_dir, "--lengths", "128", "--sequences", "1", "--out",
                         tmp_path / "file" / "raw.csv")
-    assert code == 2 and err.count("\n") == 1 and "raw.csv' cannot be written (File exists)" in err, err
+    assert code == 2 and err.count("\n") == 1 and "raw.csv' cannot be written (Not a directory)" in err, err
 
 
 def test_checkpoint_to_simulator(checkpoint_dir, tmp_path, capsys):
