@@ -72,10 +72,7 @@ def plot_kernel_comparison(bench: pd.DataFrame, title: str = "") -> Figure:
         ax.set_title(f"{case}: {T // 1024}K tokens" + (f", {docs} documents" if docs > 1 else ""), fontsize=10)
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("forward + backward time (ms, lower is better)")
-    entries = {}  # every implementation once, whichever panel has it
-    for ax in axes:
-        entries.update(zip(*reversed(ax.get_legend_handles_labels())))
-    fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=3, fontsize=8)
+    shared_legend(fig, axes)
     failed = int(bench["failed"].iloc[0]) if "failed" in bench else 0
     note = f"; {failed} config(s) failed, not shown" if failed else ""
     fig.suptitle(f"Attention fwd+bwd: our kernel vs FlexAttention vs dense{title}{note}")
@@ -110,9 +107,14 @@ def plot_fair(ratios: pd.DataFrame) -> Figure:
         ax.set_title(f"heads {heads} (query:KV)", fontsize=10)
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("peer's fwd+bwd time / ours (above 1: ours faster)")
-    entries = {}  # every peer once, whichever panel has it
+    shared_legend(fig, axes)
+    fig.suptitle("Fair comparison on one packed batch: each peer against ours on the same batch")
+    return fig
+
+
+def shared_legend(fig: Figure, axes) -> None:
+    """One legend below the panels, each label once, whichever panel has it."""
+    entries = {}
     for ax in axes:
         entries.update(zip(*reversed(ax.get_legend_handles_labels())))
     fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=3, fontsize=8)
-    fig.suptitle("Fair comparison on one packed batch: each peer against ours on the same batch")
-    return fig
