@@ -272,6 +272,15 @@ def layer_prediction(coefs: dict, feats: dict[str, dict[str, float]]) -> float:
     return sum(predict(coefs[t], feats[t]) for t in TERMS)
 
 
+def term_prediction(term: str, coefs: dict, feats: dict[str, dict[str, float]]) -> float:
+    """The model's time of one measured term; a whole layer and the other work's one-call step are sums."""
+    if term == "layer_full":
+        return layer_prediction(coefs, feats)
+    if term == "layer_step":
+        return predict(coefs["layer_fwd"], feats["layer_fwd"]) + predict(coefs["layer_bwd"], feats["layer_bwd"])
+    return predict(coefs[term], feats[term])
+
+
 def _ape(pred: float, measured: float) -> float:
     return abs(pred - measured) / measured * 100.0
 
@@ -284,10 +293,8 @@ def evaluate(measurements: list[Measurement], coefs: dict, features: FeatureSour
         if m.split != split:
             continue
         feats = features(m)
-        if m.term == "layer_full":
-            errors["layer"].append(_ape(layer_prediction(coefs, feats), m.median_ms))
-            continue
-        errors[m.term].append(_ape(predict(coefs[m.term], feats[m.term]), m.median_ms))
+        errors["layer" if m.term == "layer_full" else m.term].append(_ape(term_prediction(m.term, coefs, feats),
+                                                                          m.median_ms))
         if m.term in ("attn_fwd", "attn_bwd"):
             attn[m.key][m.term] = (predict(coefs[m.term], feats[m.term]), m.median_ms)
     for pair in attn.values():
@@ -331,30 +338,49 @@ def noise(measurements: list[Measurement]) -> dict[str, float]:
     return {t: round(float(np.median(v)), 3) for t, v in sorted(by_term.items())}
 
 
+ATTENTION_PARTS = ("select", "attn_fwd", "attn_bwd")
+OTHER_PARTS = ("layer_fwd", "layer_bwd")
+
+
 def composition(measurements: list[Measurement]) -> dict[str, float] | None:
     """Whole layers against the sum of their own terms timed one at a time (% of the whole layer).
 
     The grid times each held-out whole layer's attention (selection, forward, backward) and its other work
     (forward, backward) on their own too. A fit that predicted every term exactly would still miss each
     whole layer by its gap (negative: the whole layer is slower than its parts), so the gaps show how much
-    of the held-out layer error is the sum-of-terms model's and not the coefficients'. None when no whole
-    layer has all its parts in the CSV.
+    of the held-out layer error is the sum-of-terms model's and not the coefficients'. Where the other work
+    was also timed in one call (``layer_step``), each gap splits into the other work's (apart vs in one call)
+    and the attention's (alone vs the whole layer less that call), medians in ``other_pct`` / ``attention_pct``.
+    None when no whole layer has all its parts in the CSV.
     """
     times = {(m.key, m.term): m.median_ms for m in measurements}
-    gaps = []
+    gaps, split = [], []
     for m in measurements:
         if m.term != "layer_full":
             continue
         budgets = tuple(float(f) for f in m.key.rsplit("|", 1)[1].split("+"))
-        parts = [(GridPoint(kind, m.model, m.lengths, kept).key, term)
-                 for kind, kept in (("attn", budgets), ("layer", (1.0,) * len(m.lengths)))
-                 for term in GRID_TERMS[kind]]
-        if all(part in times for part in parts):
-            gaps.append((sum(times[part] for part in parts) - m.median_ms) / m.median_ms * 100.0)
+        attn_key = GridPoint("attn", m.model, m.lengths, budgets).key
+        other_key = GridPoint("layer", m.model, m.lengths, (1.0,) * len(m.lengths)).key
+        parts = [(attn_key, t) for t in ATTENTION_PARTS] + [(other_key, t) for t in OTHER_PARTS]
+        if not all(part in times for part in parts):
+            continue
+        whole = m.median_ms
+        gaps.append((sum(times[part] for part in parts) - whole) / whole * 100.0)
+        if (other_key, "layer_step") in times:
+            step = times[other_key, "layer_step"]
+            split.append((sum(times[other_key, t] for t in OTHER_PARTS) - step,
+                          sum(times[attn_key, t] for t in ATTENTION_PARTS) - (whole - step)))
+            split[-1] = tuple(v / whole * 100.0 for v in split[-1])
     if not gaps:
         return None
-    return {"median_abs_pct": round(float(np.median(np.abs(gaps))), 3), "max_abs_pct": round(float(np.max(np.abs(gaps))), 3),
-            "median_pct": round(float(np.median(gaps)), 3), "points": len(gaps)}
+    report = {"median_abs_pct": round(float(np.median(np.abs(gaps))), 3),
+              "max_abs_pct": round(float(np.max(np.abs(gaps))), 3),
+              "median_pct": round(float(np.median(gaps)), 3), "points": len(gaps)}
+    if split:
+        other, attention = np.array(split).T
+        report |= {"other_pct": round(float(np.median(other)), 3),
+                   "attention_pct": round(float(np.median(attention)), 3)}
+    return report
 
 
 def build_profile(gpu: str, runs: list[dict], coefs: dict, report: dict, fit_command: str, csv: Path) -> dict:
@@ -413,6 +439,9 @@ def print_report(report: dict) -> None:
         print(f"whole layer vs the sum of its terms timed alone ({gap['points']} layers): median |gap| "
               f"{gap['median_abs_pct']:.2f}%, max {gap['max_abs_pct']:.2f}%, median {gap['median_pct']:+.2f}% "
               "(what an exact prediction of every term would still miss)")
+        if "other_pct" in gap:
+            print(f"  of which the other work timed apart vs in one call {gap['other_pct']:+.2f}%, the attention "
+                  f"alone vs inside the layer {gap['attention_pct']:+.2f}% (medians)")
     print("conditioning (scaled design matrix; features merged into others, held at 0):")
     for term, c in report["conditioning"]["terms"].items():
         merged = "; ".join(f"{f} = " + " + ".join(f"{w:g} {g}" for g, w in ws.items()) for f, ws in c["merged"].items())

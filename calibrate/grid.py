@@ -45,7 +45,8 @@ VALIDATION = (
 MAX_KEPT_WORK = (64 * K) ** 2
 TERMS = {
     "attn": ("select", "attn_fwd", "attn_bwd"),
-    "layer": ("layer_fwd", "layer_bwd"),
+    # layer_step: forward and backward in one call, as a whole layer runs them (the layer_full points' gap)
+    "layer": ("layer_fwd", "layer_bwd", "layer_step"),
     "layer_full": ("layer_full",),
 }
 
@@ -171,6 +172,7 @@ def estimate_term_ms(term: str, point: GridPoint, shape: ModelShape) -> float:
         "attn_bwd": 2.5 * attn_ms,
         "layer_fwd": gemm_ms,
         "layer_bwd": 2.0 * gemm_ms,
+        "layer_step": 3.0 * gemm_ms,
         "layer_full": select_ms + 3.5 * attn_ms + 3.0 * gemm_ms,
     }
     return _LAUNCH_MS + by_term[term]

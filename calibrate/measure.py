@@ -101,17 +101,25 @@ class Measurer:
         return timings, tuple(sel.kept_fraction.tolist())
 
     def _layer(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
-        """The layer's non-attention work: the runner's Block with a pass-through in place of attention."""
+        """The layer's non-attention work: the runner's Block with a pass-through in place of attention; its
+        forward and backward timed apart (the fitted terms) and in one call (``layer_step``), as a whole layer
+        runs them, so that a whole layer's gap to its parts splits into this work's and the attention's."""
         block, x, cu, rotary = self._block_inputs(point)
         budgets = (self._host([1.0] * len(point.lengths)), None)
+        leaves = [x, *block.parameters()]
 
         def forward():
             return block(x, rotary, cu, budgets, _pass_through)[0]
 
         y = forward()
         grad_y = torch.randn_like(y)
+
+        def step():
+            forward().backward(grad_y)
+
         timings = {"layer_fwd": self.bench(forward, self._expected("layer_fwd", point))}
-        timings["layer_bwd"] = self._backward(y, grad_y, self._expected("layer_bwd", point), [x, *block.parameters()])
+        timings["layer_bwd"] = self._backward(y, grad_y, self._expected("layer_bwd", point), leaves)
+        timings["layer_step"] = self.bench(step, self._expected("layer_step", point), grad_to_none=leaves)
         return timings, point.kept_fractions
 
     def _layer_full(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:

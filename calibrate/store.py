@@ -13,7 +13,7 @@ from sim.core import ConfigError
 
 COLUMNS = (
     "key",          # grid point id (see calibrate.grid.GridPoint.key)
-    "term",         # attn_fwd | attn_bwd | select | layer_fwd | layer_bwd | layer_full
+    "term",         # attn_fwd | attn_bwd | select | layer_fwd | layer_bwd | layer_step | layer_full
     "split",        # fit | heldout | validate
     "model",        # conf/model/<name>.yaml
     "lengths",      # ';'-joined sequence lengths of the packed batch

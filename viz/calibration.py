@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from calibrate.fit import FeatureSource, Measurement, layer_prediction, load_measurements, predict
+from calibrate.fit import FeatureSource, Measurement, load_measurements, predict, term_prediction
 from calibrate.run import meta_path
 from sim.core import ConfigError
 from sim.cost import load_profile
@@ -72,7 +72,7 @@ def calibration_frame(profile_path: str | Path) -> pd.DataFrame:
     rows = []
     for m in load_measurements(csv):
         feats = features(m)
-        pred = layer_prediction(coefs, feats) if m.term == "layer_full" else predict(coefs[m.term], feats[m.term])
+        pred = term_prediction(m.term, coefs, feats)
         lengths = np.array(m.lengths, dtype=float)
         # Kept fractions weighted by each sequence's causal work (~ length^2), what the kernel pays for: the
         # one the kernel realised, and the one the grid asked for (the key's last field), which groups points.

@@ -47,8 +47,7 @@ def synthetic(points, features, noise=0.0, seed=0, true=TRUE) -> list[Measuremen
         probe = Measurement(p.key, "", p.split, p.model, p.lengths, p.kept_fractions, 1.0, 0.0)
         feats = features(probe)
         for term in p.terms:
-            exact = (fit.layer_prediction(true, feats) if term == "layer_full"
-                     else fit.predict(true[term], feats[term]))
+            exact = fit.term_prediction(term, true, feats)
             # The kernel selects blocks even for dense batches, which the simulator prices at zero.
             exact = exact if exact > 0 else 0.4
             t = exact * float(np.exp(rng.normal(0.0, noise)))
@@ -128,10 +127,17 @@ def test_composition_compares_each_whole_layer_with_its_own_terms_timed_alone(sh
     slower = [dataclasses.replace(m, median_ms=m.median_ms * 1.05) if m.term == "layer_full" else m for m in exact]
     held = sum(m.term == "layer_full" and m.split == "heldout" for m in exact)
     assert held >= 8
-    assert fit.composition(exact) == {"median_abs_pct": 0.0, "max_abs_pct": 0.0, "median_pct": 0.0, "points": held}
+    assert fit.composition(exact) == {"median_abs_pct": 0.0, "max_abs_pct": 0.0, "median_pct": 0.0, "points": held,
+                                      "other_pct": 0.0, "attention_pct": 0.0}
     gap = fit.composition(slower)
     assert gap["points"] == held
     assert gap["median_pct"] == gap["max_abs_pct"] * -1 == pytest.approx((1 / 1.05 - 1) * 100, abs=1e-3)
+    # the other work's one-call step adds up to its parts here, so the whole gap is the attention's
+    assert gap["other_pct"] == 0.0 and gap["attention_pct"] == pytest.approx(gap["median_pct"], abs=1e-3)
+    slow_step = [dataclasses.replace(m, median_ms=m.median_ms * 1.1) if m.term == "layer_step" else m for m in slower]
+    assert fit.composition(slow_step)["other_pct"] < -1.0
+    no_step = [m for m in exact if m.term != "layer_step"]
+    assert "other_pct" not in fit.composition(no_step)
     first = next(m for m in exact if m.term == "layer_full" and m.split == "heldout")
     one_less = [m for m in slower if not (m.term == "attn_bwd" and m.key == "attn" + first.key[len("layer_full"):])]
     assert fit.composition(one_less)["points"] == held - 1

@@ -33,9 +33,8 @@ def test_profile_is_measured_on_an_h200_with_its_raw_data_and_command(profile):
 
 
 def predictions(coefs: dict, measurements, features) -> np.ndarray:
-    """What ``coefs`` price every measured point at: its term, or the whole layer for ``layer_full``."""
-    return np.array([fit.layer_prediction(coefs, features(m)) if m.term == "layer_full"
-                     else fit.predict(coefs[m.term], features(m)[m.term]) for m in measurements])
+    """What ``coefs`` price every measured point at (``fit.term_prediction``)."""
+    return np.array([fit.term_prediction(m.term, coefs, features(m)) for m in measurements])
 
 
 def test_profile_predictions_refit_from_the_committed_csv(profile):

@@ -58,7 +58,7 @@ def fitted_profile(tmp_path_factory) -> Path:
         probe = Measurement(point.key, "", point.split, point.model, point.lengths, point.kept_fractions, 1.0, 0.0)
         feats = features(probe)
         for term in point.terms:
-            exact = fit.layer_prediction(truth, feats) if term == "layer_full" else fit.predict(truth[term], feats[term])
+            exact = fit.term_prediction(term, truth, feats)
             ms = max(exact, 0.05) * float(np.exp(rng.normal(0.0, 0.03)))
             rows.append({"key": point.key, "term": term, "split": point.split, "model": point.model,
                          "lengths": ";".join(map(str, point.lengths)),
