@@ -33,8 +33,8 @@ from calibrate.grid import GridPoint
 from calibrate.run import DEFAULT_CSV, meta_path, read_runs
 from sim.cluster import Layout
 from sim.config import ModelConfig
-from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, one_line_errors
-from sim.cost import PROFILE_SCHEMA_VERSION, TERMS, CostModel, load_profile
+from sim.core import ArgumentParser, ConfigError, check_writable, one_line_errors, write_checked_json
+from sim.cost import PROFILE_SCHEMA_VERSION, TERMS, CostModel, load_profile, profile_problem
 
 DEFAULT_OUT = DEFAULT_CSV.with_name("h200.json")
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +72,8 @@ class Measurement:
             return lambda text: tuple(kind(x) for x in text.split(";"))
 
         def point_kind(key: str) -> str:
-            kind, _model, _lengths, budgets = key.split("|")
-            [float(b) for b in budgets.split("+")]  # composition and the plots read the requested budgets
+            kind, _model, _lengths, _budgets = key.split("|")
+            GridPoint.budgets_of(key)  # composition and the plots read the requested budgets
             return kind
 
         kind = field("key", point_kind, lambda k: k in GRID_TERMS, "a calibrate.grid point key, "
@@ -358,8 +358,7 @@ def composition(measurements: list[Measurement]) -> dict[str, float] | None:
     for m in measurements:
         if m.term != "layer_full":
             continue
-        budgets = tuple(float(f) for f in m.key.rsplit("|", 1)[1].split("+"))
-        attn_key = GridPoint("attn", m.model, m.lengths, budgets).key
+        attn_key = GridPoint("attn", m.model, m.lengths, GridPoint.budgets_of(m.key)).key
         other_key = GridPoint("layer", m.model, m.lengths, (1.0,) * len(m.lengths)).key
         parts = [(attn_key, t) for t in ATTENTION_PARTS] + [(other_key, t) for t in OTHER_PARTS]
         if not all(part in times for part in parts):
@@ -368,9 +367,9 @@ def composition(measurements: list[Measurement]) -> dict[str, float] | None:
         gaps.append((sum(times[part] for part in parts) - whole) / whole * 100.0)
         if (other_key, "layer_step") in times:
             step = times[other_key, "layer_step"]
-            split.append((sum(times[other_key, t] for t in OTHER_PARTS) - step,
-                          sum(times[attn_key, t] for t in ATTENTION_PARTS) - (whole - step)))
-            split[-1] = tuple(v / whole * 100.0 for v in split[-1])
+            other = sum(times[other_key, t] for t in OTHER_PARTS) - step
+            attention = sum(times[attn_key, t] for t in ATTENTION_PARTS) - (whole - step)
+            split.append((other / whole * 100.0, attention / whole * 100.0))
     if not gaps:
         return None
     report = {"median_abs_pct": round(float(np.median(np.abs(gaps))), 3),
@@ -418,14 +417,9 @@ def comm_section(comm: dict | str) -> dict:
 
 
 def write_profile(path: Path, profile: dict) -> None:
-    """Write only a profile the simulator accepts: sim.cost's loader checks the temporary copy before it
-    replaces ``path`` (a refused one leaves ``path`` as it was and no temporary file)."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(profile, indent=2, sort_keys=True) + "\n")
-        try:
-            load_profile(str(tmp), key="--out")
-        except ConfigError as exc:  # the problem is the user's --out, not the temporary name it is checked under
-            raise ConfigError(str(exc).replace(str(tmp), str(path))) from None
+    """Write only a profile the simulator accepts: sim.cost's check reads its text before anything is written
+    (a refused one leaves ``path`` as it was)."""
+    write_checked_json(path, profile, profile_problem, "--out")
 
 
 def print_report(report: dict) -> None:

@@ -65,6 +65,11 @@ class GridPoint:
         kept = "+".join(f"{f:g}" for f in self.kept_fractions)
         return f"{self.kind}|{self.model}|{lengths}|{kept}"
 
+    @staticmethod
+    def budgets_of(key: str) -> tuple[float, ...]:
+        """The budgets a point's ``key`` asked for (its last field; the kept fractions realised may differ)."""
+        return tuple(float(f) for f in key.rsplit("|", 1)[1].split("+"))
+
     @property
     def terms(self) -> tuple[str, ...]:
         return TERMS[self.kind]

@@ -38,9 +38,9 @@ import pandas as pd
 from scipy.special import expit, logit
 from scipy.stats import norm, spearmanr
 
-from sim.core import ConfigError, atomic_path, check_writable, one_line_errors
+from sim.core import ConfigError, check_writable, one_line_errors, write_checked_json
 from sim.sensitivity import (FAMILY, KIND, MODES, RAW_COLUMNS, SENSITIVITY_SCHEMA_VERSION, SensitivityModel,
-                             raw_meta_path, read_profile)
+                             profile_problem, raw_meta_path, read_profile)
 from sim.workload import MIN_SENSITIVITY
 
 HOLDOUT_EVERY = 4  # every 4th sequence of a (task, length), by id, is held out
@@ -290,14 +290,9 @@ def build_profile(raw: pd.DataFrame, facts: list[dict], fit_command: str) -> dic
 
 
 def write_profile(path: Path, profile: dict) -> None:
-    """Write only a profile the simulator accepts: sim.sensitivity's loader checks the temporary copy before it
-    replaces ``path``."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(profile, indent=2, sort_keys=True) + "\n")
-        try:
-            read_profile(str(tmp), key="--out")
-        except ConfigError as exc:  # the problem is the user's --out, not the temporary name it is checked under
-            raise ConfigError(str(exc).replace(str(tmp), str(path))) from None
+    """Write only a profile the simulator accepts: sim.sensitivity's check reads its text before anything is
+    written (a refused one leaves ``path`` as it was)."""
+    write_checked_json(path, profile, profile_problem, "--out")
 
 
 def print_report(profile: dict) -> None:

@@ -116,8 +116,7 @@ def check_writable(path: str | Path, key: str, *, directory: bool = False) -> Pa
     target = (path if directory else path.parent).absolute()
     existing = next(d for d in (target, *target.parents) if d.exists())
     try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
+        tempfile.TemporaryFile(dir=existing).close()
     except OSError as exc:
         raise ConfigError(f"{key}={str(path)!r} cannot be written ({exc.strerror or type(exc).__name__}); "
                           "allowed: a path in a writable directory") from None
@@ -158,6 +157,16 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 def write_json_atomic(path: str | Path, payload: dict) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def write_checked_json(path: str | Path, payload: dict, problem: Callable[[object], str | None], key: str) -> None:
+    """``write_json_atomic`` of a payload that ``problem`` (a loader's check) accepts as read back from its text;
+    a refused one is one ConfigError line naming ``key`` and ``path``, and leaves ``path`` as it was."""
+    text = json.dumps(payload, indent=2, sort_keys=True) + "\n"
+    found = problem(json.loads(text))
+    if found:
+        raise ConfigError(f"{key}={str(path)!r}: {found}")
+    write_text_atomic(path, text)
 
 
 # ----------------------------------------------------------------------------- config composition

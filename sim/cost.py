@@ -440,13 +440,13 @@ PROFILE_KEYS = ("schema_version", "gpu", "provisional", "meta", "block_size", "t
 def load_profile(path: str, key: str = "cost.profile") -> dict:
     """Read and validate a profile; any problem is one ConfigError line naming ``key``, the file and the value."""
     profile = read_json_config_file(path, key, "profiles live in calibrate/profiles/")
-    problem = _profile_problem(profile)
+    problem = profile_problem(profile)
     if problem:
         raise ConfigError(f"{key}={path!r}: {problem}")
     return profile
 
 
-def _profile_problem(profile) -> str | None:
+def profile_problem(profile) -> str | None:
     """What is wrong with a parsed profile, as ``<key>=<value>: <what is allowed>``; None when it is usable."""
     if not isinstance(profile, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(profile), "a number")

@@ -9,6 +9,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from calibrate.fit import FeatureSource, Measurement, load_measurements, predict, term_prediction
+from calibrate.grid import GridPoint
 from calibrate.run import meta_path
 from sim.core import ConfigError
 from sim.cost import load_profile
@@ -77,7 +78,7 @@ def calibration_frame(profile_path: str | Path) -> pd.DataFrame:
         # Kept fractions weighted by each sequence's causal work (~ length^2), what the kernel pays for: the
         # one the kernel realised, and the one the grid asked for (the key's last field), which groups points.
         work = lengths**2 / np.dot(lengths, lengths)
-        asked = [float(f) for f in m.key.split("|")[-1].split("+")]
+        asked = GridPoint.budgets_of(m.key)
         rows.append({
             "term": m.term, "split": m.split, "model": m.model, "tokens": int(lengths.sum()),
             "sequences": len(m.lengths), "kept_fraction": float(np.dot(m.kept_fractions, work)),
