@@ -144,6 +144,37 @@ def test_composition_compares_each_whole_layer_with_its_own_terms_timed_alone(sh
     assert fit.composition([m for m in exact if m.term in ("layer_full", "layer_fwd", "layer_bwd")]) is None
 
 
+def test_the_other_works_backward_is_fitted_as_a_training_step_runs_it(shapes, features):
+    """Where the grid timed the other work's forward and backward in one call, the fitted forward plus
+    backward is that call (here 10% longer than the two timed apart), at every point; without layer_step
+    rows the backward is fitted as timed."""
+    ms = synthetic(build_grid(shapes), features)
+    slow_step = [dataclasses.replace(m, median_ms=m.median_ms * 1.1) if m.term == "layer_step" else m for m in ms]
+    trained, moved = fit.as_trained(slow_step)
+    assert moved == sum(m.term == "layer_step" for m in ms) >= 20
+    coefs = fit.fit_all(trained, features).coefs
+    steps = [m for m in slow_step if m.term == "layer_step"]
+    for m in steps:
+        assert fit.term_prediction("layer_step", coefs, features(m)) == pytest.approx(m.median_ms, rel=1e-6)
+    assert fit.summarise(fit.evaluate(trained, coefs, features, "heldout"))["layer_step"]["max_ape_pct"] < 1e-4
+    no_step = [m for m in slow_step if m.term != "layer_step"]
+    assert fit.as_trained(no_step) == (no_step, 0)
+    as_timed = fit.fit_all(no_step, features).coefs
+    assert as_timed["layer_bwd"] == pytest.approx(TRUE["layer_bwd"], rel=1e-6, abs=1e-12)
+
+
+def test_a_step_no_longer_than_its_forward_is_one_line_naming_the_point(tmp_path, good_run, capsys):
+    def edit(rows):
+        step = next(r for r in rows if r["term"] == "layer_step")
+        fwd = next(r for r in rows if r["term"] == "layer_fwd" and r["key"] == step["key"])
+        step["median_ms"] = fwd["median_ms"]
+        edit.key = step["key"]
+    csv = copy_run(good_run, tmp_path, edit=edit)
+    err = bad_input(capsys, ["--csv", str(csv)])
+    assert f"row key={edit.key!r}: layer_step" in err and "is not longer than layer_fwd" in err, err
+    assert not (tmp_path / "h200.json").exists()
+
+
 def test_fit_term_handles_features_twelve_orders_of_magnitude_apart():
     x = np.array([[1.0, 2e12, 0.0], [1.0, 4e12, 0.0], [1.0, 8e13, 0.0]])
     term = fit.fit_term(x, x @ np.array([0.05, 3e-12, 0.0]), ["const", "flops", "tokens"])
