@@ -77,6 +77,43 @@ def test_the_stand_in_cache_sees_specialisation(sm90_cache):
     assert len(sm90_cache[_toy.fn]) == 4 and len(sm90_cache[_toy_unspecialised.fn]) == 1
 
 
+class _Variant:
+    def __init__(self):
+        self.loaded = False
+
+    def _init_handles(self):
+        self.loaded = True
+
+
+class _Kernel:
+    """A stand-in JIT kernel: a launch compiles once (its first), a warm-up returns a not yet loaded variant."""
+
+    def __init__(self):
+        self.launches, self.variants = 0, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launches += 1
+        return run
+
+    def warmup(self, *args, grid, **kwargs):
+        self.variants.append(_Variant())
+        return self.variants[-1]
+
+
+def test_a_precompiled_sibling_is_loaded_with_its_launcher_at_the_first_launch(monkeypatch):
+    """The siblings a first launch compiles are also loaded (their launchers built), so that the later step
+    that first takes one does not stall; a later launch that compiles nothing precompiles nothing."""
+    main, sibling = _Kernel(), _Kernel()
+    monkeypatch.setattr(launch, "cached_variants", lambda kernel: min(kernel.launches, 1))
+    siblings = lambda: [(sibling, (), {}), (sibling, (), {})]  # noqa: E731
+    launch.launch(main, (1,), (), {}, siblings)
+    assert [v.loaded for v in sibling.variants] == [True, True]
+    launch.launch(main, (1,), (), {}, siblings)
+    assert len(sibling.variants) == 2
+    launch.load(None)  # the interpreter's warm-up compiles nothing
+
+
 def long_tail_lengths(g: torch.Generator, tokens: int, longest: int) -> list[int]:
     """Lognormal document lengths in [1, longest] summing to ``tokens``."""
     lens = []
