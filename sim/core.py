@@ -196,4 +196,20 @@ def compose_config(overrides: Sequence[str] = (), config_name: str = "config"):
     register()
     check_group_overrides(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=config_name, overrides=list(overrides))
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    check_bool_overrides(cfg, overrides)
+    return cfg
+
+
+def check_bool_overrides(cfg, overrides: Sequence[str]) -> None:
+    """A true/false key set to anything else is refused: OmegaConf would turn ``write_plans=2`` into true and
+    ``plot=0`` into false without a word."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if override.is_delete() or override.is_sweep_override():
+            continue
+        key = override.key_or_group
+        if isinstance(OmegaConf.select(cfg, key, default=None), bool) and not isinstance(override.value(), bool):
+            raise ConfigError(f"{override.input_line}: {key} is a switch; allowed: true, false")

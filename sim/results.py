@@ -126,15 +126,20 @@ class Results:
         }
 
     def write(self, run_dir: Path, summary: dict) -> list[Path]:
-        """Write all files atomically into run_dir; returns their final paths."""
+        """Write all files atomically into run_dir; returns their final paths. ``plans.jsonl`` only where Plans
+        were kept (``write_plans=true``); a run dir reused without them loses an earlier run's, which these
+        results do not match."""
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".results-", dir=run_dir))
         self.micro_batches().to_csv(tmp / "micro_batches.csv", index=False, float_format=FLOAT_FORMAT)
         self.steps_frame().to_csv(tmp / "steps.csv", index=False, float_format=FLOAT_FORMAT)
-        (tmp / "plans.jsonl").write_text("".join(p + "\n" for p in self.plans))
+        if self.plans:
+            (tmp / "plans.jsonl").write_text("".join(p + "\n" for p in self.plans))
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        names = ["micro_batches.csv", "steps.csv", "plans.jsonl", "summary.json"]
+        names = ["micro_batches.csv", "steps.csv", *(["plans.jsonl"] if self.plans else []), "summary.json"]
         for name in names:
             os.replace(tmp / name, run_dir / name)
+        if not self.plans:
+            (run_dir / "plans.jsonl").unlink(missing_ok=True)
         tmp.rmdir()
         return [run_dir / name for name in names]

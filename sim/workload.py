@@ -40,7 +40,7 @@ def read_trace(path: str) -> np.ndarray:
         raise ConfigError(
             f"workload.trace_path={path!r}: needs a non-empty 'length' column, found {list(frame.columns)}"
         )
-    return trace_lengths(frame["length"], path)
+    return trace_lengths(frame["length"], path, json_numbers=file.suffix == ".jsonl")
 
 
 def _read_jsonl(file: Path) -> pd.DataFrame:
@@ -50,15 +50,16 @@ def _read_jsonl(file: Path) -> pd.DataFrame:
         return pd.DataFrame([json.loads(line) for line in lines if line.strip()], dtype=object)
 
 
-def trace_lengths(column: pd.Series, path: str) -> np.ndarray:
-    """The column as positive whole token counts; the first value that is not one is named with its row."""
+def trace_lengths(column: pd.Series, path: str, json_numbers: bool = False) -> np.ndarray:
+    """The column as positive whole token counts; the first value that is not one is named with its row. A
+    JSONL trace's lengths are JSON numbers: a quoted one is a string, refused like any other text."""
     lengths = []
     for row, raw in enumerate(column.tolist(), start=1):
         text = str(raw).strip()
-        if not text.isdigit() or int(text) < 1:
-            raise ConfigError(
-                f"workload.trace_path={path!r}: row {row} has length {raw!r}; allowed: a whole number of tokens >= 1"
-            )
+        typed = not json_numbers or (isinstance(raw, int) and not isinstance(raw, bool))
+        if not typed or not text.isdigit() or int(text) < 1:
+            allowed = "a JSON whole number of tokens >= 1" if json_numbers else "a whole number of tokens >= 1"
+            raise ConfigError(f"workload.trace_path={path!r}: row {row} has length {raw!r}; allowed: {allowed}")
         lengths.append(int(text))
     return np.array(lengths, dtype=object)
 

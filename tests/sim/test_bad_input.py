@@ -69,6 +69,9 @@ CONFIG_CASES = [
     (["policy=sparsebalance", "policy.sparsity.params.min_mean_coverage=5"],
      "policy.sparsity.params.min_mean_coverage=5.0 is out of range; allowed: in [0, 1]"),
     (["hydra.run.dir=/proc/nope"], "hydra.run.dir='/proc/nope' cannot be written"),
+    (["write_plans=2"], "write_plans=2: write_plans is a switch; allowed: true, false"),
+    (["plot=0"], "plot=0: plot is a switch; allowed: true, false"),
+    (["write_plans=yes"], "write_plans=yes: write_plans is a switch"),
 ]
 
 # (trace file name, contents, text of the error line)
@@ -81,6 +84,9 @@ TRACE_CASES = [
     ("long.jsonl", '{"length": 100}\n{"length": 50000}\n', "length 50000 is outside the allowed range [1, 32768]"),
     ("nolength.csv", "tokens\n100\n", "needs a non-empty 'length' column, found ['tokens']"),
     ("broken.jsonl", '{"length": 5\n', "unreadable trace"),
+    ("quoted.jsonl", '{"length": 5}\n{"length": "4096"}\n',
+     "row 2 has length '4096'; allowed: a JSON whole number of tokens >= 1"),
+    ("true.jsonl", '{"length": true}\n', "row 1 has length True"),
 ]
 
 

@@ -38,6 +38,15 @@ def test_different_seed_changes_results(tmp_path):
     assert (tmp_path / "1" / "steps.csv").read_bytes() != (tmp_path / "2" / "steps.csv").read_bytes()
 
 
+def test_a_run_without_plans_leaves_no_plans_file_not_even_an_earlier_runs(tmp_path):
+    assert sim_run(tmp_path, "seed=1").returncode == 0
+    assert (tmp_path / "plans.jsonl").stat().st_size > 0
+    done = sim_run(tmp_path, "seed=2", "write_plans=false")
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "plans.jsonl").exists()
+    assert "plans.jsonl" not in done.stdout and "steps.csv" in done.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--policies", "baseline,nope"], "--policies: unknown nope; allowed: "),
