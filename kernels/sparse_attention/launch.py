@@ -235,8 +235,8 @@ def load(variant) -> None:
     """Make a variant compiled by ``warmup`` launchable now. Its first launch would otherwise build its launcher
     (a C module Triton compiles with the host's compiler: a second or more where Triton's disk cache lacks it,
     measured on an H100 as a 0.8-1.5 s stall, with no compilation, in the first step to take such a variant)
-    and load its binary. Triton does this in ``CompiledKernel._init_handles``, which has no public name; the interpreter
-    returns no compiled kernel."""
+    and load its binary. Triton does both in ``CompiledKernel._init_handles``, which has no public name; the
+    interpreter's warm-up returns no compiled kernel."""
     init = getattr(variant, "_init_handles", None)
     if init is not None:
         init()
