@@ -13,6 +13,7 @@ from calibrate.grid import GridPoint
 from calibrate.run import meta_path
 from sim.core import ConfigError
 from sim.cost import load_profile
+from sim.sensitivity import KIND as SENSITIVITY_KIND
 from sim.shapes import load_shapes
 from viz.runs import PlotError
 from viz.style import OKABE_ITO, plain_log, viridis
@@ -41,7 +42,7 @@ def other_profile(path: str | Path) -> str | None:
         return None
     if not isinstance(profile, dict):
         return None
-    if profile.get("kind") == "sensitivity":
+    if profile.get("kind") == SENSITIVITY_KIND:
         return "sensitivity profile (from calibrate.sensitivity)"
     if "shapes" in profile and "terms" not in profile:
         return "memory profile (from calibrate.memory)"
