@@ -81,8 +81,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, KD, VD, blk_start, blk_end, q
                 vT = tl.load(Vh + kb.to(tl.int64) * svt + v_off)
             dq = _dq_step(q, do, kk, vT, lse, delta, dq, qk_scale, 0, 0, offs_n, offs_m, None, MASK=False,
                           PREC=PREC)
-        # diagonal block, masked, unrolled with a branch per sub-tile: the forward's branch-free loop runs this
-        # kernel 3-16% slower on an H100, where it gives the forward and dK/dV 6-24%
+        # diagonal block, masked, unrolled with a branch per sub-tile: the branch-free loop that speeds up the
+        # forward and dK/dV makes this kernel take 3-18% longer on an H100
         hi = tl.minimum(m0 + BM, qe)
         for j in tl.static_range(NSN):
             n0 = qs + j * BN
