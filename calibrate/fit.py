@@ -315,11 +315,10 @@ def evaluate(measurements: list[Measurement], coefs: dict, features: FeatureSour
     for m in measurements:
         if m.split != split:
             continue
-        feats = features(m)
-        errors["layer" if m.term == "layer_full" else m.term].append(_ape(term_prediction(m.term, coefs, feats),
-                                                                          m.median_ms))
+        pred = term_prediction(m.term, coefs, features(m))
+        errors["layer" if m.term == "layer_full" else m.term].append(_ape(pred, m.median_ms))
         if m.term in ("attn_fwd", "attn_bwd"):
-            attn[m.key][m.term] = (predict(coefs[m.term], feats[m.term]), m.median_ms)
+            attn[m.key][m.term] = (pred, m.median_ms)
     for pair in attn.values():
         if len(pair) == 2:
             pred, measured = (sum(v[i] for v in pair.values()) for i in (0, 1))

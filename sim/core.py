@@ -155,14 +155,19 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def json_text(payload) -> str:
+    """The project's JSON file text: sorted keys, two-space indent, a final newline (stable across runs)."""
+    return json.dumps(payload, indent=2, sort_keys=True) + "\n"
+
+
 def write_json_atomic(path: str | Path, payload: dict) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(path, json_text(payload))
 
 
 def write_checked_json(path: str | Path, payload: dict, problem: Callable[[object], str | None], key: str) -> None:
     """``write_json_atomic`` of a payload that ``problem`` (a loader's check) accepts as read back from its text;
     a refused one is one ConfigError line naming ``key`` and ``path``, and leaves ``path`` as it was."""
-    text = json.dumps(payload, indent=2, sort_keys=True) + "\n"
+    text = json_text(payload)
     found = problem(json.loads(text))
     if found:
         raise ConfigError(f"{key}={str(path)!r}: {found}")

@@ -7,7 +7,6 @@ never sees a half-written file; ``summary.json`` moves last and marks a complete
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from sim.core import json_text
 
 FLOAT_FORMAT = "%.9g"  # fixed formatting: same values -> same bytes
 
@@ -135,7 +136,7 @@ class Results:
         self.steps_frame().to_csv(tmp / "steps.csv", index=False, float_format=FLOAT_FORMAT)
         if self.plans:
             (tmp / "plans.jsonl").write_text("".join(p + "\n" for p in self.plans))
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        (tmp / "summary.json").write_text(json_text(summary))
         names = ["micro_batches.csv", "steps.csv", *(["plans.jsonl"] if self.plans else []), "summary.json"]
         for name in names:
             os.replace(tmp / name, run_dir / name)
