@@ -55,7 +55,7 @@ WAVE = 132
 # before it (at most that many dK/dV programs per SM and at least that many kept query-key pairs).
 DKDV_KEYS = 64
 SHORT_ROW_TOKENS = 2048
-OVERLAP_MAX_PROGRAMS_PER_SM = 32
+OVERLAP_MAX_PROGRAMS_PER_SM = 16
 OVERLAP_MIN_PAIRS = 1 << 27
 # dK/dV programs resident at once: two per SM (4 warps; a 64-key K/V tile and two pipeline stages of 64-row
 # Q/dO tiles at head_dim 128 take about 96 KB of shared memory).

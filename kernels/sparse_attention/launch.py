@@ -60,9 +60,11 @@ TMA_MIN_PAIRS = 1 << 27
 # dQ runs on a side stream alongside dK/dV where dK/dV has few programs per SM and enough kept work: there the
 # two kernels' last waves overlap (the backward gains 2-6%, up to 25% where dK/dV has fewer programs than
 # the GPU has slots, e.g. two KV heads at 8K). Elsewhere the delta pre-pass it needs (one more read of O
-# and dO) costs up to 3% (many waves: packed 64K at kept 0.1), its extra launches show where the backward
-# is short, and at ~60 programs per SM (32K MHA) the gain is noise.
-OVERLAP_MAX_PROGRAMS_PER_SM = 32
+# and dO) costs more than the overlap saves: 3% on packed 64K MHA at kept 0.1 (124 programs per SM), 1-9%
+# on packed 64K GQA 32:4 at kept 0.5-0.05 (31 per SM, H100), while 32K GQA 32:4 at kept 0.1 (15.5 per SM)
+# still gains 1-2%; its extra launches show where the backward is short, and at ~60 programs per SM (32K
+# MHA) the gain is noise.
+OVERLAP_MAX_PROGRAMS_PER_SM = 16
 OVERLAP_MIN_PAIRS = 1 << 27  # kept (query, key) token pairs over all query heads
 
 

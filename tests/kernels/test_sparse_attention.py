@@ -636,8 +636,8 @@ def _causal_blocks(nb: int) -> int:
     return nb * (nb + 1) // 2
 
 
-# (dK/dV programs, kept (KV head, query block, KV block) entries, G) on an H200 (132 SMs), block 128, 64-key
-# dK/dV tiles, and whether the overlap paid there (measured on the H200)
+# (dK/dV programs, kept (KV head, query block, KV block) entries, G) on an H200 or H100 (132 SMs), block 128,
+# 64-key dK/dV tiles, and whether the overlap paid there (measured on the H200 unless marked H100)
 @pytest.mark.parametrize("programs,kept,G,pays", [
     (16 * 64 * 2, 16 * _causal_blocks(64), 1, True),  # 8K dense: +6%
     (16 * 64 * 2, 16 * _causal_blocks(64) // 10, 1, False),  # 8K kept 0.1: host-bound, lost 1%
@@ -646,7 +646,11 @@ def _causal_blocks(nb: int) -> int:
     (4 * 256 * 2, 4 * _causal_blocks(256) // 10, 4, True),  # 32K kept 0.1, GQA 4:1: +2%
     (16 * 1024 * 2, 16 * _causal_blocks(1024) // 4, 1, False),  # 128K kept 0.25: -0.3%
     (16 * 560 * 2, 16 * 49 * _causal_blocks(11) // 10, 1, False),  # packed 64K kept 0.1: -3%
-], ids=["8k-dense", "8k-kf0.1", "32k-dense", "32k-kf0.25", "32k-kf0.1-gqa4", "128k-kf0.25", "packed64k-kf0.1"])
+    (4 * 256 * 2, 4 * _causal_blocks(256) // 10, 8, True),  # H100, 32K kept 0.1, GQA 32:4: +1-2%
+    (4 * 512 * 2, 4 * 49 * _causal_blocks(11) // 10, 8, False),  # H100, packed 64K kept 0.1, GQA 32:4: -7%
+    (4 * 512 * 2, 4 * 49 * _causal_blocks(11) // 2, 8, False),  # H100, packed 64K kept 0.5, GQA 32:4: -1%
+], ids=["8k-dense", "8k-kf0.1", "32k-dense", "32k-kf0.25", "32k-kf0.1-gqa4", "128k-kf0.25", "packed64k-kf0.1",
+        "32k-kf0.1-gqa8-h100", "packed64k-kf0.1-gqa8-h100", "packed64k-kf0.5-gqa8-h100"])
 def test_overlap_rule_on_the_measured_cases(programs, kept, G, pays):
     assert launch.overlap_pays(programs, 132, kept * 128 * 128 * G) == pays
 
