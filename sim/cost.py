@@ -52,11 +52,10 @@ WAVE = 132
 # match): keys per dK/dV program (DEFAULT_CONFIG["dkdv"]["BN"], at most the block size: a key block is split
 # over block_size / DKDV_KEYS programs); the row length below which the forward and dQ take their short-row
 # tiles (64 query rows per program instead of 128); and when dQ runs beside dK/dV on a side stream instead of
-# before it (at most that many dK/dV programs per SM and at least that many kept query-key pairs).
+# before it (at most that many dK/dV programs per SM).
 DKDV_KEYS = 64
 SHORT_ROW_TOKENS = 2048
 OVERLAP_MAX_PROGRAMS_PER_SM = 16
-OVERLAP_MIN_PAIRS = 1 << 27
 # dK/dV programs resident at once: two per SM (4 warps; a 64-key K/V tile and two pipeline stages of 64-row
 # Q/dO tiles at head_dim 128 take about 96 KB of shared memory).
 DKDV_SLOTS = 2 * WAVE
@@ -101,7 +100,7 @@ def _head_pair_flops(model: ModelConfig, block_size: int) -> float:
 
 def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfig, block_size: int) -> dict:
     """Per-sequence attention features of one layer's forward: those a micro-batch sums
-    (ATTENTION_FEATURES and ``pairs``), and ``row``/``busiest``, of which it takes the largest
+    (ATTENTION_FEATURES), and ``row``/``busiest``, of which it takes the largest
     (see _launch_features)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     nb = np.ceil(lengths / block_size)
@@ -122,8 +121,6 @@ def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfi
         "flops": kept * causal * head_pair_flops * model.heads,
         "q_blocks": nb * model.heads,  # forward and dQ programs: one per (query block, head)
         "kv_blocks": nb * model.kv_heads * tiles,  # dK/dV programs: per (key tile, KV head)
-        # kept (query, key) token pairs over the query heads, as the kernel counts them for its overlap rule
-        "pairs": np.maximum(nb, kept * causal) * block_size * block_size * model.heads,
         "row": row,
         "busiest": busiest,
     }
@@ -150,8 +147,7 @@ def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: 
     head_pair_flops = _head_pair_flops(model, block_size)
     tile_rows = np.where(row * block_size < SHORT_ROW_TOKENS, min(64, block_size), min(128, block_size))
     fwd_path = row * head_pair_flops * tile_rows / block_size / cp
-    overlapped = ((feats["kv_blocks"] <= OVERLAP_MAX_PROGRAMS_PER_SM * WAVE)
-                  & (feats["pairs"] >= OVERLAP_MIN_PAIRS))
+    overlapped = feats["kv_blocks"] <= OVERLAP_MAX_PROGRAMS_PER_SM * WAVE
     group = model.heads // model.kv_heads
     longest_dkdv = group * np.asarray(busiest, dtype=np.float64) * 2.0 * head_pair_flops \
         * min(DKDV_KEYS, block_size) / block_size / cp
@@ -167,7 +163,7 @@ def summed_features(per_seq: dict, group: np.ndarray, n_groups: int, cp: int = 1
     """Per-sequence features summed per micro-batch, 1/cp each on CP ranks (zigzag sharding balances the dense
     causal work); ``const`` counts one kernel call per non-empty micro-batch."""
     out = {k: np.bincount(group, weights=per_seq[k], minlength=n_groups) / cp
-           for k in ATTENTION_FEATURES + ("pairs",) if k in per_seq}
+           for k in ATTENTION_FEATURES if k in per_seq}
     out["const"] = np.minimum(out["const"] * cp, 1.0)
     return out
 
@@ -196,7 +192,7 @@ def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: 
     """
     per_seq = _sequence_attention(np.asarray(lengths), np.asarray(kept_fractions), model, block_size)
     feats = grouped_attention(per_seq, np.zeros(per_seq["tokens"].size, dtype=np.int64), 1, model, block_size)
-    return {k: float(v[0]) for k, v in feats.items() if k != "pairs"}
+    return {k: float(v[0]) for k, v in feats.items()}
 
 
 def layer_features(tokens: float, model: ModelConfig) -> dict[str, float]:

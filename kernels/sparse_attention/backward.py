@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .launch import (LOG2E, compile_options, dkdv_programs, empty, grid, kept_pairs, launch, overlap_pays,
-                     precision, record, row_class_launches, tensor_descriptors, tile_variants, tma_able, use_tma)
+                     precision, record, row_class_launches, tensor_descriptors, tile_variants, use_tma)
 from .options import DEFAULT_OPTIONS, KernelOptions
 from .tiles import program_tile
 
@@ -258,10 +258,8 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None,
                           HEAD_OUTER=cfg["HEAD_OUTER"], STORE_DELTA=store, TMA=tma, **compile_options(cfg, tma))
 
     def variants():
-        # a delta from the pre-pass comes with the overlapped backward only, which keeps TMA_MIN_PAIRS or more
-        # (OVERLAP_MIN_PAIRS): with TMA wherever it can run
-        return [(c, t, st) for c, t in tile_variants("dq", B, D, options, k, v, group=G)
-                for st in (True, False) if st or t == tma_able(c, k, v)]
+        # either tile path, with the delta stored here (sequential) or read from the pre-pass (overlapped)
+        return [(c, t, st) for c, t in tile_variants("dq", B, D, options, k, v, group=G) for st in (True, False)]
 
     for name, cfg, ends in row_class_launches("dq", sel, D, options, G):
         tma = use_tma(cfg, pairs, k, v)
@@ -321,8 +319,7 @@ def overlap_backward(q, k, sel, options: KernelOptions = DEFAULT_OPTIONS) -> boo
     """Whether this backward runs dQ on a side stream (:func:`launch.overlap_pays`; CUDA only)."""
     if not q.is_cuda:
         return False
-    # kept_pairs' bound (where only the device knows the kept entries) errs towards the overlap
-    return overlap_pays(dkdv_programs(q, k, sel, options), _side(q.device)[3], kept_pairs(q, k, sel))
+    return overlap_pays(dkdv_programs(q, k, sel, options), _side(q.device)[3])
 
 
 def sparse_attn_bwd(do, q, k, v, o, lse, sel, sm_scale, options: KernelOptions = DEFAULT_OPTIONS):

@@ -57,15 +57,14 @@ SHORT_ROW_TOKENS = 2048  # a selection whose longest row keeps fewer key tokens 
 # so such launches take pointer tiles.
 TMA_MIN_PAIRS = 1 << 27
 
-# dQ runs on a side stream alongside dK/dV where dK/dV has few programs per SM and enough kept work: there the
-# two kernels' last waves overlap (the backward gains 2-6%, up to 25% where dK/dV has fewer programs than
-# the GPU has slots, e.g. two KV heads at 8K). Elsewhere the delta pre-pass it needs (one more read of O
-# and dO) costs more than the overlap saves: 3% on packed 64K MHA at kept 0.1 (124 programs per SM), 1-9%
-# on packed 64K GQA 32:4 at kept 0.5-0.05 (31 per SM, H100), while 32K GQA 32:4 at kept 0.1 (15.5 per SM)
-# still gains 1-2%; its extra launches show where the backward is short, and at ~60 programs per SM (32K
-# MHA) the gain is noise.
+# dQ runs on a side stream alongside dK/dV where dK/dV has few programs per SM: there the two kernels' last
+# waves overlap. The backward gains 2-6%, and 19-28% where dK/dV has fewer programs than the GPU has slots
+# (GQA 32:4 or 16:2 at 2K-8K tokens, 1-4 programs per SM, H100), however little is kept; 32K GQA 32:4 at kept
+# 0.1 (15.5 per SM) still gains 1-2%, 8K MHA at kept 0.1 (15.5) is even (+0.8% H100, -1% H200, host-bound).
+# With more programs the delta pre-pass it needs (one more read of O and dO) costs more than the overlap
+# saves: 3% on packed 64K MHA at kept 0.1 (124 programs per SM), 1-9% on packed 64K GQA 32:4 at kept 0.5-0.05
+# (31 per SM, H100), and at ~60 per SM (32K MHA) the gain is noise.
 OVERLAP_MAX_PROGRAMS_PER_SM = 16
-OVERLAP_MIN_PAIRS = 1 << 27  # kept (query, key) token pairs over all query heads
 
 
 def get_config(kind: str, block: int, D: int, row_blocks: int | None = None,
@@ -257,10 +256,9 @@ def _bind_context(device: torch.device):
         _THREAD.bound = device
 
 
-def overlap_pays(programs: int, sms: int, pairs: int) -> bool:
-    """Whether the overlapped backward pays: ``programs`` dK/dV programs on ``sms`` SMs, ``pairs`` kept
-    (query, key) token pairs over all query heads."""
-    return programs <= OVERLAP_MAX_PROGRAMS_PER_SM * sms and pairs >= OVERLAP_MIN_PAIRS
+def overlap_pays(programs: int, sms: int) -> bool:
+    """Whether the overlapped backward pays: ``programs`` dK/dV programs on ``sms`` SMs."""
+    return programs <= OVERLAP_MAX_PROGRAMS_PER_SM * sms
 
 
 def dkdv_programs(q, k, sel, options: KernelOptions) -> int:

@@ -63,7 +63,6 @@ def test_cost_features_describe_the_kernels_launches():
     assert {tk.DEFAULT_CONFIG[kind]["BM"] for kind in ("fwd", "dq")} == {128}
     assert {tk.DEFAULT_CONFIG[kind]["BM"] for kind in ("fwd_short", "dq_short")} == {64}
     assert tk.OVERLAP_MAX_PROGRAMS_PER_SM == cost.OVERLAP_MAX_PROGRAMS_PER_SM
-    assert tk.OVERLAP_MIN_PAIRS == cost.OVERLAP_MIN_PAIRS
 
 
 @pytest.mark.parametrize("kv_heads, heads", [(2, 16), (8, 32)])
