@@ -4,8 +4,8 @@ from hypothesis import given, strategies as st
 
 from sim.cluster import Cluster, Layout
 from sim.core import ConfigError, compose_config, write_json_atomic
-from sim.cost import (DKDV_SLOTS, PROFILE_SCHEMA_VERSION, WAVE, attention_features, load_profile, make_cost,
-                      params_per_layer, provisional_profile)
+from sim.cost import (DKDV_SLOTS, OVERLAP_MAX_PROGRAMS_PER_SM, PROFILE_SCHEMA_VERSION, WAVE, attention_features,
+                      load_profile, make_cost, params_per_layer, provisional_profile)
 from sim.workload import Sequence
 
 
@@ -67,7 +67,10 @@ def test_launch_features_follow_the_kernels_grids():
     diagonal = attention_features([8192], [2 / 65], model, 128)
     assert diagonal["fwd_path"] == pytest.approx(hpf / 2)  # one block, 64-row tiles
     assert diagonal["dkdv_path"] == pytest.approx(max(group * hpf, 2 * diagonal["flops"] / DKDV_SLOTS))
-    assert diagonal["dq_path"] == diagonal["fwd_path"]  # too few kept pairs for the overlapped backward
+    assert diagonal["dq_path"] == 0.0  # 256 dK/dV programs: dQ runs beside them
+    long = attention_features([131072], [0.1], model, 128)
+    assert long["kv_blocks"] > OVERLAP_MAX_PROGRAMS_PER_SM * WAVE  # so dQ runs before dK/dV
+    assert long["dq_path"] == long["fwd_path"] > 0.0
     paths = [attention_features([8192], [kf], model, 128) for kf in np.linspace(2 / 65, 1.0, 40)]
     for key in ("fwd_path", "dkdv_path"):
         assert all(a[key] <= b[key] * (1 + 1e-12) for a, b in zip(paths, paths[1:])), key
