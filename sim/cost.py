@@ -162,8 +162,7 @@ def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: 
 def summed_features(per_seq: dict, group: np.ndarray, n_groups: int, cp: int = 1) -> dict[str, np.ndarray]:
     """Per-sequence features summed per micro-batch, 1/cp each on CP ranks (zigzag sharding balances the dense
     causal work); ``const`` counts one kernel call per non-empty micro-batch."""
-    out = {k: np.bincount(group, weights=per_seq[k], minlength=n_groups) / cp
-           for k in ATTENTION_FEATURES if k in per_seq}
+    out = {k: np.bincount(group, weights=per_seq[k], minlength=n_groups) / cp for k in ATTENTION_FEATURES}
     out["const"] = np.minimum(out["const"] * cp, 1.0)
     return out
 
