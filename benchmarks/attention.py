@@ -8,11 +8,13 @@
     python -m benchmarks.attention --no-packed --lengths 131072 --csv part.csv   # part of the grid (split over calls)
     python -m benchmarks.attention --selection        # selection time vs fwd+bwd, 3 repeats
     python -m benchmarks.attention --kernels --sparsities 0.9,0.95   # per-kernel times on the fair batch
+    python -m benchmarks.attention --flex-variants    # Flex's compile modes and tile options against ours
 
 Grid: single sequences L in {8K, 32K, 128K} x sparsity {0, .5, .75, .9, .95} and a packed 64K-token batch of
 long-tail documents; H=16, D=128, bf16, block 128. Sparsity s means ``kept_fraction = 1 - s`` (selection by
 routing score, diagonal always kept). Compared in the same run: FlexAttention (``torch.compile(flex_attention)``
-with a BlockMask built from the very same selection) and cuDNN SDPA (dense causal). Effective TFLOP/s count the
+in ``--flex-mode``, by default max-autotune-no-cudagraphs, its fastest construction measured, with a BlockMask
+built from the very same selection) and cuDNN SDPA (dense causal). Effective TFLOP/s count the
 attended (query, key) pairs of kept blocks: fwd = 4*D*pairs*Hq, fwd+bwd = 3.5x that. If a config fails its
 error is recorded in the CSV and the run continues.
 """
@@ -481,15 +483,26 @@ def timed_row(base: dict, f_ms: float, fb_ms: float, flops: float) -> dict:
                 fwdbwd_tflops=fwdbwd_tflops(flops, fb_ms))
 
 
-def run_bench(args):
-    import triton
+FLEX_MODES = ("max-autotune-no-cudagraphs", "default")  # torch.compile modes --flex-mode takes
+
+
+def compiled_flex(mode: str):
+    """flex_attention compiled in torch.compile's ``mode`` (see FLEX_MODES). Max-autotune times Flex's Triton
+    template over its tile configs on the first call of each shape (150-250 s per head configuration of the
+    fair batch on an H100) and is 2-3% faster there than the default mode (``--flex-variants``)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    flex = torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, mode=None if mode == "default" else mode)
+
+
+def run_bench(args):
+    import triton
+
+    flex = compiled_flex(args.flex_mode)
     fields = GRID_FIELDS[:-1] + GRAPH_FIELDS + GRID_FIELDS[-1:] if args.graph_max_tokens else GRID_FIELDS
     tiles = {kind: dict(cfg) for kind, cfg in args.options.tile_overrides(B, D).items()}
     meta = dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
-                configs=tiles or "default", rounds=args.rounds)
+                configs=tiles or "default", rounds=args.rounds, flex_mode=args.flex_mode)
     with open(args.csv, "w", newline="") as out:
         emit = csv_emitter(out, fields)
         log("META", json.dumps(meta, default=str))
@@ -808,16 +821,15 @@ def run_fair(args):
     """The fair grid (see FAIR_HEADS): every head configuration's sparsities, into ``args.csv``. Our kernels
     compile only what they launch here (no precompile: GPU time of the call, not of a training run)."""
     import triton
-    from torch.nn.attention.flex_attention import flex_attention
 
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = compiled_flex(args.flex_mode)
     sticky = Sticky()
     args = argparse.Namespace(**{**vars(args), "options": dataclasses.replace(args.options, precompile=False)})
     t_start = time.time()
     with open(args.csv, "w", newline="") as out:
         emit = csv_emitter(out, FAIR_FIELDS)
         log("META", json.dumps(dict(torch=torch.__version__, triton=triton.__version__,
-                                    gpu=torch.cuda.get_device_name(), rounds=args.rounds)))
+                                    gpu=torch.cuda.get_device_name(), rounds=args.rounds, flex_mode=args.flex_mode)))
         for heads in args.fair_heads:
             batch = fair_batch(heads)
             for sp in FAIR_SPARSITIES[heads]:
@@ -828,6 +840,47 @@ def run_fair(args):
                 fair_point(args, emit, flex, sticky, heads, sp, batch)
             del batch
             torch.cuda.empty_cache()
+
+
+# Flex on the fair batch's aligned documents with exactly our kept blocks, compiled in each mode and, in the
+# default mode, with fixed tile options: which construction of the peer is strongest at the target points.
+FLEX_VARIANT_POINTS = {"mha": (0.9, 0.95), "gqa": (0.9,)}
+FLEX_KERNEL_OPTIONS = {"bm64_bn64": dict(BLOCK_M=64, BLOCK_N=64), "w4_s3": dict(num_warps=4, num_stages=3),
+                       "bwd64": dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64)}
+
+
+def flex_variant_fns(compiled: dict, batch: dict, bm, G: int) -> dict:
+    """{name: (fwd, fwd+bwd)} of Flex in every compile mode of ``compiled`` and every FLEX_KERNEL_OPTIONS."""
+    qb, kb, vb, dob = batch["al_heads"]
+    fns = {f"flex_{mode}": fair_flex_fns(flex, batch["al_heads"], bm, G) for mode, flex in compiled.items()}
+    for name, options in FLEX_KERNEL_OPTIONS.items():
+        def fwd(options=options):
+            return compiled["default"](qb, kb, vb, block_mask=bm, enable_gqa=G > 1, kernel_options=options)
+        fns[f"flex_default_{name}"] = (fwd, lambda fwd=fwd: torch.autograd.grad(fwd(), (qb, kb, vb), dob))
+    return fns
+
+
+def flex_variants(args):
+    """One JSON row per point of FLEX_VARIANT_POINTS: fwd+bwd ms of ours (aligned) and of each Flex variant,
+    timed in turns (``interleaved_ms``), and each one's time over ours. A variant that cannot run records its
+    error (a tile option Flex cannot fit)."""
+    compiled = {mode: compiled_flex(mode) for mode in FLEX_MODES}
+    options = dataclasses.replace(args.options, precompile=False)
+    for heads, sparsities in FLEX_VARIANT_POINTS.items():
+        Hq, Hkv = FAIR_HEADS[heads]
+        batch = fair_batch(heads)
+        q, k, v, do, docs, _ = batch["aligned"]
+        for sp in sparsities:
+            sel = select_blocks(q, k, docs, kept_fraction=1.0 - sp, block_size=B, options=options)
+            fwd = lambda sel=sel: sparse_attention(q, k, v, docs, selection=sel, options=options)  # noqa: E731
+            fns = {"ours": (fwd, lambda fwd=fwd: torch.autograd.grad(fwd(), (q, k, v), do))}
+            fns.update(flex_variant_fns(compiled, batch, exact_block_mask(sel, Hq, batch["aligned_end"]), Hq // Hkv))
+            timed = interleaved_ms(fns, args.rounds)
+            ms = {n: round(t[1], 4) if isinstance(t, tuple) else f"error: {t!r:.200}" for n, t in timed.items()}
+            log("FLEX_VARIANTS", json.dumps(dict(heads=f"{Hq}:{Hkv}", sparsity=sp, fwdbwd_ms=ms, over_ours={
+                n: round(t / ms["ours"], 3) for n, t in ms.items() if isinstance(t, float)})))
+        del batch
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------- quick
@@ -1094,6 +1147,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "bandwidth), their sums sum_ms and floor_sum_ms, and the effective fwd+bwd TFLOP/s of "
                          "each: tflops and floor_tflops")
     ap.add_argument("--selection", action="store_true", help="selection cost vs fwd+bwd at 8K/32K/128K, 3 repeats")
+    ap.add_argument("--flex-mode", choices=FLEX_MODES, default=FLEX_MODES[0],
+                    help="torch.compile mode of FlexAttention in the grid and --fair (default: max-autotune-no-cudagraphs, "
+                         "its fastest construction measured; 'default' compiles in seconds instead of minutes)")
+    ap.add_argument("--flex-variants", action="store_true",
+                    help="Flex in each --flex-mode and with fixed tile options against ours on the fair batch at "
+                         "MHA 0.9 / 0.95 and GQA 0.9 (--rounds): which construction of the peer is strongest")
     ap.add_argument("--apply-tuned", action="store_true", help="--tune's winners for the other modes")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--check-csv", default=None, help="--check's CSV when --csv is the grid's")
@@ -1144,6 +1203,8 @@ def main(argv=None):
         short_vs_long(args)
     if args.kernels:
         kernel_breakdown(args)
+    if args.flex_variants:
+        flex_variants(args)
     if args.selection:
         selection_cost(lambda row: log(json.dumps(row)), args.options, lengths=(8192, 32768, 131072), repeats=3)
     if args.quick:
@@ -1153,7 +1214,7 @@ def main(argv=None):
         args.csv = args.csv or "attention_fair.csv"
         run_fair(args)
     if args.bench or not (args.check or args.tune or args.quick or args.selection or args.short_vs_long
-                          or args.fair or args.kernels):
+                          or args.fair or args.kernels or args.flex_variants):
         if args.csv is None:
             args.csv = "attention_bench.csv"
         run_bench(args)

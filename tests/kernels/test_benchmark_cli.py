@@ -28,7 +28,10 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
     (["--rounds", "0"], "argument --rounds: '0': expected a round count (an integer >= 1)"),
     (["--rounds", "two"], "argument --rounds: 'two': expected a round count (an integer >= 1)"),
     (["--graph-max-tokens", "-1"], "argument --graph-max-tokens: '-1': expected a token count (an integer >= 0)"),
-], ids=["lengths-not-int", "lengths-zero", "sparsity-one", "rounds-zero", "rounds-not-int", "graph-tokens-negative"])
+    (["--flex-mode", "fast"],
+     "argument --flex-mode: invalid choice: 'fast' (choose from 'max-autotune-no-cudagraphs', 'default')"),
+], ids=["lengths-not-int", "lengths-zero", "sparsity-one", "rounds-zero", "rounds-not-int", "graph-tokens-negative",
+        "flex-mode-unknown"])
 def test_bad_lists_are_one_line_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bm.main(args)
@@ -63,6 +66,32 @@ def test_rounds_take_turns_and_report_medians(monkeypatch):
     assert calls == ["a.f", "a.fb", "b.f", "b.fb", "c.f", "c.fb"] * 2 + ["a.f", "a.fb", "b.f", "b.fb"]
     assert out["a"] == (2.0, 20.0) and out["b"] == (6.0, 60.0)
     assert isinstance(out["c"], RuntimeError)
+
+
+def test_flex_variants_cover_every_mode_and_tile_option():
+    """--flex-variants times Flex in every compile mode and, in the default mode, with each fixed tile option,
+    all on the same block mask, the GQA flag following the group; forward+backward differentiates the
+    forward's output against the head-first leaves with the batch's dO."""
+    seen = []
+
+    def stub(mode):
+        def flex(q, k, v, block_mask, enable_gqa, kernel_options=None):
+            seen.append((mode, block_mask, enable_gqa, kernel_options))
+            return (q * k * v).sum(-1, keepdim=True) * q
+        return flex
+
+    leaves = [torch.randn(1, 2, 4, 3, requires_grad=True) for _ in range(3)]
+    batch = {"al_heads": [*leaves, torch.ones(1, 2, 4, 3)]}
+    fns = bm.flex_variant_fns({mode: stub(mode) for mode in bm.FLEX_MODES}, batch, "mask", G=8)
+    assert sorted(fns) == sorted([f"flex_{m}" for m in bm.FLEX_MODES]
+                                 + [f"flex_default_{n}" for n in bm.FLEX_KERNEL_OPTIONS])
+    for name, (fwd, fwdbwd) in fns.items():
+        seen.clear()
+        grads = fwdbwd()
+        mode = "default" if name.startswith("flex_default") else name[len("flex_"):]
+        options = bm.FLEX_KERNEL_OPTIONS.get(name[len("flex_default_"):]) if name != "flex_default" else None
+        assert seen == [(mode, "mask", True, options)]
+        assert len(grads) == 3 and all(g.shape == (1, 2, 4, 3) for g in grads)
 
 
 def test_grid_cases_packed_first_or_left_out():
