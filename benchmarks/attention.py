@@ -483,16 +483,23 @@ def timed_row(base: dict, f_ms: float, fb_ms: float, flops: float) -> dict:
                 fwdbwd_tflops=fwdbwd_tflops(flops, fb_ms))
 
 
-FLEX_MODES = ("max-autotune-no-cudagraphs", "default")  # torch.compile modes --flex-mode takes
+# How --flex-mode compiles flex_attention (torch.compile arguments). Max-autotune times Flex's Triton template
+# over its tile configs on the first call of each shape (150-250 s per head configuration of the fair batch on
+# an H100) and is 2-3% faster there than the default mode (--flex-variants); coordinate-descent tuning on top
+# of it is how torchtitan compiles Flex.
+FLEX_COMPILES = {
+    "max-autotune-no-cudagraphs": dict(mode="max-autotune-no-cudagraphs"),
+    "default": {},
+    "max-autotune-coordinate-descent": dict(options={"max_autotune": True, "coordinate_descent_tuning": True}),
+}
+FLEX_MODES = tuple(FLEX_COMPILES)
 
 
 def compiled_flex(mode: str):
-    """flex_attention compiled in torch.compile's ``mode`` (see FLEX_MODES). Max-autotune times Flex's Triton
-    template over its tile configs on the first call of each shape (150-250 s per head configuration of the
-    fair batch on an H100) and is 2-3% faster there than the default mode (``--flex-variants``)."""
+    """flex_attention compiled as FLEX_COMPILES[mode] says."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False, mode=None if mode == "default" else mode)
+    return torch.compile(flex_attention, dynamic=False, **FLEX_COMPILES[mode])
 
 
 def run_bench(args):
@@ -846,7 +853,9 @@ def run_fair(args):
 # default mode, with fixed tile options: which construction of the peer is strongest at the target points.
 FLEX_VARIANT_POINTS = {"mha": (0.9, 0.95), "gqa": (0.9,)}
 FLEX_KERNEL_OPTIONS = {"bm64_bn64": dict(BLOCK_M=64, BLOCK_N=64), "w4_s3": dict(num_warps=4, num_stages=3),
-                       "bwd64": dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64)}
+                       "bwd64": dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64),
+                       "bwd32_64": dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32),
+                       "bwd64_128": dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64)}
 
 
 def flex_variant_fns(compiled: dict, batch: dict, bm, G: int) -> dict:
@@ -861,12 +870,13 @@ def flex_variant_fns(compiled: dict, batch: dict, bm, G: int) -> dict:
 
 
 def flex_variants(args):
-    """One JSON row per point of FLEX_VARIANT_POINTS: fwd+bwd ms of ours (aligned) and of each Flex variant,
-    timed in turns (``interleaved_ms``), and each one's time over ours. A variant that cannot run records its
-    error (a tile option Flex cannot fit)."""
+    """One JSON row per point of FLEX_VARIANT_POINTS of each --fair-heads configuration: fwd+bwd ms of ours
+    (aligned) and of each Flex variant, timed in turns (``interleaved_ms``), and each one's time over ours. A
+    variant that cannot run records its error (a tile option Flex cannot fit)."""
     compiled = {mode: compiled_flex(mode) for mode in FLEX_MODES}
     options = dataclasses.replace(args.options, precompile=False)
-    for heads, sparsities in FLEX_VARIANT_POINTS.items():
+    for heads in args.fair_heads:
+        sparsities = FLEX_VARIANT_POINTS[heads]
         Hq, Hkv = FAIR_HEADS[heads]
         batch = fair_batch(heads)
         q, k, v, do, docs, _ = batch["aligned"]
@@ -1148,11 +1158,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "each: tflops and floor_tflops")
     ap.add_argument("--selection", action="store_true", help="selection cost vs fwd+bwd at 8K/32K/128K, 3 repeats")
     ap.add_argument("--flex-mode", choices=FLEX_MODES, default=FLEX_MODES[0],
-                    help="torch.compile mode of FlexAttention in the grid and --fair (default: max-autotune-no-cudagraphs, "
-                         "its fastest construction measured; 'default' compiles in seconds instead of minutes)")
+                    help="how FlexAttention is compiled in the grid and --fair (default: max-autotune-no-cudagraphs, "
+                         "its fastest construction measured; 'default' compiles in seconds instead of minutes; "
+                         "max-autotune-coordinate-descent is torchtitan's)")
     ap.add_argument("--flex-variants", action="store_true",
                     help="Flex in each --flex-mode and with fixed tile options against ours on the fair batch at "
-                         "MHA 0.9 / 0.95 and GQA 0.9 (--rounds): which construction of the peer is strongest")
+                         "MHA 0.9 / 0.95 and GQA 0.9 (--rounds; --fair-heads to split it over calls): which "
+                         "construction of the peer is strongest")
     ap.add_argument("--apply-tuned", action="store_true", help="--tune's winners for the other modes")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--check-csv", default=None, help="--check's CSV when --csv is the grid's")

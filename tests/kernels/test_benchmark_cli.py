@@ -29,7 +29,8 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
     (["--rounds", "two"], "argument --rounds: 'two': expected a round count (an integer >= 1)"),
     (["--graph-max-tokens", "-1"], "argument --graph-max-tokens: '-1': expected a token count (an integer >= 0)"),
     (["--flex-mode", "fast"],
-     "argument --flex-mode: invalid choice: 'fast' (choose from 'max-autotune-no-cudagraphs', 'default')"),
+     "argument --flex-mode: invalid choice: 'fast' (choose from 'max-autotune-no-cudagraphs', 'default', "
+     "'max-autotune-coordinate-descent')"),
 ], ids=["lengths-not-int", "lengths-zero", "sparsity-one", "rounds-zero", "rounds-not-int", "graph-tokens-negative",
         "flex-mode-unknown"])
 def test_bad_lists_are_one_line_errors(args, message, capsys):
@@ -66,6 +67,17 @@ def test_rounds_take_turns_and_report_medians(monkeypatch):
     assert calls == ["a.f", "a.fb", "b.f", "b.fb", "c.f", "c.fb"] * 2 + ["a.f", "a.fb", "b.f", "b.fb"]
     assert out["a"] == (2.0, 20.0) and out["b"] == (6.0, 60.0)
     assert isinstance(out["c"], RuntimeError)
+
+
+def test_flex_modes_compile_as_named(monkeypatch):
+    """Every --flex-mode compiles flex_attention for static shapes: max-autotune without CUDA graphs, the default
+    mode, and max-autotune with coordinate-descent tuning given as Inductor options (torchtitan's)."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    for mode in bm.FLEX_MODES:
+        bm.compiled_flex(mode)
+    assert calls == [dict(dynamic=False, mode="max-autotune-no-cudagraphs"), dict(dynamic=False),
+                     dict(dynamic=False, options={"max_autotune": True, "coordinate_descent_tuning": True})]
 
 
 def test_flex_variants_cover_every_mode_and_tile_option():
