@@ -696,12 +696,19 @@ def heads_first(*xs):
     return [x.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for x in xs]
 
 
-def fair_flex_fns(flex, tensors, bm, G: int, backend: str | None = None):
-    """FlexAttention's (fwd, fwd+bwd) on [1, H, T, D] tensors (q, k, v, do) over a BlockMask."""
+def fair_flex_fns(flex, tensors, bm, G: int, kernel_options: dict | None = None):
+    """FlexAttention's (fwd, fwd+bwd) on [1, H, T, D] tensors (q, k, v, do) over a BlockMask, with
+    ``kernel_options`` (a backend, tile sizes) where given."""
     qb, kb, vb, dob = tensors
-    opts = {"kernel_options": {"BACKEND": backend}} if backend else {}
+    opts = {"kernel_options": kernel_options} if kernel_options else {}
     fwd = lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=G > 1, **opts)  # noqa: E731
     return fwd, lambda: torch.autograd.grad(fwd(), (qb, kb, vb), dob)
+
+
+def sparse_fns(q, k, v, do, docs, sel, options: KernelOptions):
+    """Our (fwd, fwd+bwd) on [T, H, D] leaves over the selection ``sel`` of the documents ``docs``."""
+    fwd = lambda: sparse_attention(q, k, v, docs, selection=sel, options=options)  # noqa: E731
+    return fwd, lambda: torch.autograd.grad(fwd(), (q, k, v), do)
 
 
 def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
@@ -766,9 +773,7 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
         base[name] = dict(case="packed64k", heads=f"{Hq}:{Hkv}", T=sum(lens), ndocs=len(lens), sparsity=sp,
                           kept_fraction=round(float((sel.kept_fraction * weight).sum() / weight.sum()), 4))
         flops[name] = kept_fwd_flops(sel, Hq)
-        fwd = lambda q=q, k=k, v=v, cu=cu, sel=sel: sparse_attention(q, k, v, cu, selection=sel,  # noqa: E731
-                                                                     options=args.options)
-        fns[name] = (fwd, lambda fwd=fwd, q=q, k=k, v=v, do=do: torch.autograd.grad(fwd(), (q, k, v), do))
+        fns[name] = sparse_fns(q, k, v, do, cu, sel, args.options)
         batch[key + "_sel"] = sel
     un, al = batch["unaligned"], batch["aligned"]
     if heads == "mha":  # the token-level document mask: the construction of the --bench grid (MHA only)
@@ -779,7 +784,7 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
     exact = exact_block_mask(batch["aligned_sel"], Hq, batch["aligned_end"])
     fns["flex_exact"] = fair_flex_fns(flex, batch["al_heads"], exact, G)
     fns["flex_flash_exact"] = sticky.fns("flash", lambda: probed(fair_flex_fns(flex, batch["al_heads"], exact, G,
-                                                                                "FLASH")))
+                                                                                {"BACKEND": "FLASH"})))
     if sp == 0.0:
         # One cuDNN call per document: through nested (jagged) tensors, torch 2.11's cuDNN path made an illegal
         # memory access on the H200 on this batch, which poisons the CUDA context for every later timing.
@@ -860,12 +865,9 @@ FLEX_KERNEL_OPTIONS = {"bm64_bn64": dict(BLOCK_M=64, BLOCK_N=64), "w4_s3": dict(
 
 def flex_variant_fns(compiled: dict, batch: dict, bm, G: int) -> dict:
     """{name: (fwd, fwd+bwd)} of Flex in every compile mode of ``compiled`` and every FLEX_KERNEL_OPTIONS."""
-    qb, kb, vb, dob = batch["al_heads"]
     fns = {f"flex_{mode}": fair_flex_fns(flex, batch["al_heads"], bm, G) for mode, flex in compiled.items()}
-    for name, options in FLEX_KERNEL_OPTIONS.items():
-        def fwd(options=options):
-            return compiled["default"](qb, kb, vb, block_mask=bm, enable_gqa=G > 1, kernel_options=options)
-        fns[f"flex_default_{name}"] = (fwd, lambda fwd=fwd: torch.autograd.grad(fwd(), (qb, kb, vb), dob))
+    fns.update({f"flex_default_{name}": fair_flex_fns(compiled["default"], batch["al_heads"], bm, G, options)
+                for name, options in FLEX_KERNEL_OPTIONS.items()})
     return fns
 
 
@@ -882,8 +884,7 @@ def flex_variants(args):
         q, k, v, do, docs, _ = batch["aligned"]
         for sp in sparsities:
             sel = select_blocks(q, k, docs, kept_fraction=1.0 - sp, block_size=B, options=options)
-            fwd = lambda sel=sel: sparse_attention(q, k, v, docs, selection=sel, options=options)  # noqa: E731
-            fns = {"ours": (fwd, lambda fwd=fwd: torch.autograd.grad(fwd(), (q, k, v), do))}
+            fns = {"ours": sparse_fns(q, k, v, do, docs, sel, options)}
             fns.update(flex_variant_fns(compiled, batch, exact_block_mask(sel, Hq, batch["aligned_end"]), Hq // Hkv))
             timed = interleaved_ms(fns, args.rounds)
             ms = {n: round(t[1], 4) if isinstance(t, tuple) else f"error: {t!r:.200}" for n, t in timed.items()}
