@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import attention as bm
+from benchmarks.attention import breakdown, cli, common, fair, flex_variants, grid, masks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
         "flex-mode-unknown"])
 def test_bad_lists_are_one_line_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        bm.main(args)
+        cli.main(args)
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("error: " + message)
 
@@ -61,9 +61,9 @@ def test_rounds_take_turns_and_report_medians(monkeypatch):
             raise RuntimeError("no graph")
         return samples[name].pop(0) if name in samples else 1.0
 
-    monkeypatch.setattr(bm, "bench", fake_bench)
+    monkeypatch.setattr(common, "bench", fake_bench)
     fns = {impl: (lambda impl=impl: f"{impl}.f", lambda impl=impl: f"{impl}.fb") for impl in "abc"}
-    out = bm.interleaved_ms(fns, 3)
+    out = common.interleaved_ms(fns, 3)
     assert calls == ["a.f", "a.fb", "b.f", "b.fb", "c.f", "c.fb"] * 2 + ["a.f", "a.fb", "b.f", "b.fb"]
     assert out["a"] == (2.0, 20.0) and out["b"] == (6.0, 60.0)
     assert isinstance(out["c"], RuntimeError)
@@ -74,8 +74,8 @@ def test_flex_modes_compile_as_named(monkeypatch):
     mode, and max-autotune with coordinate-descent tuning given as Inductor options (torchtitan's)."""
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
-    for mode in bm.FLEX_MODES:
-        bm.compiled_flex(mode)
+    for mode in common.FLEX_MODES:
+        common.compiled_flex(mode)
     assert calls == [dict(dynamic=False, mode="max-autotune-no-cudagraphs"), dict(dynamic=False),
                      dict(dynamic=False, options={"max_autotune": True, "coordinate_descent_tuning": True})]
 
@@ -94,23 +94,23 @@ def test_flex_variants_cover_every_mode_and_tile_option():
 
     leaves = [torch.randn(1, 2, 4, 3, requires_grad=True) for _ in range(3)]
     batch = {"al_heads": [*leaves, torch.ones(1, 2, 4, 3)]}
-    fns = bm.flex_variant_fns({mode: stub(mode) for mode in bm.FLEX_MODES}, batch, "mask", G=8)
-    assert sorted(fns) == sorted([f"flex_{m}" for m in bm.FLEX_MODES]
-                                 + [f"flex_default_{n}" for n in bm.FLEX_KERNEL_OPTIONS])
+    fns = flex_variants.flex_variant_fns({mode: stub(mode) for mode in common.FLEX_MODES}, batch, "mask", G=8)
+    assert sorted(fns) == sorted([f"flex_{m}" for m in common.FLEX_MODES]
+                                 + [f"flex_default_{n}" for n in flex_variants.FLEX_KERNEL_OPTIONS])
     for name, (fwd, fwdbwd) in fns.items():
         seen.clear()
         grads = fwdbwd()
         mode = "default" if name.startswith("flex_default") else name[len("flex_"):]
-        options = bm.FLEX_KERNEL_OPTIONS.get(name[len("flex_default_"):]) if name != "flex_default" else None
+        options = flex_variants.FLEX_KERNEL_OPTIONS.get(name[len("flex_default_"):]) if name != "flex_default" else None
         assert seen == [(mode, "mask", True, options)]
         assert len(grads) == 3 and all(g.shape == (1, 2, 4, 3) for g in grads)
 
 
 def test_grid_cases_packed_first_or_left_out():
-    cases = bm.grid_cases([8192, 131072], packed=True)
+    cases = grid.grid_cases([8192, 131072], packed=True)
     assert [c for c, _ in cases] == ["packed64k", "single", "single"]
     assert sum(cases[0][1]) == 65536 and cases[1][1] == [8192] and cases[2][1] == [131072]
-    assert bm.grid_cases([131072], packed=False) == [("single", [131072])]
+    assert grid.grid_cases([131072], packed=False) == [("single", [131072])]
 
 
 GRID_CSV = """case,T,ndocs,sparsity,kept_fraction,impl,fwd_ms,fwdbwd_ms,speedup_vs_flex_fwdbwd,fwdbwd_graph_ms,speedup_vs_flex_fwdbwd_graph,error
@@ -129,7 +129,7 @@ def test_results_table_from_a_grid_csv(tmp_path, capsys):
     missing points as '-', dense against cuDNN; one line per selection mode. No GPU needed."""
     path = tmp_path / "grid.csv"
     path.write_text(GRID_CSV)
-    bm.main(["--table", str(path)])
+    cli.main(["--table", str(path)])
     assert capsys.readouterr().out.splitlines() == [
         "| fwd+bwd ms (FlexAttention's time / ours) | sparsity 0 | sparsity 0.5 | dense: cuDNN's time / ours |",
         "| --- | --- | --- | --- |",
@@ -156,7 +156,7 @@ def test_fair_table_from_a_fair_csv(tmp_path, capsys):
     batch it starts from, why an implementation is absent, the padded batch's size."""
     path = tmp_path / "fair.csv"
     path.write_text(FAIR_CSV)
-    bm.main(["--table", str(path)])
+    cli.main(["--table", str(path)])
     lines = capsys.readouterr().out.splitlines()
     assert lines[2] == "| 16:16 | 0.9 | 2.00 (250) | 2.10 (240) | 8.00 (4.00x) | 2.20 (1.10x) | 2.10 (1.00x) | - | - |"
     assert lines[4:] == ["* Flex FLASH, aligned, exact blocks: absent: ModuleNotFoundError('flash_attn')",
@@ -165,7 +165,7 @@ def test_fair_table_from_a_fair_csv(tmp_path, capsys):
 
 def test_missing_table_csv_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        bm.main(["--table", str(tmp_path / "none.csv")])
+        cli.main(["--table", str(tmp_path / "none.csv")])
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("none.csv': no such file (a grid CSV of this benchmark)")
 
@@ -179,7 +179,7 @@ def test_table_of_a_non_benchmark_csv_is_one_line(content, message, tmp_path, ca
     path = tmp_path / "other.csv"
     path.write_text(content)
     with pytest.raises(SystemExit) as exc:
-        bm.main(["--table", str(path)])
+        cli.main(["--table", str(path)])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: --table '{path}': {message}; allowed: a grid CSV"), err
@@ -260,16 +260,16 @@ def test_fair_flex_constructions_attend_exactly_our_kept_blocks(gqa):
         g = torch.Generator().manual_seed(len(lens) + sum(lens))
         q, k, v = [torch.randn(T, h, 16, generator=g) for h in (Hkv * gqa, Hkv, Hkv)]
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-        sel = select_blocks(q, k, cu, kept_fraction=0.5, block_size=bm.B)
+        sel = select_blocks(q, k, cu, kept_fraction=0.5, block_size=common.B)
         ref = sparse_attention_naive(q, k, v, cu, sel)
-        pos, ends = bm.padded_positions(lens, "cpu")
-        qb, kb, vb, _ = bm.padded_tensors(pos, ends.numel(), q, k, v, q)
-        mask = bm.exact_block_mask(sel, q.shape[1], ends)
+        pos, ends = fair.padded_positions(lens, "cpu")
+        qb, kb, vb, _ = fair.padded_tensors(pos, ends.numel(), q, k, v, q)
+        mask = masks.exact_block_mask(sel, q.shape[1], ends)
         blocks = mask.to_dense()[0].bool()  # [Hq, NB, NB]: partial and full blocks
         assert torch.equal(blocks, sel.to_dense_mask().repeat_interleave(gqa, dim=0))
         eager = BlockMask.from_kv_blocks(
-            mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, BLOCK_SIZE=bm.B,
-            mask_mod=lambda b, h, qi, ki: mask.mask_mod(b, h, qi, ki) & blocks[h, qi // bm.B, ki // bm.B],
+            mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, BLOCK_SIZE=common.B,
+            mask_mod=lambda b, h, qi, ki: mask.mask_mod(b, h, qi, ki) & blocks[h, qi // common.B, ki // common.B],
             seq_lengths=mask.seq_lengths)
         qb, kb, vb = [x.detach() for x in (qb, kb, vb)]  # no Flex backward on a CPU
         o = flex_attention(qb, kb, vb, block_mask=eager, enable_gqa=gqa > 1)[0].transpose(0, 1)[pos]
@@ -277,10 +277,10 @@ def test_fair_flex_constructions_attend_exactly_our_kept_blocks(gqa):
 
 
 def test_fair_lengths_pad_back_to_the_aligned_batch():
-    aligned, unaligned = bm.fair_lengths()
-    assert sum(aligned) == 65536 and all(n % bm.B == 0 for n in aligned)
-    assert all(0 < u <= a < u + bm.B for a, u in zip(aligned, unaligned))
-    assert bm.padded_positions(unaligned, "cpu")[1].numel() == 65536
+    aligned, unaligned = fair.fair_lengths()
+    assert sum(aligned) == 65536 and all(n % common.B == 0 for n in aligned)
+    assert all(0 < u <= a < u + common.B for a, u in zip(aligned, unaligned))
+    assert fair.padded_positions(unaligned, "cpu")[1].numel() == 65536
 
 
 # T 256, D 16, bf16: Q, O, dO, dQ of T*Hq*D*2 bytes; K, V, dK, dV of T*Hkv*D*2; LSE, delta of T*Hq*4.
@@ -297,13 +297,13 @@ def test_kernel_floor_bytes_count_each_operand_once(Hq, Hkv, expected):
     """--kernels' HBM floor of each kernel: every tensor it touches, once. fwd reads Q, K, V and writes O,
     LSE; dq reads Q, dO, O, K, V, LSE and writes dQ, delta; dkdv reads Q, dO, K, V, LSE, delta and writes
     dK, dV."""
-    assert bm.kernel_floor_bytes(256, Hq, Hkv, 16, 2) == expected
+    assert breakdown.kernel_floor_bytes(256, Hq, Hkv, 16, 2) == expected
 
 
 def test_floor_fields_of_a_kernels_row():
     """Each kernel's floor at the copy bandwidth, the summed times and floors, and the effective fwd+bwd
     TFLOP/s (3.5x the forward FLOPs) of each."""
-    fields = bm.floor_fields({"fwd": 1.0, "dq": 2.0, "dkdv": 3.0}, {"fwd": 2e9, "dq": 3e9, "dkdv": 5e9},
+    fields = breakdown.floor_fields({"fwd": 1.0, "dq": 2.0, "dkdv": 3.0}, {"fwd": 2e9, "dq": 3e9, "dkdv": 5e9},
                              bytes_per_ms=4e9, fwd_flops=1e12)
     assert fields == {"fwd_floor_ms": 0.5, "dq_floor_ms": 0.75, "dkdv_floor_ms": 1.25, "sum_ms": 6.0,
                       "floor_sum_ms": 2.5, "tflops": round(3500 / 6.0, 1), "floor_tflops": 1400.0}
@@ -314,6 +314,6 @@ def test_kept_fwd_flops_count_every_query_head():
     pairs of a KV head once per query head of its group."""
     from kernels.sparse_attention import select_blocks
 
-    q, k = torch.randn(256, 4, bm.D), torch.randn(256, 1, bm.D)
-    sel = select_blocks(q, k, torch.tensor([0, 256], dtype=torch.int32), kept_fraction=1.0, block_size=bm.B)
-    assert bm.kept_fwd_flops(sel, 4) == 4 * bm.D * 4 * (256 * 257 // 2)
+    q, k = torch.randn(256, 4, common.D), torch.randn(256, 1, common.D)
+    sel = select_blocks(q, k, torch.tensor([0, 256], dtype=torch.int32), kept_fraction=1.0, block_size=common.B)
+    assert common.kept_fwd_flops(sel, 4) == 4 * common.D * 4 * (256 * 257 // 2)

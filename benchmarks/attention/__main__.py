@@ -1,0 +1,3 @@
+from benchmarks.attention.cli import main
+
+main()

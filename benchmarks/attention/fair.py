@@ -1,0 +1,219 @@
+"""``--fair``: the fair comparison on one packed micro-batch, MHA and GQA 32:4.
+
+Flex's blocks are global, ours per document: on documents that do not start at a block boundary, Flex's
+token-level document mask (create_block_mask) makes blocks straddle documents and computes them all, which
+is most of our lead on packed batches. Flex's best constructions are measured beside it: documents aligned to
+the block size with Flex handed exactly our kept blocks (BlockMask.from_kv_blocks, enable_gqa), and the
+unaligned documents each padded to a whole number of blocks (what a Flex user does, a few % more tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import time
+
+import torch
+
+from kernels.sparse_attention import KernelOptions, VarlenBatch, select_blocks, sparse_attention
+from .common import (B, D, compiled_flex, csv_emitter, cu_from_lens, interleaved_ms, kept_fwd_flops, log,
+                     long_tail_lengths, make_qkv, timed_row)
+from .masks import exact_block_mask, flex_block_mask_packed
+
+
+FAIR_HEADS = {"mha": (16, 16), "gqa": (32, 4)}
+FAIR_SPARSITIES = {"mha": (0.0, 0.75, 0.9, 0.95), "gqa": (0.0, 0.5, 0.9)}
+FAIR_FIELDS = ["case", "heads", "T", "ndocs", "padded_T", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms",
+               "fwd_tflops", "fwdbwd_tflops", "error"]
+# (peer, ours) rows of each construction: ours on the batch the construction starts from
+FAIR_PAIRS = (("flex_token_mask", "triton_sparse"), ("flex_padded", "triton_sparse"),
+              ("flex_exact", "triton_sparse_aligned"), ("flex_flash_exact", "triton_sparse_aligned"),
+              ("cudnn_per_document_dense", "triton_sparse"))
+
+
+def fair_lengths(total: int = 65536, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(aligned, unaligned) document lengths of one packed batch: the long-tail lengths rounded up to whole
+    blocks and trimmed, largest first, to ``total`` tokens; and the same documents each shorter by 0..B-1
+    tokens (at least one left), so that padding them back to whole blocks gives the aligned batch."""
+    aligned = [-(-n // B) * B for n in long_tail_lengths(total, seed)]
+    while sum(aligned) > total:
+        aligned[aligned.index(max(aligned))] -= B
+    g = torch.Generator().manual_seed(seed + 1)
+    cut = torch.randint(0, B, (len(aligned),), generator=g).tolist()
+    return aligned, [n - min(c, n - 1) for n, c in zip(aligned, cut)]
+
+
+def padded_positions(lens: list[int], device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """(position of each real token in the padded batch, each padded token's document end in padded
+    coordinates), documents padded to whole blocks."""
+    starts, pos, ends = 0, [], []
+    for n in lens:
+        nb = -(-n // B) * B
+        pos.append(torch.arange(starts, starts + n))
+        ends.append(torch.full((nb,), starts + n))
+        starts += nb
+    return torch.cat(pos).to(device), torch.cat(ends).to(device)
+
+
+def heads_first(*xs):
+    """[T, H, D] -> [1, H, T, D] leaves (what FlexAttention and SDPA take)."""
+    return [x.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for x in xs]
+
+
+def fair_flex_fns(flex, tensors, bm, G: int, kernel_options: dict | None = None):
+    """FlexAttention's (fwd, fwd+bwd) on [1, H, T, D] tensors (q, k, v, do) over a BlockMask, with
+    ``kernel_options`` (a backend, tile sizes) where given."""
+    qb, kb, vb, dob = tensors
+    opts = {"kernel_options": kernel_options} if kernel_options else {}
+    fwd = lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=G > 1, **opts)  # noqa: E731
+    return fwd, lambda: torch.autograd.grad(fwd(), (qb, kb, vb), dob)
+
+
+def sparse_fns(q, k, v, do, docs, sel, options: KernelOptions):
+    """Our (fwd, fwd+bwd) on [T, H, D] leaves over the selection ``sel`` of the documents ``docs``."""
+    fwd = lambda: sparse_attention(q, k, v, docs, selection=sel, options=options)  # noqa: E731
+    return fwd, lambda: torch.autograd.grad(fwd(), (q, k, v), do)
+
+
+def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
+    """[1, H, T_pad, D] copies of q, k, v, dO with each real token at its padded position, zeros between."""
+    out = []
+    for x in (q, k, v, do):
+        p = torch.zeros(T_pad, *x.shape[1:], device=x.device, dtype=x.dtype)
+        p[pos] = x.detach()
+        out.append(p)
+    return [*heads_first(*out[:3]), out[3].transpose(0, 1).unsqueeze(0).contiguous()]
+
+
+def cudnn_per_document_fns(q, k, v, do, lens):
+    """cuDNN SDPA, dense causal, one call per document: (fwd, fwd+bwd); its launches cost host time that
+    do_bench counts wherever the GPU runs short of it. cuDNN refuses a key length of 1 (torch 2.11: "cudnn
+    SDPA does not support key/value sequence length 1"), so a one-token document goes to whichever SDPA
+    backend torch picks for it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    spans = torch.tensor([0, *lens]).cumsum(0).tolist()
+    G = q.shape[1] // k.shape[1]
+
+    def fwd():
+        outs = []
+        for s, e in zip(spans, spans[1:]):
+            qd, kd, vd = [x[s:e].transpose(0, 1)[None] for x in leaves]
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if e - s > 1 else contextlib.nullcontext():
+                o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=G > 1)
+            outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    return fwd, lambda: torch.autograd.grad(fwd(), leaves, do)
+
+
+class Sticky:
+    """An implementation that failed once (e.g. FlexAttention's FLASH backend without its packages) keeps
+    that error for the rest of the run instead of paying for another try at every point."""
+
+    def __init__(self):
+        self.errors = {}
+
+    def fns(self, name: str, make):
+        if name in self.errors:
+            return self.errors[name]
+        try:
+            return make()
+        except Exception as e:  # noqa: BLE001 (recorded in the implementation's rows)
+            self.errors[name] = e
+            return e
+
+
+def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: dict):
+    """Every implementation at one sparsity of one head configuration, timed in turns; their rows."""
+    Hq, Hkv = FAIR_HEADS[heads]
+    G = Hq // Hkv
+    fns, flops, base = {}, {}, {}
+    for name, key in (("triton_sparse", "unaligned"), ("triton_sparse_aligned", "aligned")):
+        q, k, v, do, cu, lens = batch[key]
+        sel = select_blocks(q, k, cu, kept_fraction=1.0 - sp, block_size=B, options=args.options)
+        weight = torch.tensor(lens, device=q.device).float() ** 2
+        base[name] = dict(case="packed64k", heads=f"{Hq}:{Hkv}", T=sum(lens), ndocs=len(lens), sparsity=sp,
+                          kept_fraction=round(float((sel.kept_fraction * weight).sum() / weight.sum()), 4))
+        flops[name] = kept_fwd_flops(sel, Hq)
+        fns[name] = sparse_fns(q, k, v, do, cu, sel, args.options)
+        batch[key + "_sel"] = sel
+    un = batch["unaligned"]
+    if heads == "mha":  # the token-level document mask: the construction of the --bench grid (MHA only)
+        fns["flex_token_mask"] = sticky.fns(f"flex_token_mask_{sp}", lambda: fair_flex_fns(
+            flex, batch["un_heads"], flex_block_mask_packed(batch["unaligned_sel"], Hq, sum(un[5]), B), G))
+    fns["flex_padded"] = sticky.fns(f"flex_padded_{sp}", lambda: fair_flex_fns(
+        flex, batch["padded"], exact_block_mask(batch["unaligned_sel"], Hq, batch["padded_end"]), G))
+    exact = exact_block_mask(batch["aligned_sel"], Hq, batch["aligned_end"])
+    fns["flex_exact"] = fair_flex_fns(flex, batch["al_heads"], exact, G)
+    fns["flex_flash_exact"] = sticky.fns("flash", lambda: probed(fair_flex_fns(flex, batch["al_heads"], exact, G,
+                                                                                {"BACKEND": "FLASH"})))
+    if sp == 0.0:
+        # One cuDNN call per document: through nested (jagged) tensors, torch 2.11's cuDNN path made an illegal
+        # memory access on the H200 on this batch, which poisons the CUDA context for every later timing.
+        fns["cudnn_per_document_dense"] = sticky.fns(f"cudnn_docs_{heads}", lambda: probed(
+            cudnn_per_document_fns(*un[:4], un[5])))
+    for impl, timed in interleaved_ms({n: f for n, f in fns.items() if not isinstance(f, Exception)},
+                                      args.rounds).items():
+        ours = "triton_sparse_aligned" if impl in ("flex_exact", "flex_flash_exact", "triton_sparse_aligned") \
+            else "triton_sparse"
+        row = dict(base[ours], impl=impl, padded_T=batch["padded_T"] if impl == "flex_padded" else "")
+        emit(dict(row, error=repr(timed)[:300]) if isinstance(timed, Exception) else timed_row(row, *timed,
+                                                                                              flops[ours]))
+    for impl, err in fns.items():
+        if isinstance(err, Exception):
+            emit(dict(base["triton_sparse"], impl=impl, error=f"absent: {err!r:.300}"))
+
+
+def probed(fns):
+    """(fwd, fwd+bwd) after one fwd+bwd, so that an implementation that cannot run here fails at once with its
+    own message: FlexAttention's FLASH backend (FlashAttention-4) without flash-attn-4 and nvidia-cutlass-dsl."""
+    fns[1]()
+    return fns
+
+
+def fair_batch(heads: str) -> dict:
+    """The packed batch of one head configuration: aligned and unaligned documents, their tensors, the
+    unaligned ones padded to whole blocks, and the per-token document ends Flex's masks read."""
+    Hq, Hkv = FAIR_HEADS[heads]
+    aligned, unaligned = fair_lengths()
+    batch = {}
+    for key, lens in (("aligned", aligned), ("unaligned", unaligned)):
+        q, k, v = make_qkv(sum(lens), Hq, Hkv, D, torch.bfloat16, seed=len(key))
+        docs = VarlenBatch.from_cu_seqlens(cu_from_lens(lens))  # once per batch, as the runner hands it over
+        batch[key] = (q, k, v, torch.randn_like(q), docs, lens)
+    q, k, v, do = batch["unaligned"][:4]
+    pos, padded_end = padded_positions(unaligned, q.device)
+    batch.update(padded=padded_tensors(pos, padded_end.numel(), q, k, v, do), padded_end=padded_end,
+                 padded_T=padded_end.numel(), aligned_end=padded_positions(aligned, q.device)[1],
+                 un_heads=[*heads_first(q, k, v), do.transpose(0, 1).unsqueeze(0).contiguous()],
+                 al_heads=[*heads_first(*batch["aligned"][:3]),
+                           batch["aligned"][3].transpose(0, 1).unsqueeze(0).contiguous()])
+    return batch
+
+
+def run_fair(args):
+    """The fair grid (see FAIR_HEADS): every head configuration's sparsities, into ``args.csv``. Our kernels
+    compile only what they launch here (no precompile: GPU time of the call, not of a training run)."""
+    import triton
+
+    flex = compiled_flex(args.flex_mode)
+    sticky = Sticky()
+    args = argparse.Namespace(**{**vars(args), "options": dataclasses.replace(args.options, precompile=False)})
+    t_start = time.time()
+    with open(args.csv, "w", newline="") as out:
+        emit = csv_emitter(out, FAIR_FIELDS)
+        log("META", json.dumps(dict(torch=torch.__version__, triton=triton.__version__,
+                                    gpu=torch.cuda.get_device_name(), rounds=args.rounds, flex_mode=args.flex_mode)))
+        for heads in args.fair_heads:
+            batch = fair_batch(heads)
+            for sp in FAIR_SPARSITIES[heads]:
+                if time.time() - t_start > args.deadline_s:
+                    emit(dict(case="packed64k", heads="{}:{}".format(*FAIR_HEADS[heads]), sparsity=sp, impl="all",
+                              error="skipped: --deadline-s reached"))
+                    continue
+                fair_point(args, emit, flex, sticky, heads, sp, batch)
+            del batch
+            torch.cuda.empty_cache()

@@ -1,0 +1,107 @@
+"""``--table``: the markdown results table of a grid CSV or a ``--fair`` CSV (no GPU needed)."""
+from __future__ import annotations
+
+import math
+
+from sim.core import ConfigError
+from .fair import FAIR_PAIRS
+
+
+def case_label(case: str, T: int, ndocs: int) -> str:
+    return f"packed {T // 1024}K ({ndocs} documents)" if case.startswith("packed") else f"single {T // 1024}K"
+
+
+def cell(ms: float, speedup: float) -> str:
+    return "-" if math.isnan(ms) else f"{ms:.2f}" + ("" if math.isnan(speedup) else f" ({speedup:.2f}x)")
+
+
+# the columns each table reads, of a grid CSV and of a --fair CSV (which has ``heads``)
+TABLE_COLUMNS = {"grid": ("case", "T", "ndocs", "sparsity", "impl", "fwd_ms", "fwdbwd_ms", "speedup_vs_flex_fwdbwd",
+                          "error"),
+                 "fair": ("heads", "T", "ndocs", "padded_T", "sparsity", "impl", "fwdbwd_ms", "fwdbwd_tflops", "error")}
+TABLE_INPUT = "allowed: a grid CSV (--bench --csv) or a --fair CSV of python -m benchmarks.attention"
+
+
+def read_results(path: str):
+    """The rows of a grid or --fair CSV; any other file is one ConfigError line naming it."""
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(path, dtype={"error": str})  # an all-empty column would read as float
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--table {path!r}: not a readable CSV ({str(exc).splitlines()[0]}); {TABLE_INPUT}") from None
+    missing = [c for c in TABLE_COLUMNS["fair" if "heads" in df else "grid"] if c not in df]
+    if missing:
+        raise ConfigError(f"--table {path!r}: no column {missing[0]!r}; {TABLE_INPUT}")
+    if df.empty:
+        raise ConfigError(f"--table {path!r}: a header without rows; {TABLE_INPUT}")
+    return df
+
+
+def results_table(path: str) -> str:
+    """Markdown of a grid CSV (of a --fair CSV: :func:`fair_table`): our fwd+bwd ms and FlexAttention's time over ours per case and sparsity (by
+    ``do_bench``, and by CUDA-graph replay where the grid has it), the dense point against cuDNN, and the
+    selection's cost."""
+    df = read_results(path)
+    if "heads" in df:
+        return fair_table(df)
+    ours, cudnn = df[df.impl == "triton_sparse"], df[df.impl == "cudnn_dense"].set_index("T")
+    sparsities = sorted(ours.sparsity.unique())
+    lines = ["| fwd+bwd ms (FlexAttention's time / ours) | " + " | ".join(f"sparsity {s:g}" for s in sparsities)
+             + " | dense: cuDNN's time / ours |", "| --- " * (len(sparsities) + 2) + "|"]
+    timings = (("", "fwdbwd_ms", "speedup_vs_flex_fwdbwd"),
+               (", CUDA graph", "fwdbwd_graph_ms", "speedup_vs_flex_fwdbwd_graph"))
+    for (case, T, ndocs), g in ours.groupby(["case", "T", "ndocs"], sort=False):
+        g = g.set_index("sparsity")
+        for suffix, ms, speedup in timings:
+            if ms not in g or g[ms].isna().all():
+                continue
+            cells = [cell(g[ms].get(s, float("nan")), g[speedup].get(s, float("nan"))) for s in sparsities]
+            dense = (f"{cudnn.loc[T, ms] / g.loc[0.0, ms]:.2f}x" if T in cudnn.index and 0.0 in g.index
+                     and not math.isnan(cudnn.loc[T, ms]) else "-")
+            lines.append(f"| {case_label(case, T, ndocs)}{suffix} | " + " | ".join(cells) + f" | {dense} |")
+    return "\n".join(lines + selection_lines(df)) + "\n"
+
+
+FAIR_COLUMNS = (("flex_token_mask", "Flex, token-level document mask"), ("flex_padded", "Flex, documents padded"),
+                ("flex_exact", "Flex, aligned, exact blocks"), ("flex_flash_exact", "Flex FLASH, aligned, exact blocks"),
+                ("cudnn_per_document_dense", "cuDNN dense, a call per document"))
+
+
+def fair_table(df) -> str:
+    """Markdown of a --fair CSV: per head configuration and sparsity, our fwd+bwd ms and effective TFLOP/s on
+    the unaligned and the aligned batch, and each other implementation's ms with its time over ours (above 1:
+    ours is faster) against ours on the batch it starts from (FAIR_PAIRS); then why any is absent."""
+    ours_of = {theirs: ours for theirs, ours in FAIR_PAIRS}
+    lines = ["| heads | sparsity | ours, unaligned: ms (TFLOP/s) | ours, aligned: ms (TFLOP/s) | "
+             + " | ".join(title for _, title in FAIR_COLUMNS) + " |", "| --- " * (4 + len(FAIR_COLUMNS)) + "|"]
+    timed = df[df.fwdbwd_ms.notna()]
+    for (heads, sp), g in timed.groupby(["heads", "sparsity"], sort=False):
+        g = g.set_index("impl")
+
+        def ours(impl):
+            return f"{g.fwdbwd_ms[impl]:.2f} ({g.fwdbwd_tflops[impl]:.0f})" if impl in g.index else "-"
+
+        cells = [f"{g.fwdbwd_ms[i]:.2f} ({g.fwdbwd_ms[i] / g.fwdbwd_ms[ours_of[i]]:.2f}x)"
+                 if i in g.index and ours_of[i] in g.index else "-" for i, _ in FAIR_COLUMNS]
+        lines.append(f"| {heads} | {sp:g} | {ours('triton_sparse')} | {ours('triton_sparse_aligned')} | "
+                     + " | ".join(cells) + " |")
+    absent = df[df.error.fillna("").str.startswith("absent")].drop_duplicates("impl")
+    notes = [f"* {dict(FAIR_COLUMNS).get(r.impl, r.impl)}: {r.error}" for r in absent.itertuples()]
+    padded = df[df.impl == "flex_padded"].dropna(subset=["padded_T"]).head(1)
+    notes += [f"* padded batch: {int(r.padded_T)} tokens for {int(r.T)} ({r.padded_T / r.T - 1:.1%} more), "
+              f"{int(r.ndocs)} documents" for r in padded.itertuples()]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def selection_lines(df) -> list[str]:
+    """One line per selection mode: its time and its share of fwd+bwd over the grid's selection rows."""
+    sel = df[df.case.str.startswith("selection")]
+    out = []
+    for impl, g in sel.groupby("impl", sort=False):
+        share = g.error.str.extract(r"select/attn_fwdbwd=([0-9.]+)", expand=False).astype(float) * 100
+        T = int(g["T"].iloc[0])
+        out.append(f"* selection ({impl[len('select['):-1]}) at {T // 1024}K tokens: {g.fwd_ms.min():.2f}-"
+                   f"{g.fwd_ms.max():.2f} ms, {share.min():.1f}-{share.max():.1f}% of the fwd+bwd over it "
+                   f"({len(g)} samples)")
+    return [""] + out if out else []
