@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from kernels.sparse_attention import KernelOptions
+from kernels.sparse_attention import KernelOptions, sparse_attention
 
 
 H, D, B = 16, 128, 128  # the grid's heads, head dim and block size (tuning and --config apply to (B, D))
@@ -139,3 +139,25 @@ def compiled_flex(mode: str):
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False, **FLEX_COMPILES[mode])
+
+
+def heads_first(*xs, leaves: bool = True) -> list:
+    """Contiguous [1, H, T, D] copies of [T, H, D] tensors (what FlexAttention and SDPA take): leaves that
+    require grad (the inputs), or with ``leaves=False`` plain copies (dO)."""
+    out = [x.detach().transpose(0, 1).unsqueeze(0).contiguous() for x in xs]
+    return [x.requires_grad_() for x in out] if leaves else out
+
+
+def flex_pair(flex, tensors, bm, G: int, kernel_options: dict | None = None):
+    """FlexAttention's (fwd, fwd+bwd) on [1, H, T, D] tensors (q, k, v, do) over a BlockMask, with
+    ``kernel_options`` (a backend, tile sizes) where given."""
+    qb, kb, vb, dob = tensors
+    opts = {"kernel_options": kernel_options} if kernel_options else {}
+    fwd = lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=G > 1, **opts)  # noqa: E731
+    return fwd, lambda: torch.autograd.grad(fwd(), (qb, kb, vb), dob)
+
+
+def sparse_pair(q, k, v, do, docs, sel, options: KernelOptions):
+    """Our (fwd, fwd+bwd) on [T, H, D] leaves over the selection ``sel`` of the documents ``docs``."""
+    fwd = lambda: sparse_attention(q, k, v, docs, selection=sel, options=options)  # noqa: E731
+    return fwd, lambda: torch.autograd.grad(fwd(), (q, k, v), do)

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from kernels.sparse_attention import KernelOptions, VarlenBatch, select_blocks, sparse_attention
-from .common import (B, D, compiled_flex, csv_emitter, cu_from_lens, interleaved_ms, kept_fwd_flops, log,
-                     long_tail_lengths, make_qkv, timed_row)
+from kernels.sparse_attention import VarlenBatch, select_blocks
+from .common import (B, D, compiled_flex, csv_emitter, cu_from_lens, flex_pair, heads_first, interleaved_ms,
+                     kept_fwd_flops, log, long_tail_lengths, make_qkv, sparse_pair, timed_row)
 from .masks import exact_block_mask, flex_block_mask_packed
 
 
@@ -56,26 +56,6 @@ def padded_positions(lens: list[int], device="cuda") -> tuple[torch.Tensor, torc
     return torch.cat(pos).to(device), torch.cat(ends).to(device)
 
 
-def heads_first(*xs):
-    """[T, H, D] -> [1, H, T, D] leaves (what FlexAttention and SDPA take)."""
-    return [x.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for x in xs]
-
-
-def fair_flex_fns(flex, tensors, bm, G: int, kernel_options: dict | None = None):
-    """FlexAttention's (fwd, fwd+bwd) on [1, H, T, D] tensors (q, k, v, do) over a BlockMask, with
-    ``kernel_options`` (a backend, tile sizes) where given."""
-    qb, kb, vb, dob = tensors
-    opts = {"kernel_options": kernel_options} if kernel_options else {}
-    fwd = lambda: flex(qb, kb, vb, block_mask=bm, enable_gqa=G > 1, **opts)  # noqa: E731
-    return fwd, lambda: torch.autograd.grad(fwd(), (qb, kb, vb), dob)
-
-
-def sparse_fns(q, k, v, do, docs, sel, options: KernelOptions):
-    """Our (fwd, fwd+bwd) on [T, H, D] leaves over the selection ``sel`` of the documents ``docs``."""
-    fwd = lambda: sparse_attention(q, k, v, docs, selection=sel, options=options)  # noqa: E731
-    return fwd, lambda: torch.autograd.grad(fwd(), (q, k, v), do)
-
-
 def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
     """[1, H, T_pad, D] copies of q, k, v, dO with each real token at its padded position, zeros between."""
     out = []
@@ -83,7 +63,7 @@ def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
         p = torch.zeros(T_pad, *x.shape[1:], device=x.device, dtype=x.dtype)
         p[pos] = x.detach()
         out.append(p)
-    return [*heads_first(*out[:3]), out[3].transpose(0, 1).unsqueeze(0).contiguous()]
+    return [*heads_first(*out[:3]), *heads_first(out[3], leaves=False)]
 
 
 def cudnn_per_document_fns(q, k, v, do, lens):
@@ -138,17 +118,17 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
         base[name] = dict(case="packed64k", heads=f"{Hq}:{Hkv}", T=sum(lens), ndocs=len(lens), sparsity=sp,
                           kept_fraction=round(float((sel.kept_fraction * weight).sum() / weight.sum()), 4))
         flops[name] = kept_fwd_flops(sel, Hq)
-        fns[name] = sparse_fns(q, k, v, do, cu, sel, args.options)
+        fns[name] = sparse_pair(q, k, v, do, cu, sel, args.options)
         batch[key + "_sel"] = sel
     un = batch["unaligned"]
     if heads == "mha":  # the token-level document mask: the construction of the --bench grid (MHA only)
-        fns["flex_token_mask"] = sticky.fns(f"flex_token_mask_{sp}", lambda: fair_flex_fns(
+        fns["flex_token_mask"] = sticky.fns(f"flex_token_mask_{sp}", lambda: flex_pair(
             flex, batch["un_heads"], flex_block_mask_packed(batch["unaligned_sel"], Hq, sum(un[5]), B), G))
-    fns["flex_padded"] = sticky.fns(f"flex_padded_{sp}", lambda: fair_flex_fns(
+    fns["flex_padded"] = sticky.fns(f"flex_padded_{sp}", lambda: flex_pair(
         flex, batch["padded"], exact_block_mask(batch["unaligned_sel"], Hq, batch["padded_end"]), G))
     exact = exact_block_mask(batch["aligned_sel"], Hq, batch["aligned_end"])
-    fns["flex_exact"] = fair_flex_fns(flex, batch["al_heads"], exact, G)
-    fns["flex_flash_exact"] = sticky.fns("flash", lambda: probed(fair_flex_fns(flex, batch["al_heads"], exact, G,
+    fns["flex_exact"] = flex_pair(flex, batch["al_heads"], exact, G)
+    fns["flex_flash_exact"] = sticky.fns("flash", lambda: probed(flex_pair(flex, batch["al_heads"], exact, G,
                                                                                 {"BACKEND": "FLASH"})))
     if sp == 0.0:
         # One cuDNN call per document: through nested (jagged) tensors, torch 2.11's cuDNN path made an illegal
@@ -188,9 +168,8 @@ def fair_batch(heads: str) -> dict:
     pos, padded_end = padded_positions(unaligned, q.device)
     batch.update(padded=padded_tensors(pos, padded_end.numel(), q, k, v, do), padded_end=padded_end,
                  padded_T=padded_end.numel(), aligned_end=padded_positions(aligned, q.device)[1],
-                 un_heads=[*heads_first(q, k, v), do.transpose(0, 1).unsqueeze(0).contiguous()],
-                 al_heads=[*heads_first(*batch["aligned"][:3]),
-                           batch["aligned"][3].transpose(0, 1).unsqueeze(0).contiguous()])
+                 un_heads=[*heads_first(q, k, v), *heads_first(do, leaves=False)],
+                 al_heads=[*heads_first(*batch["aligned"][:3]), *heads_first(batch["aligned"][3], leaves=False)])
     return batch
 
 

@@ -9,8 +9,8 @@ import json
 import torch
 
 from kernels.sparse_attention import select_blocks
-from .common import B, FLEX_MODES, compiled_flex, interleaved_ms, log
-from .fair import FAIR_HEADS, fair_batch, fair_flex_fns, sparse_fns
+from .common import B, FLEX_MODES, compiled_flex, flex_pair, interleaved_ms, log, sparse_pair
+from .fair import FAIR_HEADS, fair_batch
 from .masks import exact_block_mask
 
 
@@ -23,8 +23,8 @@ FLEX_KERNEL_OPTIONS = {"bm64_bn64": dict(BLOCK_M=64, BLOCK_N=64), "w4_s3": dict(
 
 def flex_variant_fns(compiled: dict, batch: dict, bm, G: int) -> dict:
     """{name: (fwd, fwd+bwd)} of Flex in every compile mode of ``compiled`` and every FLEX_KERNEL_OPTIONS."""
-    fns = {f"flex_{mode}": fair_flex_fns(flex, batch["al_heads"], bm, G) for mode, flex in compiled.items()}
-    fns.update({f"flex_default_{name}": fair_flex_fns(compiled["default"], batch["al_heads"], bm, G, options)
+    fns = {f"flex_{mode}": flex_pair(flex, batch["al_heads"], bm, G) for mode, flex in compiled.items()}
+    fns.update({f"flex_default_{name}": flex_pair(compiled["default"], batch["al_heads"], bm, G, options)
                 for name, options in FLEX_KERNEL_OPTIONS.items()})
     return fns
 
@@ -42,7 +42,7 @@ def flex_variants(args):
         q, k, v, do, docs, _ = batch["aligned"]
         for sp in sparsities:
             sel = select_blocks(q, k, docs, kept_fraction=1.0 - sp, block_size=B, options=options)
-            fns = {"ours": sparse_fns(q, k, v, do, docs, sel, options)}
+            fns = {"ours": sparse_pair(q, k, v, do, docs, sel, options)}
             fns.update(flex_variant_fns(compiled, batch, exact_block_mask(sel, Hq, batch["aligned_end"]), Hq // Hkv))
             timed = interleaved_ms(fns, args.rounds)
             ms = {n: round(t[1], 4) if isinstance(t, tuple) else f"error: {t!r:.200}" for n, t in timed.items()}

@@ -9,8 +9,8 @@ import traceback
 import torch
 
 from kernels.sparse_attention import KernelOptions, select_blocks, sparse_attention
-from .common import (B, D, H, bench, compiled_flex, csv_emitter, cu_from_lens, graph_times, interleaved_ms, log,
-                     long_tail_lengths, make_qkv, timed_row)
+from .common import (B, D, H, bench, compiled_flex, csv_emitter, cu_from_lens, flex_pair, graph_times, heads_first,
+                     interleaved_ms, log, long_tail_lengths, make_qkv, sparse_pair, timed_row)
 from .masks import flex_block_mask_packed, flex_block_mask_single
 
 
@@ -92,23 +92,21 @@ def bench_case(args, emit, flex, case: str, lens: list, t_start: float):
     log(f"== {case} T={T} ndocs={len(lens)} max_doc={max(lens)}")
     q, k, v = make_qkv(T, H, H, D, torch.bfloat16)
     do = torch.randn_like(q)
-    # FlexAttention and cuDNN take [1, H, T, D]
-    heads_first = [x.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for x in (q, k, v)]
-    dob = do.transpose(0, 1).unsqueeze(0).contiguous()
+    heads = [*heads_first(q, k, v), *heads_first(do, leaves=False)]  # FlexAttention and cuDNN take these
     if case == "single":
-        emit(cudnn_row(args, case, lens, heads_first, dob))
+        emit(cudnn_row(args, case, lens, heads))
     for sp in args.sparsities:
         if time.time() - t_start > args.deadline_s:
             emit(dict(case=case, T=T, ndocs=len(lens), sparsity=sp, impl="all", error="skipped: --deadline-s reached"))
             continue
-        bench_point(args, emit, flex, case, lens, sp, (q, k, v, do), (*heads_first, dob))
+        bench_point(args, emit, flex, case, lens, sp, (q, k, v, do), heads)
 
 
-def cudnn_row(args, case: str, lens: list, heads_first: list, dob) -> dict:
+def cudnn_row(args, case: str, lens: list, heads: list) -> dict:
     """cuDNN dense causal attention on one sequence (the dense reference)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    qb, kb, vb = heads_first
+    qb, kb, vb, dob = heads
     T = sum(lens)
     try:
         def cudnn_fwd():
@@ -127,11 +125,10 @@ def cudnn_row(args, case: str, lens: list, heads_first: list, dob) -> dict:
         return dict(case=case, T=T, ndocs=len(lens), impl="cudnn_dense", error=repr(e)[:300])
 
 
-def flex_fns(args, emit, flex, case: str, sel, base: dict, heads_first) -> tuple | None:
+def flex_fns(args, emit, flex, case: str, sel, base: dict, heads) -> tuple | None:
     """FlexAttention's (fwd, fwd+bwd) over the selection's BlockMask, and a note of the mask's build time;
     None where it is skipped (dense single sequences above --flex-dense-max) or the mask fails (its row
     emitted)."""
-    qb, kb, vb, dob = heads_first
     T = base["T"]
     if case == "single" and base["sparsity"] == 0.0 and T > args.flex_dense_max:
         emit(dict(base, impl="flex", error=f"skipped: dense flex at T={T} > --flex-dense-max"))
@@ -141,15 +138,14 @@ def flex_fns(args, emit, flex, case: str, sel, base: dict, heads_first) -> tuple
         bm = (flex_block_mask_single(sel, H, T, B) if case == "single"
               else flex_block_mask_packed(sel, H, T, B))
         note = f"block_mask_build_s={time.time() - t0:.2f}"
-        ffwd = lambda: flex(qb, kb, vb, block_mask=bm)  # noqa: E731
-        return (ffwd, lambda: torch.autograd.grad(ffwd(), (qb, kb, vb), dob)), note
+        return flex_pair(flex, heads, bm, 1), note
     except Exception as e:  # noqa: BLE001
         emit(dict(base, impl="flex", error=repr(e)[:300]))
         traceback.print_exc()
         return None
 
 
-def bench_point(args, emit, flex, case: str, lens: list, sp: float, tensors, heads_first):
+def bench_point(args, emit, flex, case: str, lens: list, sp: float, tensors, heads):
     """Our kernel and FlexAttention at one sparsity of one case, timed in turns; their rows."""
     q, k, v, do = tensors
     T = sum(lens)
@@ -163,9 +159,9 @@ def bench_point(args, emit, flex, case: str, lens: list, sp: float, tensors, hea
         emit(dict(case=case, T=T, ndocs=len(lens), sparsity=sp, impl="select", error=repr(e)[:300]))
         return
     base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp, kept_fraction=round(kept, 4))
-    fwd = lambda: sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=args.options)  # noqa: E731
-    fns = {"triton_sparse": (fwd, lambda: torch.autograd.grad(fwd(), (q, k, v), do))}
-    flex_timed = flex_fns(args, emit, flex, case, sel, base, heads_first)
+    fns = {"triton_sparse": sparse_pair(q, k, v, do, cu, sel, args.options)}
+    fwd = fns["triton_sparse"][0]
+    flex_timed = flex_fns(args, emit, flex, case, sel, base, heads)
     if flex_timed is not None:
         fns["flex"], note = flex_timed
     rows = {}

@@ -6,10 +6,10 @@ import json
 
 import torch
 
-from kernels.sparse_attention import KernelOptions, backward, forward, select_blocks, sparse_attention
+from kernels.sparse_attention import KernelOptions, backward, forward, select_blocks
 from .check import CHECK_LENS, against_reference
 from .common import (B, D, H, TORCH_SELECTION, bench, csv_emitter, cu_from_lens, log, long_tail_lengths, make_qkv,
-                     timed_row)
+                     sparse_pair, timed_row)
 from .grid import GRID_FIELDS
 
 
@@ -69,9 +69,9 @@ def quick_case_rows(options: KernelOptions, case: str, lens: list, sparsities):
             select_opts = TORCH_SELECTION if mode == "torch_select" else KernelOptions()
             s_ms = bench(lambda: select_blocks(q, k, cu, kept_fraction=1 - sp, block_size=B, options=select_opts))
             sel = select_blocks(q, k, cu, kept_fraction=1 - sp, block_size=B)
-            fwd = lambda: sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=options)  # noqa: E731
+            fwd, fwdbwd = sparse_pair(q, k, v, do, cu, sel, options)
             f_ms = bench(fwd)
-            fb_ms = bench(lambda: torch.autograd.grad(fwd(), (q, k, v), do))
+            fb_ms = bench(fwdbwd)
             base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp,
                         kept_fraction=round(float((sel.kept_fraction * lw).sum() / lw.sum()), 4), impl="triton_sparse")
             yield dict(timed_row(base, f_ms, fb_ms, 4 * D * sel.kept_block_pairs_tokens()),

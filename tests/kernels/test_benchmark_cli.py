@@ -101,7 +101,8 @@ def test_flex_variants_cover_every_mode_and_tile_option():
         seen.clear()
         grads = fwdbwd()
         mode = "default" if name.startswith("flex_default") else name[len("flex_"):]
-        options = flex_variants.FLEX_KERNEL_OPTIONS.get(name[len("flex_default_"):]) if name != "flex_default" else None
+        tiles = flex_variants.FLEX_KERNEL_OPTIONS
+        options = tiles.get(name[len("flex_default_"):]) if name != "flex_default" else None
         assert seen == [(mode, "mask", True, options)]
         assert len(grads) == 3 and all(g.shape == (1, 2, 4, 3) for g in grads)
 
@@ -304,7 +305,7 @@ def test_floor_fields_of_a_kernels_row():
     """Each kernel's floor at the copy bandwidth, the summed times and floors, and the effective fwd+bwd
     TFLOP/s (3.5x the forward FLOPs) of each."""
     fields = breakdown.floor_fields({"fwd": 1.0, "dq": 2.0, "dkdv": 3.0}, {"fwd": 2e9, "dq": 3e9, "dkdv": 5e9},
-                             bytes_per_ms=4e9, fwd_flops=1e12)
+                                    bytes_per_ms=4e9, fwd_flops=1e12)
     assert fields == {"fwd_floor_ms": 0.5, "dq_floor_ms": 0.75, "dkdv_floor_ms": 1.25, "sum_ms": 6.0,
                       "floor_sum_ms": 2.5, "tflops": round(3500 / 6.0, 1), "floor_tflops": 1400.0}
 
