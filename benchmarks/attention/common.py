@@ -141,11 +141,18 @@ def compiled_flex(mode: str):
     return torch.compile(flex_attention, dynamic=False, **FLEX_COMPILES[mode])
 
 
-def heads_first(*xs, leaves: bool = True) -> list:
-    """Contiguous [1, H, T, D] copies of [T, H, D] tensors (what FlexAttention and SDPA take): leaves that
-    require grad (the inputs), or with ``leaves=False`` plain copies (dO)."""
-    out = [x.detach().transpose(0, 1).unsqueeze(0).contiguous() for x in xs]
-    return [x.requires_grad_() for x in out] if leaves else out
+def heads_first(q, k, v, do) -> list:
+    """Contiguous [1, H, T, D] copies of [T, H, D] q, k, v, dO (what FlexAttention and SDPA take): q, k, v as
+    leaves that require grad, dO a plain copy."""
+    out = [x.detach().transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v, do)]
+    return [x.requires_grad_() for x in out[:3]] + out[3:]
+
+
+def weighted_kept_fraction(sel, lens) -> float:
+    """The selection's kept fraction over its documents ``lens``, each weighted by its length squared (its
+    causal pairs, roughly), to 4 places: one number per grid point however the documents keep."""
+    weight = torch.tensor(lens, device=sel.kept_fraction.device).float() ** 2
+    return round(float((sel.kept_fraction * weight).sum() / weight.sum()), 4)
 
 
 def flex_pair(flex, tensors, bm, G: int, kernel_options: dict | None = None):

@@ -18,7 +18,7 @@ import torch
 
 from kernels.sparse_attention import VarlenBatch, select_blocks
 from .common import (B, D, compiled_flex, csv_emitter, cu_from_lens, flex_pair, heads_first, interleaved_ms,
-                     kept_fwd_flops, log, long_tail_lengths, make_qkv, sparse_pair, timed_row)
+                     kept_fwd_flops, log, long_tail_lengths, make_qkv, sparse_pair, timed_row, weighted_kept_fraction)
 from .masks import exact_block_mask, flex_block_mask_packed
 
 
@@ -63,7 +63,7 @@ def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
         p = torch.zeros(T_pad, *x.shape[1:], device=x.device, dtype=x.dtype)
         p[pos] = x.detach()
         out.append(p)
-    return [*heads_first(*out[:3]), *heads_first(out[3], leaves=False)]
+    return heads_first(*out)
 
 
 def cudnn_per_document_fns(q, k, v, do, lens):
@@ -114,9 +114,8 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
     for name, key in (("triton_sparse", "unaligned"), ("triton_sparse_aligned", "aligned")):
         q, k, v, do, cu, lens = batch[key]
         sel = select_blocks(q, k, cu, kept_fraction=1.0 - sp, block_size=B, options=args.options)
-        weight = torch.tensor(lens, device=q.device).float() ** 2
         base[name] = dict(case="packed64k", heads=f"{Hq}:{Hkv}", T=sum(lens), ndocs=len(lens), sparsity=sp,
-                          kept_fraction=round(float((sel.kept_fraction * weight).sum() / weight.sum()), 4))
+                          kept_fraction=weighted_kept_fraction(sel, lens))
         flops[name] = kept_fwd_flops(sel, Hq)
         fns[name] = sparse_pair(q, k, v, do, cu, sel, args.options)
         batch[key + "_sel"] = sel
@@ -168,8 +167,7 @@ def fair_batch(heads: str) -> dict:
     pos, padded_end = padded_positions(unaligned, q.device)
     batch.update(padded=padded_tensors(pos, padded_end.numel(), q, k, v, do), padded_end=padded_end,
                  padded_T=padded_end.numel(), aligned_end=padded_positions(aligned, q.device)[1],
-                 un_heads=[*heads_first(q, k, v), *heads_first(do, leaves=False)],
-                 al_heads=[*heads_first(*batch["aligned"][:3]), *heads_first(batch["aligned"][3], leaves=False)])
+                 un_heads=heads_first(q, k, v, do), al_heads=heads_first(*batch["aligned"][:4]))
     return batch
 
 

@@ -10,7 +10,8 @@ import torch
 
 from kernels.sparse_attention import KernelOptions, select_blocks, sparse_attention
 from .common import (B, D, H, bench, compiled_flex, csv_emitter, cu_from_lens, flex_pair, graph_times, heads_first,
-                     interleaved_ms, log, long_tail_lengths, make_qkv, sparse_pair, timed_row)
+                     interleaved_ms, kept_fwd_flops, log, long_tail_lengths, make_qkv, sparse_pair, timed_row,
+                     weighted_kept_fraction)
 from .masks import flex_block_mask_packed, flex_block_mask_single
 
 
@@ -92,7 +93,7 @@ def bench_case(args, emit, flex, case: str, lens: list, t_start: float):
     log(f"== {case} T={T} ndocs={len(lens)} max_doc={max(lens)}")
     q, k, v = make_qkv(T, H, H, D, torch.bfloat16)
     do = torch.randn_like(q)
-    heads = [*heads_first(q, k, v), *heads_first(do, leaves=False)]  # FlexAttention and cuDNN take these
+    heads = heads_first(q, k, v, do)  # FlexAttention and cuDNN take these
     if case == "single":
         emit(cudnn_row(args, case, lens, heads))
     for sp in args.sparsities:
@@ -152,13 +153,12 @@ def bench_point(args, emit, flex, case: str, lens: list, sp: float, tensors, hea
     cu = cu_from_lens(lens)
     try:
         sel = select_blocks(q, k, cu, kept_fraction=1.0 - sp, block_size=B)
-        flops = 4 * D * sel.kept_block_pairs_tokens()  # pairs over KV heads == H here
-        weight = torch.tensor(lens, device="cuda").float() ** 2
-        kept = float((sel.kept_fraction * weight).sum() / weight.sum())
+        flops = kept_fwd_flops(sel, H)
+        kept = weighted_kept_fraction(sel, lens)
     except Exception as e:  # noqa: BLE001
         emit(dict(case=case, T=T, ndocs=len(lens), sparsity=sp, impl="select", error=repr(e)[:300]))
         return
-    base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp, kept_fraction=round(kept, 4))
+    base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp, kept_fraction=kept)
     fns = {"triton_sparse": sparse_pair(q, k, v, do, cu, sel, args.options)}
     fwd = fns["triton_sparse"][0]
     flex_timed = flex_fns(args, emit, flex, case, sel, base, heads)

@@ -15,24 +15,29 @@ def _dense_to_ordered(dense):
     return num, idx
 
 
-def flex_block_mask_single(sel, H, L, B):
-    """BlockMask for one sequence (blocks aligned with Flex's): diagonal = partial (causal mask_mod),
-    other kept blocks = full."""
+def _diagonal_partial(dense, mask_mod, T: int, block: int):
+    """BlockMask of the kept blocks ``dense`` [1, H, NB, NB] over T tokens: the diagonal blocks partial
+    (``mask_mod`` is evaluated there), every other kept block full."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    dense = sel.to_dense_mask()[None]  # [1, H, NB, NB]
-    assert dense.shape[1] == H
     eye = torch.eye(dense.shape[-1], dtype=torch.bool, device=dense.device)
     part_num, part_idx = _dense_to_ordered(dense & eye)
     full_num, full_idx = _dense_to_ordered(dense & ~eye)
+    return BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(T, T))
 
+
+def flex_block_mask_single(sel, H, L, B):
+    """BlockMask for one sequence (blocks aligned with Flex's): diagonal = partial (causal mask_mod),
+    other kept blocks = full."""
+    dense = sel.to_dense_mask()[None]  # [1, H, NB, NB]
+    assert dense.shape[1] == H
     sel_dense = dense[0]
 
     def mask_mod(b, h, q_idx, kv_idx):  # only evaluated on partial (diagonal) blocks by the fused kernel
         return (q_idx >= kv_idx) & sel_dense[h, q_idx // B, kv_idx // B]
 
-    return BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=B, mask_mod=mask_mod,
-                                    seq_lengths=(L, L))
+    return _diagonal_partial(dense, mask_mod, L, B)
 
 
 def flex_block_mask_packed(sel, H, T, B):
@@ -55,16 +60,9 @@ def exact_block_mask(sel, Hq: int, kv_end: torch.Tensor):
     """BlockMask over a batch whose documents are whole blocks (aligned or padded) from our selection's kept
     blocks, per query head (each KV head's blocks for its group): kept blocks below the diagonal full, the
     diagonal partial, masked causally and past each document's real end ``kv_end`` (per token)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     dense = sel.to_dense_mask().repeat_interleave(Hq // sel.num_kv_heads, dim=0)[None]  # [1, Hq, NB, NB]
-    eye = torch.eye(dense.shape[-1], dtype=torch.bool, device=dense.device)
-    part_num, part_idx = _dense_to_ordered(dense & eye)
-    full_num, full_idx = _dense_to_ordered(dense & ~eye)
 
     def mask_mod(b, h, q_idx, kv_idx):  # evaluated on the diagonal blocks only
         return (q_idx >= kv_idx) & (kv_idx < kv_end[q_idx])
 
-    T = kv_end.numel()
-    return BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=B, mask_mod=mask_mod,
-                                    seq_lengths=(T, T))
+    return _diagonal_partial(dense, mask_mod, kv_end.numel(), B)

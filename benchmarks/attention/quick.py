@@ -8,8 +8,8 @@ import torch
 
 from kernels.sparse_attention import KernelOptions, backward, forward, select_blocks
 from .check import CHECK_LENS, against_reference
-from .common import (B, D, H, TORCH_SELECTION, bench, csv_emitter, cu_from_lens, log, long_tail_lengths, make_qkv,
-                     sparse_pair, timed_row)
+from .common import (B, D, H, TORCH_SELECTION, bench, csv_emitter, cu_from_lens, kept_fwd_flops, log,
+                     long_tail_lengths, make_qkv, sparse_pair, timed_row, weighted_kept_fraction)
 from .grid import GRID_FIELDS
 
 
@@ -63,7 +63,6 @@ def quick_case_rows(options: KernelOptions, case: str, lens: list, sparsities):
     cu = cu_from_lens(lens)
     q, k, v = make_qkv(T, H, H, D, torch.bfloat16)
     do = torch.randn_like(q)
-    lw = torch.tensor(lens, device="cuda", dtype=torch.float32) ** 2  # same weighting as the full grid
     for sp in sparsities:
         for mode in ("kept_fraction", "torch_select") if (T == 32768 and sp == 0.9) else ("kept_fraction",):
             select_opts = TORCH_SELECTION if mode == "torch_select" else KernelOptions()
@@ -72,9 +71,9 @@ def quick_case_rows(options: KernelOptions, case: str, lens: list, sparsities):
             fwd, fwdbwd = sparse_pair(q, k, v, do, cu, sel, options)
             f_ms = bench(fwd)
             fb_ms = bench(fwdbwd)
-            base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp,
-                        kept_fraction=round(float((sel.kept_fraction * lw).sum() / lw.sum()), 4), impl="triton_sparse")
-            yield dict(timed_row(base, f_ms, fb_ms, 4 * D * sel.kept_block_pairs_tokens()),
+            base = dict(case=case, T=T, ndocs=len(lens), sparsity=sp, kept_fraction=weighted_kept_fraction(sel, lens),
+                        impl="triton_sparse")
+            yield dict(timed_row(base, f_ms, fb_ms, kept_fwd_flops(sel, H)),
                        error=f"select_ms[{'torch' if mode == 'torch_select' else 'triton'}]={s_ms:.3f} "
                              f"select/fwdbwd={s_ms / fb_ms:.3f}")
 

@@ -277,6 +277,23 @@ def test_fair_flex_constructions_attend_exactly_our_kept_blocks(gqa):
         torch.testing.assert_close(o, ref, atol=1e-5, rtol=0)
 
 
+def test_grid_points_weight_kept_fractions_by_length_squared():
+    """One kept fraction per grid point: each document's weighted by its length squared, to 4 places."""
+    from types import SimpleNamespace
+
+    sel = SimpleNamespace(kept_fraction=torch.tensor([0.5, 1.0, 0.2]))
+    assert common.weighted_kept_fraction(sel, [1, 3, 0]) == 0.95
+    assert common.weighted_kept_fraction(SimpleNamespace(kept_fraction=torch.tensor([1 / 3])), [7]) == 0.3333
+
+
+def test_heads_first_gives_leaves_for_qkv_and_a_plain_copy_of_do():
+    q, k, v, do = [torch.randn(5, h, 3) for h in (4, 2, 2, 4)]
+    out = common.heads_first(q, k, v, do)
+    assert [tuple(x.shape) for x in out] == [(1, 4, 5, 3), (1, 2, 5, 3), (1, 2, 5, 3), (1, 4, 5, 3)]
+    assert [x.requires_grad for x in out] == [True, True, True, False]
+    assert all(x.is_contiguous() and torch.equal(x[0].transpose(0, 1), y) for x, y in zip(out, (q, k, v, do)))
+
+
 def test_fair_lengths_pad_back_to_the_aligned_batch():
     aligned, unaligned = fair.fair_lengths()
     assert sum(aligned) == 65536 and all(n % common.B == 0 for n in aligned)
