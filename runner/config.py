@@ -3,7 +3,7 @@
 
 The runner's own numeric keys carry their ranges like the shared groups' (``sim.config.bounded``), so
 that ``sim.config.validate`` on the composed config checks them too; the checks between the task and the
-model or workload are ``TrainConfig.check``'s. The task's node is ``runner.data.TaskConfig``, the record
+model or workload are ``TrainConfig.check``'s. The task's node is ``runner.task.TaskConfig``, the record
 data generation reads."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
-from runner.data import TaskConfig
+from runner.task import TaskConfig
 from sim.config import FRACTION, NON_NEGATIVE, POSITIVE, Bound, RunConfig, bounded
 
 # Process-group and collective timeouts become timedeltas and C++ milliseconds: a week is far beyond any

@@ -34,7 +34,8 @@ from scipy.stats import binomtest
 
 from runner import checkpoint
 from runner.attention import BACKENDS, make_attention
-from runner.data import TaskConfig, pack
+from runner.data import pack
+from runner.task import TaskConfig
 from runner.model import ModelShape, TinyLlama
 from sim.config import ModelConfig, validate
 from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, number_list, one_line_errors

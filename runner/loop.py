@@ -47,12 +47,13 @@ from runner.attention import BACKENDS, make_attention
 from runner.config import LRSchedule
 from runner.cp import make_cp_attention, shard_micro_batch
 from runner.cp_kernel import make_cp_kernel_attention
-from runner.data import TaskConfig, n_answers, pack, placeholder
+from runner.data import n_answers, pack, placeholder
 from runner.dist import Comm
 from runner.model import ModelShape, StageSpan, TinyLlama
 from runner.parallel import Replicated, merge_states
 from runner.pipeline import Clock, Outcome, StageDriver, Work, most
 from runner.records import SequenceRecord, TrainRecord
+from runner.task import TaskConfig
 from sim.cluster import Cluster
 from sim.core import ConfigError
 from sim.cost import training_flops

@@ -56,8 +56,9 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.sparse_attention import sparse_attention
 from runner.attention import BACKENDS
-from runner.data import MicroBatch, TaskConfig, pack
+from runner.data import MicroBatch, pack
 from runner.model import Block, packed_positions, rope_angles
+from runner.task import TaskConfig
 from runner.train import check_attention, device_type
 from sim.cluster import Layout
 from sim.compare import BASELINES, hydra_overrides, label, names, policy_variant

@@ -2,7 +2,7 @@
 [--kept 0.1,0.25,0.5] --sequences N --out raw.csv``: how much attention coverage a trained model keeps at each
 budget, per sequence and layer, on held-out sequences of the task it was trained on.
 
-The sequences are the checkpoint's task (``runner.data.make_example`` with its ``runner.task``, vocabulary and
+The sequences are the checkpoint's task (``runner.task.make_example`` with its ``runner.task``, vocabulary and
 seed), ``N`` per length, numbered from ``HELD_OUT`` on, beyond every id a training run draws, and given the
 sensitivities the run's workload draws for their lengths (the task's generator takes one). Each sequence is
 forwarded without gradients once per mode, its copies packed side by side, one per budget (varlen attention
@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from kernels.sparse_attention import BLOCK_SIZES
 from runner import checkpoint
 from runner.attention import BACKENDS, make_attention
-from runner.data import TaskConfig, make_example
+from runner.task import TaskConfig, make_example
 from runner.evaluate import pick_device
 from runner.loop import make_model
 from runner.model import TinyLlama

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from pinned import PINNED_PROFILE
 from runner.attention import make_attention
 from runner.config import register
-from runner.data import TaskConfig, n_answers, pack
+from runner.data import n_answers, pack
 from runner.model import ModelShape, TinyLlama
+from runner.task import TaskConfig
 from sim.core import compose_config
 from sim.plan import Plan
 from sim.run import simulate

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner.data import ANS, BOS, KEY, N_SPECIAL, QUERY, RECORD, VAL, TaskConfig, TaskKind, make_example
+from runner.task import ANS, BOS, KEY, N_SPECIAL, QUERY, RECORD, VAL, TaskConfig, TaskKind, make_example
 from sim.core import ConfigError
 
 VOCAB = 160

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from runner.data import TaskConfig
+from runner.task import TaskConfig
 from runner.evaluate import main, summarise
 from tiny import TINY_ONE_RANK
 

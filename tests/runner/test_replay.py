@@ -179,7 +179,8 @@ def test_stages_and_recomputation_do_the_whole_models_work():
     selected), one micro-batch gives the gradients and kernel stats of the uncut model without recomputation."""
     import torch
 
-    from runner.data import TaskConfig, pack
+    from runner.data import pack
+    from runner.task import TaskConfig
     from runner.replay import StagedModel, Untimed
     from sim.shapes import ModelShape
 

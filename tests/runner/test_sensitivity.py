@@ -19,7 +19,7 @@ import torch
 from calibrate import sensitivity as calibrate_sensitivity
 from runner import sensitivity
 from runner.attention import make_attention
-from runner.data import make_example
+from runner.task import make_example
 from sim.sensitivity import RAW_COLUMNS, load_sensitivity_profile, raw_meta_path
 from pinned import PINNED_OVERRIDES
 from tiny import TINY_ONE_RANK
