@@ -13,8 +13,10 @@ import numpy as np
 
 from sim.cluster import Layout
 from sim.cost import CostModel
+from sim.estimate import Belief
+from sim.pipeline import pipeline_ms
 from sim.plan import Assignment, Budget, Plan
-from sim.workload import Sequence
+from sim.workload import Request
 
 
 # ----------------------------------------------------------------------------- batching helpers
@@ -49,7 +51,8 @@ class PartitionPolicy(ABC):
 
     Subclasses say how to cut a list of costs into k parts; the cost of a sequence is its busy time
     from the CostModel (``sequence_costs``) at the kept fractions ``expected_kept`` gives (dense here; a
-    sparsity-aware policy overrides it), or whatever ``costs`` a subclass returns instead.
+    sparsity-aware policy overrides it, from the planner's belief), or whatever ``costs`` a subclass returns
+    instead.
     """
 
     Params: ClassVar[type] = PartitionParams
@@ -57,13 +60,13 @@ class PartitionPolicy(ABC):
     def __init__(self, params) -> None:
         self.params = params
 
-    def expected_kept(self, lengths: np.ndarray, sensitivities: np.ndarray, cost: CostModel) -> np.ndarray:
+    def expected_kept(self, ids: np.ndarray, lengths: np.ndarray, belief: Belief, cost: CostModel) -> np.ndarray:
         """Kept fraction the policy expects each sequence to run at (1: it plans as if dense)."""
         return np.ones(lengths.size)
 
-    def costs(self, batch: list[Sequence], layout: Layout, cost: CostModel) -> np.ndarray:
-        lengths, sens = batch_arrays(batch)
-        return cost.sequence_costs(lengths, self.expected_kept(lengths, sens, cost), layout)
+    def costs(self, batch: list[Request], layout: Layout, cost: CostModel, belief: Belief) -> np.ndarray:
+        ids, lengths = batch_arrays(batch)
+        return cost.sequence_costs(lengths, self.expected_kept(ids, lengths, belief, cost), layout)
 
     @abstractmethod
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
@@ -76,24 +79,25 @@ class PartitionPolicy(ABC):
         """One rank's share over its k micro-batches (the DP-level cut, unless a policy cuts ranks otherwise)."""
         return self.partition(costs, k)
 
-    def micro_batch_counts(self, batch: list[Sequence], ranks: list[list[int]], layout: Layout) -> list[int]:
+    def micro_batch_counts(self, batch: list[Request], ranks: list[list[int]], layout: Layout) -> list[int]:
         """How many of the layout's micro-batch slots each rank fills (all of them here); slots left over
         stay empty and take no time."""
         return [layout.micro_batches] * len(ranks)
 
-    def plan(self, batch: list[Sequence], layout: Layout, cost: CostModel, step: int) -> Plan:
-        costs = self.costs(batch, layout, cost)
+    def plan(self, batch: list[Request], layout: Layout, cost: CostModel, step: int, belief: Belief) -> Plan:
+        costs = self.costs(batch, layout, cost, belief)
         assignments = []
         ranks = self.partition(costs, layout.dp)
         for rank, (members, count) in enumerate(zip(ranks, self.micro_batch_counts(batch, ranks, layout))):
             for mb, sub in enumerate(self.rank_partition(costs[members], count, layout)):
                 for i in sub:
                     seq = batch[members[i]]
-                    assignments.append(Assignment(seq.id, seq.length, seq.sensitivity, rank, mb))
+                    assignments.append(Assignment(seq.id, seq.length, rank, mb))
         plan = Plan(step=step, dp=layout.dp, micro_batches=layout.micro_batches, assignments=tuple(assignments))
-        return self.ordered(plan, costs, batch, layout, cost)
+        return self.ordered(plan, costs, batch, layout, cost, belief)
 
-    def ordered(self, plan: Plan, costs: np.ndarray, batch: list[Sequence], layout: Layout, cost: CostModel) -> Plan:
+    def ordered(self, plan: Plan, costs: np.ndarray, batch: list[Request], layout: Layout, cost: CostModel,
+                belief: Belief) -> Plan:
         order = PipelineOrder(self.params.pipeline_order)
         if order is PipelineOrder.packed or layout.pp == 1 or layout.micro_batches == 1:
             return plan
@@ -103,27 +107,25 @@ class PartitionPolicy(ABC):
             for a in plan.assignments:
                 loads[a.dp_rank, a.micro_batch] += by_id[a.seq_id]
             return reorder(plan, np.array([verl_order(row) for row in loads]))
-        plan = reorder(plan, self.searched_orders(plan, layout, cost))
+        ids, lengths = plan_ids_lengths(plan)
+        kept = self.expected_kept(ids, lengths, belief, cost)
+        plan = reorder(plan, self.searched_orders(plan, layout, cost, kept))
         if order is PipelineOrder.fit:
-            from policies.pipeline_fit import fitted  # here: it imports policies.dst, which imports this module
+            from policies.pipeline_fit import fitted  # here: policies.pipeline_fit builds on this module
 
-            lengths = np.array([a.length for a in plan.assignments], dtype=np.int64)
-            sens = np.array([a.sensitivity for a in plan.assignments])
-            plan = fitted(plan, layout, cost, self.expected_kept(lengths, sens, cost))
+            ids, lengths = plan_ids_lengths(plan)
+            plan = fitted(plan, layout, cost, self.expected_kept(ids, lengths, belief, cost))
         return plan
 
-    def searched_orders(self, plan: Plan, layout: Layout, cost: CostModel) -> np.ndarray:
+    def searched_orders(self, plan: Plan, layout: Layout, cost: CostModel, kept: np.ndarray) -> np.ndarray:
         """Per rank the micro-batch order with the shortest 1F1B time at the expected kept fractions:
         every order up to MAX_ORDERED micro-batches (ties keep the packed order), else pairwise swaps from
         the better of the packed and the verl order."""
-        from policies.dst import pipeline_ms  # here: policies.dst imports this module
-
         dp, m = layout.dp, layout.micro_batches
         rank = np.array([a.dp_rank for a in plan.assignments], dtype=np.int64)
         mb = np.array([a.micro_batch for a in plan.assignments], dtype=np.int64)
         lengths = np.array([a.length for a in plan.assignments], dtype=np.int64)
-        sens = np.array([a.sensitivity for a in plan.assignments])
-        mb_costs = cost.micro_batch_costs(lengths, self.expected_kept(lengths, sens, cost), rank * m + mb, dp * m, layout)
+        mb_costs = cost.micro_batch_costs(lengths, kept, rank * m + mb, dp * m, layout)
         fwd, bwd = mb_costs.fwd_ms.reshape(dp, m), mb_costs.bwd_ms.reshape(dp, m)
         p2p = cost.hand_off_ms(mb_costs.tokens, layout).reshape(dp, m)
 
@@ -149,10 +151,19 @@ class PartitionPolicy(ABC):
         return best
 
 
-def batch_arrays(batch: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+def batch_arrays(batch: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and lengths of a batch."""
+    ids = np.fromiter((s.id for s in batch), dtype=np.int64, count=len(batch))
     lengths = np.fromiter((s.length for s in batch), dtype=np.int64, count=len(batch))
-    sens = np.fromiter((s.sensitivity for s in batch), dtype=np.float64, count=len(batch))
-    return lengths, sens
+    return ids, lengths
+
+
+def plan_ids_lengths(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and lengths of a plan's sequences, in plan order."""
+    n = len(plan.assignments)
+    ids = np.fromiter((a.seq_id for a in plan.assignments), dtype=np.int64, count=n)
+    lengths = np.fromiter((a.length for a in plan.assignments), dtype=np.int64, count=n)
+    return ids, lengths
 
 
 def verl_order(loads) -> list[int]:
@@ -165,8 +176,8 @@ def verl_order(loads) -> list[int]:
 def reorder(plan: Plan, orders: np.ndarray) -> Plan:
     """The plan with rank r running its packed micro-batch orders[r, j] at position j."""
     position = np.argsort(orders, axis=1)  # [rank, packed micro-batch] -> position
-    moved = [Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, int(position[a.dp_rank, a.micro_batch]),
-                        a.budget) for a in plan.assignments]
+    moved = [Assignment(a.seq_id, a.length, a.dp_rank, int(position[a.dp_rank, a.micro_batch]), a.budget)
+             for a in plan.assignments]
     moved.sort(key=lambda a: (a.dp_rank, a.micro_batch))
     return replace(plan, assignments=tuple(moved))
 
@@ -177,6 +188,6 @@ def uniform_budget_plan(plan: Plan, budget: Budget) -> Plan:
         return plan
     # Plan.with_budgets without the id map: `fixed` runs this for every sequence of every step.
     return replace(plan, assignments=tuple(
-        Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, budget)
+        Assignment(a.seq_id, a.length, a.dp_rank, a.micro_batch, budget)
         for a in plan.assignments
     ))

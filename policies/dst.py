@@ -43,7 +43,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import Enum
-from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -51,8 +50,10 @@ import numpy as np
 from policies.base import uniform_budget_plan
 
 from sim.config import FRACTION, bounded
+from sim.estimate import Belief
+from sim.pipeline import pipeline_ms
 from sim.policy import register_sparsity
-from sim.plan import Assignment, Budget, Plan
+from sim.plan import Assignment, Budget, BudgetArrays, Plan
 from sim.cluster import Layout
 from sim.cost import CostModel
 
@@ -72,46 +73,79 @@ class CoverageWeight(str, Enum):
         return {"sequence": np.ones_like(lengths), "token": lengths, "attention": lengths**2}[self.value]
 
 
+class Family(str, Enum):
+    """Which budgets DST moves between (sim.plan.Budget)."""
+
+    topp = "topp"  # coverage targets p: the kept blocks, and so the time, depend on the data
+    topk = "topk"  # k blocks per query block (the paper's): the time follows from the lengths
+
+
 @register_sparsity("dst")
 class DynamicSparsityTuning:
     @dataclass(frozen=True)
     class Params:
-        p: float = 0.9  # starting budget (the `fixed` budget DST is compared with)
-        floor: float = 0.8  # lowest coverage target any sequence may get
-        cap: float = 1.0  # highest: the profile anchor (1.0 = dense)
+        family: Family = Family.topp
+        p: float = 0.9  # top-p: starting budget (the `fixed` budget DST is compared with)
+        floor: float = 0.8  # top-p: lowest coverage target any sequence may get
+        cap: float = 1.0  # top-p: highest: the profile anchor (1.0 = dense)
         levels: int = 11  # budget levels between floor and cap (steps of 0.02 by default)
+        k: int = 64  # top-k: starting blocks per query block
+        k_floor: int = 16  # top-k: fewest blocks per query block
+        k_cap: Optional[int] = None  # top-k: most blocks per query block; None: 4 k
+        p_floor: Optional[float] = bounded(None, FRACTION)  # top-k: the rows' runtime coverage floor; None: none
         # None: the start's mean coverage (as weighted below)
         min_mean_coverage: Optional[float] = bounded(None, FRACTION)
         coverage_weight: CoverageWeight = CoverageWeight.attention  # the weighting of that mean
+        # each rank's time is planned at this quantile of what the belief about the sequences lets it take
+        quantile: float = bounded(0.75, FRACTION)
 
     def __init__(self, params: Params) -> None:
-        if not 0.0 < params.floor <= params.p <= params.cap <= 1.0:
+        if Family(params.family) is Family.topp and not 0.0 < params.floor <= params.p <= params.cap <= 1.0:
             raise ValueError(
                 f"need 0 < floor <= p <= cap <= 1, got floor={params.floor}, p={params.p}, cap={params.cap}"
             )
+        cap = 4 * params.k if params.k_cap is None else params.k_cap
+        if Family(params.family) is Family.topk and not 1 <= params.k_floor <= params.k <= cap:
+            raise ValueError(f"need 1 <= k_floor <= k <= k_cap, got k_floor={params.k_floor}, k={params.k}, "
+                             f"k_cap={params.k_cap}")
         if params.levels < 2:
             raise ValueError(f"levels={params.levels} must be >= 2")
         self.params = params
 
-    def tune(self, plan: Plan, layout: Layout, cost: CostModel) -> Plan:
-        return tuned(self.params, plan, layout, cost)
+    def tune(self, plan: Plan, layout: Layout, cost: CostModel, belief: Belief) -> Plan:
+        return tuned(self.params, plan, layout, cost, belief)
 
 
-def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost: CostModel) -> Plan:
+def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost: CostModel, belief: Belief) -> Plan:
     if not plan.assignments:
         return plan
-    grid = budget_grid(params)
-    start_level = int(np.searchsorted(grid, params.p))
-    table = LevelTable.build(plan, layout, cost, grid, CoverageWeight(params.coverage_weight))
+    budgets, start_level = level_budgets(params, cost.block_size)
+    table = LevelTable.build(plan, layout, cost, budgets, belief, CoverageWeight(params.coverage_weight),
+                             params.quantile)
     start = np.full((layout.dp, layout.micro_batches), start_level)
     start_ms, start_cov = table.makespan(start), table.mean_coverage(start)
     target_cov = start_cov if params.min_mean_coverage is None else params.min_mean_coverage
     levels = best_levels(table, start_ms, target_cov)
-    new_ms, new_cov = table.makespan(levels), table.mean_coverage(levels)
-    if new_ms > start_ms or (new_ms == start_ms and new_cov <= start_cov):
-        return uniform_budget_plan(plan, Budget(p=params.p))
-    budgets = [Budget(p=float(p)) for p in grid]
+    new_ms, new_cov = table.expected_ms(levels), table.mean_coverage(levels)
+    start_expected = table.expected_ms(start)
+    if new_ms > start_expected or (new_ms == start_expected and new_cov <= start_cov):
+        return uniform_budget_plan(plan, budgets[start_level])
     return with_levels(plan, levels[table.rank, table.micro_batch], budgets)
+
+
+def level_budgets(params: DynamicSparsityTuning.Params, block_size: int) -> tuple[list[Budget], int]:
+    """The budgets DST chooses from, cheapest first, and the index of the starting one."""
+    if Family(params.family) is Family.topp:
+        grid = budget_grid(params)
+        return [Budget(p=float(p)) for p in grid], int(np.searchsorted(grid, params.p))
+    return topk_budgets(params)
+
+
+def topk_budgets(params: DynamicSparsityTuning.Params) -> tuple[list[Budget], int]:
+    """``levels`` block counts spaced evenly in log from k_floor to k_cap (4 k where it is None), plus k."""
+    top = params.k_cap if params.k_cap is not None else 4 * params.k
+    ks = np.unique(np.append(np.rint(np.geomspace(params.k_floor, top, params.levels)).astype(np.int64), params.k))
+    return [Budget(top_k=int(k), p_floor=params.p_floor) for k in ks.tolist()], int(np.searchsorted(ks, params.k))
 
 
 def budget_grid(params: DynamicSparsityTuning.Params) -> np.ndarray:
@@ -126,7 +160,7 @@ def with_levels(plan: Plan, levels: np.ndarray, budgets: list[Budget]) -> Plan:
     """The plan with budgets[levels[i]] for its i-th assignment (Plan.with_budgets without the id map:
     this runs for every sequence of every step)."""
     assignments = tuple(
-        Assignment(a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, budgets[k])
+        Assignment(a.seq_id, a.length, a.dp_rank, a.micro_batch, budgets[k])
         for a, k in zip(plan.assignments, levels.tolist())
     )
     return replace(plan, assignments=assignments)
@@ -134,41 +168,67 @@ def with_levels(plan: Plan, levels: np.ndarray, budgets: list[Budget]) -> Plan:
 
 @dataclass(frozen=True)
 class LevelTable:
-    """Per-level micro-batch times and coverages of one plan (level = index into the budget grid)."""
+    """Per-level micro-batch times, under each of the belief's samples, and expected coverages of one plan
+    (level = index into the budgets)."""
 
-    fwd: np.ndarray  # [levels, dp, m] ms per stage
-    bwd: np.ndarray  # [levels, dp, m]
+    fwd: np.ndarray  # [levels, S, dp, m] ms per stage
+    bwd: np.ndarray  # [levels, S, dp, m]
     p2p: np.ndarray  # [dp, m] stage hand-off ms (budget-independent)
-    coverage: np.ndarray  # [levels, dp, m] weighted sum of the sequences' coverages, over the total weight
-    rank_ms: np.ndarray  # [levels, dp] pipeline time with the whole rank at one level
+    coverage: np.ndarray  # [levels, dp, m] expected weighted sum of the coverages, over the total weight
+    rank_ms: np.ndarray  # [levels, dp] the quantile of the pipeline time with the whole rank at one level
     rank: np.ndarray  # [n] each sequence's rank (plan order)
     micro_batch: np.ndarray  # [n]
     pp: int
+    quantile: float
 
     @classmethod
-    def build(cls, plan: Plan, layout: Layout, cost: CostModel, grid: np.ndarray,
-              weight: CoverageWeight = CoverageWeight.sequence) -> LevelTable:
-        rows = np.array([(a.dp_rank, a.micro_batch, a.length, a.sensitivity) for a in plan.assignments])
-        rank, mb = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
-        lengths, sens = rows[:, 2].astype(np.int64), rows[:, 3]
-        dp, m, n, g = layout.dp, layout.micro_batches, len(rows), grid.size
-        # One CostModel call for every (level, micro-batch): the sequences repeated once per level.
-        kept = cost.kept_fractions(np.tile(lengths, g), np.tile(sens, g), np.repeat(grid, n))
-        group = np.repeat(np.arange(g) * dp * m, n) + np.tile(rank * m + mb, g)
-        costs = cost.micro_batch_costs(np.tile(lengths, g), kept, group, g * dp * m, layout)
-        share = np.tile(weight.weights(lengths) / weight.weights(lengths).sum(), g)
-        covered = np.bincount(group, weights=share * cost.coverages(np.tile(sens, g), kept), minlength=g * dp * m)
-        fwd, bwd = costs.fwd_ms.reshape(g, dp, m), costs.bwd_ms.reshape(g, dp, m)
+    def build(cls, plan: Plan, layout: Layout, cost: CostModel, budgets: list[Budget], belief: Belief,
+              weight: CoverageWeight = CoverageWeight.sequence, quantile: float = 0.5) -> LevelTable:
+        rank, mb, lengths, ids = (np.array(c, dtype=np.int64) for c in zip(
+            *((a.dp_rank, a.micro_batch, a.length, a.seq_id) for a in plan.assignments)))
+        samples = belief.at(ids)  # [S, n]
+        dp, m, n, g, s = layout.dp, layout.micro_batches, lengths.size, len(budgets), samples.shape[0]
+        cols = BudgetArrays.of(budgets)
+        # One CostModel call for every (level, sample, micro-batch): the sequences repeated per level and sample.
+        shape = (g, s, n)
+        kept = cost.kept_fractions(*(np.broadcast_to(x, shape) for x in (
+            lengths, samples[None], cols.p[:, None, None], cols.kept_fraction[:, None, None],
+            cols.top_k[:, None, None], cols.p_floor[:, None, None])))
+        group = (np.arange(g * s)[:, None] * dp * m + (rank * m + mb)[None, :]).ravel()
+        costs = cost.micro_batch_costs(np.broadcast_to(lengths, shape).ravel(), kept.ravel(), group, g * s * dp * m,
+                                       layout)
+        share = weight.weights(lengths) / weight.weights(lengths).sum()
+        expected = (share * cost.coverages(samples[None], kept)).mean(axis=1)  # [g, n]
+        covered = np.bincount((np.arange(g)[:, None] * dp * m + rank * m + mb).ravel(), weights=expected.ravel(),
+                              minlength=g * dp * m)
+        fwd, bwd = costs.fwd_ms.reshape(g, s, dp, m), costs.bwd_ms.reshape(g, s, dp, m)
         p2p = cost.hand_off_ms(costs.tokens[: dp * m], layout).reshape(dp, m)
-        return cls(fwd, bwd, p2p, covered.reshape(g, dp, m), pipeline_ms(fwd, bwd, p2p, layout.pp), rank, mb, layout.pp)
+        rank_ms = np.quantile(pipeline_ms(fwd, bwd, p2p, layout.pp), quantile, axis=1)
+        return cls(fwd, bwd, p2p, covered.reshape(g, dp, m), rank_ms, rank, mb, layout.pp, quantile)
 
     def gather(self, field: np.ndarray, levels: np.ndarray) -> np.ndarray:
         """field[levels[r, j], r, j] for every (rank, micro-batch)."""
         dp, m = levels.shape
         return field[levels, np.arange(dp)[:, None], np.arange(m)[None, :]]
 
+    def gather_times(self, field: np.ndarray, levels: np.ndarray) -> np.ndarray:
+        """[S, dp, m]: field[levels[r, j], sample, r, j]."""
+        dp, m = levels.shape
+        s = field.shape[1]
+        return field[levels[None], np.arange(s)[:, None, None], np.arange(dp)[None, :, None], np.arange(m)[None, None, :]]
+
+    def rank_times(self, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+        """The planning quantile, over the samples (axis -3), of each rank's pipeline time."""
+        return np.quantile(pipeline_ms(fwd, bwd, self.p2p, self.pp), self.quantile, axis=-2)
+
     def makespan(self, levels: np.ndarray) -> float:
-        return float(pipeline_ms(self.gather(self.fwd, levels), self.gather(self.bwd, levels), self.p2p, self.pp).max())
+        """The slowest rank's planned (quantile) time."""
+        return float(self.rank_times(self.gather_times(self.fwd, levels), self.gather_times(self.bwd, levels)).max())
+
+    def expected_ms(self, levels: np.ndarray) -> float:
+        """The belief's mean of the slowest rank's time: what the step is expected to take."""
+        ranks = pipeline_ms(self.gather_times(self.fwd, levels), self.gather_times(self.bwd, levels), self.p2p, self.pp)
+        return float(ranks.max(axis=-1).mean())
 
     def mean_coverage(self, levels: np.ndarray) -> float:
         return float(self.gather(self.coverage, levels).sum())
@@ -197,7 +257,7 @@ def best_levels(table: LevelTable, start_ms: float, target_cov: float) -> np.nda
     optimality, never validity.
     """
     candidates = np.unique(table.rank_ms[table.rank_ms <= start_ms])
-    m = table.fwd.shape[2]
+    m = table.fwd.shape[-1]
 
     def uniform(tau: float) -> np.ndarray | None:
         if not (table.rank_ms <= tau).any(axis=0).all():
@@ -233,16 +293,16 @@ def smallest_good(candidates: np.ndarray, good) -> float:
 
 
 def fill_bubbles(table: LevelTable, levels: np.ndarray, tau: float) -> np.ndarray:
-    """Raise micro-batches one at a time to the highest level that keeps every rank within tau."""
-    g, dp, m = table.fwd.shape
+    """Raise micro-batches one at a time to the highest level that keeps every rank's planned time within tau."""
+    g, s, dp, m = table.fwd.shape
     levels = levels.copy()
     for _ in range(MAX_SWEEPS):
         moved = False
         for j in range(m):
-            fwd = np.broadcast_to(table.gather(table.fwd, levels), (g, dp, m)).copy()
-            bwd = np.broadcast_to(table.gather(table.bwd, levels), (g, dp, m)).copy()
-            fwd[:, :, j], bwd[:, :, j] = table.fwd[:, :, j], table.bwd[:, :, j]
-            fits = pipeline_ms(fwd, bwd, table.p2p, table.pp) <= tau  # [levels, dp]
+            fwd = np.broadcast_to(table.gather_times(table.fwd, levels), (g, s, dp, m)).copy()
+            bwd = np.broadcast_to(table.gather_times(table.bwd, levels), (g, s, dp, m)).copy()
+            fwd[..., j], bwd[..., j] = table.fwd[..., j], table.bwd[..., j]
+            fits = table.rank_times(fwd, bwd) <= tau  # [levels, dp]
             fits &= np.arange(g)[:, None] >= levels[:, j][None, :]  # only raise
             best = np.where(fits.any(axis=0), g - 1 - np.argmax(fits[::-1], axis=0), levels[:, j])
             moved |= bool((best != levels[:, j]).any())
@@ -250,48 +310,3 @@ def fill_bubbles(table: LevelTable, levels: np.ndarray, tau: float) -> np.ndarra
         if not moved:
             break
     return levels
-
-
-@lru_cache(maxsize=64)
-def schedule(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
-    """(stage, is_forward, micro_batch) of every op in an order that respects the 1F1B dependencies."""
-    from sim.engine import one_f_one_b  # here, not at the top: sim.engine imports sim.plan, which loads this module
-
-    queues = [one_f_one_b(stage, pp, m) for stage in range(pp)]
-    done: set[tuple[int, bool, int]] = set()
-    order = []
-    while len(order) < 2 * pp * m:
-        for stage, queue in enumerate(queues):
-            while queue:
-                is_fwd, mb = queue[0]
-                dep = (stage - 1, True, mb) if is_fwd else ((stage, True, mb) if stage == pp - 1 else (stage + 1, False, mb))
-                if (is_fwd and stage == 0) or dep in done:
-                    queue.pop(0)
-                    done.add((stage, is_fwd, mb))
-                    order.append((stage, is_fwd, mb))
-                else:
-                    break
-    return tuple(order)
-
-
-def pipeline_ms(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int) -> np.ndarray:
-    """Finish time of a 1F1B pipeline whose every stage takes fwd/bwd[..., j] for micro-batch j.
-
-    Same schedule and hand-offs as sim.engine.run_pipeline (a stage waits for its input, the last stage
-    turns a forward straight into its backward), as a longest-path recurrence over the leading axes.
-    """
-    m = fwd.shape[-1]
-    if pp == 1:
-        return (fwd + bwd).sum(axis=-1)
-    free = [np.zeros(fwd.shape[:-1])] * pp
-    end: dict[tuple[int, bool, int], np.ndarray] = {}
-    for stage, is_fwd, mb in schedule(pp, m):
-        if is_fwd:
-            ready = end[(stage - 1, True, mb)] + p2p[..., mb] if stage > 0 else 0.0
-        elif stage == pp - 1:
-            ready = end[(stage, True, mb)]
-        else:
-            ready = end[(stage + 1, False, mb)] + p2p[..., mb]
-        free[stage] = np.maximum(free[stage], ready) + (fwd[..., mb] if is_fwd else bwd[..., mb])
-        end[(stage, is_fwd, mb)] = free[stage]
-    return np.maximum.reduce(free)

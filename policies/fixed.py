@@ -10,6 +10,7 @@ from sim.policy import register_sparsity
 from sim.plan import Budget, Plan
 from sim.cluster import Layout
 from sim.cost import CostModel
+from sim.estimate import Belief
 
 
 @register_sparsity("fixed")
@@ -18,9 +19,11 @@ class Fixed:
     class Params:
         p: float = 1.0  # coverage target in (0, 1]
         kept_fraction: Optional[float] = None  # if set, fixes the kept-block fraction instead of p
+        top_k: Optional[int] = None  # if set, keeps this many blocks per query block instead of p
+        p_floor: Optional[float] = None  # with top_k: the rows' coverage floor
 
     def __init__(self, params: Params) -> None:
-        self.budget = Budget(p=params.p, kept_fraction=params.kept_fraction)
+        self.budget = Budget(p=params.p, kept_fraction=params.kept_fraction, top_k=params.top_k, p_floor=params.p_floor)
 
-    def tune(self, plan: Plan, layout: Layout, cost: CostModel) -> Plan:
+    def tune(self, plan: Plan, layout: Layout, cost: CostModel, belief: Belief) -> Plan:
         return uniform_budget_plan(plan, self.budget)

@@ -6,7 +6,7 @@ one's backward cross every stage alone (warm-up and cool-down), so a rank whose 
 micro-batches are light finishes sooner than one with equal micro-batches of the same total. Starting
 from a packed and ordered plan, a local search therefore works on the rank times themselves, priced with
 the CostModel (its per-micro-batch overheads included) at the policy's expected kept fractions and timed
-with the engine's 1F1B schedule (``policies.dst.pipeline_ms``):
+with the engine's 1F1B schedule (``sim.pipeline.pipeline_ms``):
 
 1. within every rank at once: the best single move of a sequence to another micro-batch, or swap of two
    sequences of different micro-batches, while it shortens that rank's time (a rank keeps its
@@ -25,7 +25,7 @@ from itertools import combinations
 
 import numpy as np
 
-from policies.dst import pipeline_ms
+from sim.pipeline import pipeline_ms
 from sim.cluster import Layout
 from sim.cost import CostModel
 from sim.plan import Assignment, Plan
@@ -131,7 +131,7 @@ def fitted(plan: Plan, layout: Layout, cost: CostModel, kept: np.ndarray) -> Pla
     improve_ranks(timer, rank, mb, list(range(layout.dp)))
     if layout.dp > 1:
         swap_between_ranks(timer, rank, mb, layout.dp)
-    moved = [Assignment(x.seq_id, x.length, x.sensitivity, int(r), int(j), x.budget)
+    moved = [Assignment(x.seq_id, x.length, int(r), int(j), x.budget)
              for x, r, j in zip(a, rank.tolist(), mb.tolist())]
     moved.sort(key=lambda x: (x.dp_rank, x.micro_batch))
     return replace(plan, assignments=tuple(moved))

@@ -1,15 +1,16 @@
 """``sab``: SparseBalance's sparsity-aware batching.
 
 Length-balanced batching costs every sequence as if it ran dense, but under sparse attention a
-sequence's time depends on the kept fraction its budget buys, p ** (1 / sensitivity): two sequences of
-the same length can differ several-fold. SAB costs each sequence with the CostModel at its *expected*
-budget and its own sensitivity, then bin-packs with Karmarkar-Karp across DP ranks and then across each
+sequence's time depends on the kept fraction its budget buys, p ** (1 / s) for a sequence of sensitivity
+s: two sequences of the same length can differ several-fold. SAB costs each sequence with the CostModel at its *expected*
+budget, then bin-packs with Karmarkar-Karp across DP ranks and then across each
 rank's micro-batches, inside the global batch only (no reordering across global batches, which would
 change what the optimiser sees per step).
 
-The expected budget is an exponential moving average, per length bucket, of the budgets the paired
-sparsity policy gave recently: the drivers (sim.run, runner.train) plan through
-``policies.base.plan_step``, which shows every tuned Plan to ``observe``. The EMA is policy state
+SAB never sees a sequence's sensitivity: it averages the kept fraction over the planner's belief
+(sim.estimate). The expected budget is an exponential moving average, per length bucket, of the budgets
+the paired sparsity policy gave recently: the drivers (sim.run, runner.train) plan through
+``sim.planner.Planner``, which shows every step's outcome, with the Plan that ran, to ``observe``. The EMA is policy state
 carried across steps: the same seed and config replay the same sequence of
 plans. Buckets never seen yet take the mean of the seen ones, and before the first step everything
 takes ``prior_p`` (1.0: dense, so step 0 is plain LBB).
@@ -28,7 +29,8 @@ from policies.base import PartitionParams, PartitionPolicy, PipelineOrder
 from policies.karmarkar_karp import kk_partition
 from sim.cluster import Layout
 from sim.cost import CostModel
-from sim.plan import Plan
+from sim.estimate import Belief, Observation
+from sim.plan import BudgetArrays
 from sim.policy import register_batching
 
 
@@ -51,17 +53,27 @@ class SparsityAwareBatching(PartitionPolicy):
         if not 0.0 < params.prior_p <= 1.0:
             raise ValueError(f"prior_p={params.prior_p} must be in (0, 1]")
         super().__init__(params)
-        self.expected_p: dict[int, float] = {}  # length bucket -> EMA of the budget p
+        self.expected_p: dict[int, float] = {}  # length bucket -> EMA of the budget p (or k, with top-k budgets)
+        self.top_k = False  # the paired sparsity policy gives top-k budgets
+        self.p_floor: float | None = None  # their coverage floor
 
     def bucket(self, lengths: np.ndarray) -> np.ndarray:
         return np.floor(np.log2(np.maximum(lengths, 1)) * self.params.buckets_per_octave).astype(np.int64)
 
     def expected(self, lengths: np.ndarray) -> np.ndarray:
+        """The EMA budget of each sequence's bucket: p, or with top-k budgets k (blocks per query block)."""
         default = float(np.mean(list(self.expected_p.values()))) if self.expected_p else self.params.prior_p
         return np.array([self.expected_p.get(int(b), default) for b in self.bucket(lengths)])
 
-    def expected_kept(self, lengths: np.ndarray, sensitivities: np.ndarray, cost: CostModel) -> np.ndarray:
-        return cost.kept_fractions(lengths, sensitivities, self.expected(lengths))
+    def expected_kept(self, ids: np.ndarray, lengths: np.ndarray, belief: Belief, cost: CostModel) -> np.ndarray:
+        """The kept fraction the EMA budget buys, averaged over the belief's samples of each sequence."""
+        budget = self.expected(lengths)
+        nan = np.full(lengths.size, np.nan)
+        if self.top_k:
+            cols = BudgetArrays(np.ones(lengths.size), nan, budget, np.full(lengths.size, self.p_floor or np.nan))
+        else:
+            cols = BudgetArrays(budget, nan, nan, nan)
+        return cols.kept(cost, lengths, belief.at(ids)).mean(axis=0)
 
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
         return kk_partition(costs, k, self.params.equal_count, self.params.refine)
@@ -70,12 +82,19 @@ class SparsityAwareBatching(PartitionPolicy):
         # With pp = 1 a rank's time is the sum of its micro-batches however they are cut: no refinement.
         return kk_partition(costs, k, self.params.equal_count, self.params.refine and layout.pp > 1)
 
-    def observe(self, tuned: Plan) -> None:
-        """Fold one step's budgets into the per-bucket EMA."""
-        lengths = np.array([a.length for a in tuned.assignments], dtype=np.int64)
-        p = np.array([a.budget.p for a in tuned.assignments])
+    def observe(self, observation: Observation) -> None:
+        """Fold the budgets of the step that ran into the per-bucket EMA (of k, where they are top-k budgets)."""
+        plan = observation.plan
+        lengths = np.array([a.length for a in plan.assignments], dtype=np.int64)
+        budgets = [a.budget for a in plan.assignments]
+        self.top_k = any(b.top_k is not None for b in budgets)
+        if self.top_k:
+            self.p_floor = next((b.p_floor for b in budgets if b.top_k is not None), None)
+            value = np.array([b.top_k for b in budgets], dtype=np.float64)
+        else:
+            value = np.array([b.p for b in budgets])
         buckets = self.bucket(lengths)
         for b in np.unique(buckets).tolist():
-            mean = float(p[buckets == b].mean())
+            mean = float(value[buckets == b].mean())
             old = self.expected_p.get(b)
             self.expected_p[b] = mean if old is None else old + self.params.ema * (mean - old)

@@ -21,7 +21,7 @@ from policies.base import batch_arrays
 from policies.verl import Verl
 from sim.cluster import Layout
 from sim.policy import register_batching
-from sim.workload import Sequence
+from sim.workload import Request
 
 
 @register_batching("token_cap")
@@ -39,8 +39,8 @@ class TokenCap(Verl):
             raise ValueError(f"min_micro_batches={params.min_micro_batches} must be >= 1")
         super().__init__(params)
 
-    def micro_batch_counts(self, batch: list[Sequence], ranks: list[list[int]], layout: Layout) -> list[int]:
-        lengths = batch_arrays(batch)[0]
+    def micro_batch_counts(self, batch: list[Request], ranks: list[list[int]], layout: Layout) -> list[int]:
+        lengths = batch_arrays(batch)[1]
         cap = self.params.max_tokens_per_rank * layout.cp
         need = [-(-int(lengths[members].sum()) // cap) for members in ranks]
         if self.params.same_count_in_dp:

@@ -22,7 +22,8 @@ from policies.karmarkar_karp import ldm_partition, refined_partition
 from sim.cluster import Layout
 from sim.cost import CostModel
 from sim.policy import register_batching
-from sim.workload import Sequence
+from sim.estimate import Belief
+from sim.workload import Request
 
 LINEAR_WEIGHT = 24576  # verl's calculate_workload: 24576 * seqlen + seqlen ** 2
 
@@ -39,8 +40,8 @@ class Verl(PartitionPolicy):
         pipeline_order: PipelineOrder = PipelineOrder.verl
         refine: bool = False  # this project's local search after each LDM (not verl's)
 
-    def costs(self, batch: list[Sequence], layout: Layout, cost: CostModel) -> np.ndarray:
-        return verl_workload(batch_arrays(batch)[0])
+    def costs(self, batch: list[Request], layout: Layout, cost: CostModel, belief: Belief) -> np.ndarray:
+        return verl_workload(batch_arrays(batch)[1])
 
     def partition(self, costs: np.ndarray, k: int) -> list[list[int]]:
         return self.cut(costs, k, equal_count=True, refine=self.params.refine)

@@ -31,7 +31,7 @@ from sim.cluster import Cluster, Layout
 from sim.config import PolicyConfig, register
 from sim.core import ConfigError, compose_config, fail, group_options
 from sim.cost import make_cost
-from sim.engine import Engine, PlanArrays, run_pipeline
+from sim.engine import Engine, run_pipeline
 from sim.plan import Plan
 from sim.run import load_policy, simulate
 
@@ -39,6 +39,7 @@ from sim.run import load_policy, simulate
 BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap")
 POLICIES = (*BASELINES, "sab", "dst", "verl_dst", "sparsebalance")
 BOUNDS = ("baseline", "sparsebalance")
+ORACLES = ("sparsebalance",)  # bound rows: the policy planning with every sequence's true sensitivity
 FIT, SEARCH = "batching.params.pipeline_order=fit", "batching.params.pipeline_order=search"
 ABLATION = (  # the strongest baseline, then one mechanism at a time
     "verl", f"verl:{SEARCH}", f"verl:{FIT}", "sab", f"sab:{FIT}", "verl_dst", f"sparsebalance:{SEARCH}",
@@ -50,35 +51,42 @@ FIGURES = {  # table column -> summary key
     "tok_cov": "token_coverage", "attn_cov": "attention_coverage", "long_cov": "long_coverage",
     "min_cov": "min_coverage",
     "peak_GB": "peak_memory_gb",  # the most any GPU holds in any step (sim.memory)
+    "pred_err_%": "prediction_error_pct",  # median over steps of realized / predicted step time - 1
 }
 
 
 def compare(overrides: list[str], policies: tuple[str, ...] = POLICIES, seeds: int = 1,
-            baselines: tuple[str, ...] = BASELINES, bounds: tuple[str, ...] = ()) -> pd.DataFrame:
+            baselines: tuple[str, ...] = BASELINES, bounds: tuple[str, ...] = (),
+            oracles: tuple[str, ...] = ()) -> pd.DataFrame:
     """One row per policy (then per bound), the columns of FIGURES plus ``speedup`` and ``vs_best``, as
     means over seeds, with ``<column>_std`` beside each when seeds > 1."""
     if seeds < 1:
         raise ConfigError(f"--seeds={seeds} must be >= 1")
     base = compose_config(overrides)
-    runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds)
+    runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds, oracles)
                       for seed in range(base.seed, base.seed + seeds)], ignore_index=True)
     return seed_statistics(runs, seeds > 1)
 
 
 def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines: tuple[str, ...],
-              bounds: tuple[str, ...]) -> pd.DataFrame:
-    """One seed: a row per policy and per bound, with speedups over the first policy and the best baseline."""
+              bounds: tuple[str, ...], oracles: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One seed: a row per policy and per bound, with speedups over the first policy and the best baseline.
+    Policies plan blind (their config's estimator, never the oracle); ``oracles`` adds a row ``oracle: <policy>``
+    per name, the policy planning with every sequence's true sensitivity: a bound, not a plan a trainer can make."""
     cfg = OmegaConf.merge(base, {"seed": seed, "write_plans": True})
     option: dict[str, str] = {}  # each policy once, named in errors by the first list that has it
     for flag, listed in (("--policies", policies), ("--baselines", baselines), ("--bounds", bounds)):
         for name in listed:
             option.setdefault(name, flag)
-    variants = {name: policy_variant(name, flag) for name, flag in option.items()}  # every name checked first
+    variants = {name: blind(policy_variant(name, flag), name, flag) for name, flag in option.items()}
+    variants.update({f"oracle: {name}": OmegaConf.merge(policy_variant(name, "--oracles"), {"estimator": "oracle"})
+                     for name in oracles})  # every name checked before anything runs
     outputs = {name: simulate(cfg, variant) for name, variant in variants.items()}
-    rows = [{"policy": label(name), **{col: outputs[name].summary[key] for col, key in FIGURES.items()}}
-            for name in policies]
+    labels = {**{name: label(name) for name in policies}, **{f"oracle: {name}": f"oracle: {label(name)}" for name in oracles}}
+    rows = [{"policy": labels[name], **{col: outputs[name].summary[key] for col, key in FIGURES.items()}}
+            for name in labels]
     for name in bounds:
-        even, bound = balance_bounds(cfg, outputs[name].results.plans)
+        even, bound = balance_bounds(cfg, outputs[name].results.plans, outputs[name].kept)
         # The plan's coverage; no bubble or memory figure, since no plan is simulated for these rows.
         figures = {col: outputs[name].summary[key] for col, key in FIGURES.items()}
         figures.update({col: np.nan for col in ("bubble_%", "peak_GB") if col in figures})
@@ -107,13 +115,20 @@ def policy_variant(spec: str, option: str = "--policies") -> PolicyConfig:
         raise ConfigError(f"{option} {spec!r}: {str(exc).splitlines()[0]}") from None
 
 
+def blind(policy: PolicyConfig, spec: str, option: str) -> PolicyConfig:
+    """The policy as a table row plans it: never with the oracle, which only ``--oracles`` rows may use."""
+    if str(getattr(policy.estimator, "value", policy.estimator)) == "oracle":
+        raise ConfigError(f"{option} {spec!r}: estimator=oracle is a bound; name the policy in --oracles instead")
+    return policy
+
+
 def label(spec: str) -> str:
     """A policy spec as a row name: overrides shown by their last key (``sab:pipeline_order=fit``)."""
     name, *overrides = spec.split(":")
     return ":".join([name, *(o.split("=")[0].rsplit(".", 1)[-1] + "=" + o.partition("=")[2] for o in overrides)])
 
 
-def balance_bounds(cfg: DictConfig, plans: list[str]) -> tuple[float, float]:
+def balance_bounds(cfg: DictConfig, plans: list[str], kept_per_step: list[np.ndarray]) -> tuple[float, float]:
     """Mean step times over the plans: ``even`` with each plan's total forward and backward work (at its own
     kept fractions) and hand-offs spread exactly evenly over the DP ranks and micro-batches, what a perfect
     balancer with equal micro-batches reaches with that work; and ``bound``, per plan the larger of that
@@ -126,17 +141,17 @@ def balance_bounds(cfg: DictConfig, plans: list[str]) -> tuple[float, float]:
     engine = Engine(layout, cost, cluster)
     slots = layout.dp * layout.micro_batches
     evens, bounds = [], []
-    for text in plans:
-        arrays = PlanArrays.from_plan(Plan.from_json(text))
-        kept = cost.kept_fractions(arrays.length, arrays.sensitivity, arrays.p, arrays.fixed_kf)
-        group = arrays.dp_rank * layout.micro_batches + arrays.micro_batch
-        mb = cost.micro_batch_costs(arrays.length, kept, group, slots, layout)
+    for text, kept in zip(plans, kept_per_step):
+        rank, micro_batch, length = (np.array(c, dtype=np.int64) for c in zip(
+            *((a.dp_rank, a.micro_batch, a.length) for a in Plan.from_json(text).assignments)))
+        group = rank * layout.micro_batches + micro_batch
+        mb = cost.micro_batch_costs(length, kept, group, slots, layout)
         even = np.full((1, layout.micro_batches), 1.0 / slots)
         p2p = cost.hand_off_ms(mb.tokens, layout).sum() * even
         evens.append(pipeline_time(mb.fwd_ms.sum() * even, mb.bwd_ms.sum() * even, p2p, layout.pp)
                      + engine.exposed_allreduce_ms(float(mb.bwd_ms.sum()) / slots))
-        longest = int(np.argmax(arrays.length))
-        alone = cost.micro_batch_costs(arrays.length[[longest]], kept[[longest]], np.zeros(1, dtype=np.int64), 1, layout)
+        longest = int(np.argmax(length))
+        alone = cost.micro_batch_costs(length[[longest]], kept[[longest]], np.zeros(1, dtype=np.int64), 1, layout)
         latency = pipeline_time(alone.fwd_ms[None], alone.bwd_ms[None],
                                 cost.hand_off_ms(alone.tokens, layout)[None], layout.pp)
         no_bubble = float(mb.fwd_ms.sum() + mb.bwd_ms.sum()) / layout.dp
@@ -191,13 +206,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="consecutive seeds from `seed` (mean +- std)")
     parser.add_argument("--bounds", nargs="?", const=",".join(BOUNDS), default="",
                         help=f"perfect-balance rows for these policies' plans (alone: {','.join(BOUNDS)})")
+    parser.add_argument("--oracles", default=",".join(ORACLES),
+                        help="bound rows 'oracle: <policy>': the policy planning with the data's true sensitivities")
     parser.add_argument("--ablation", action="store_true", help="the mechanisms one by one instead of --policies")
     args = parser.parse_intermixed_args()  # overrides may come before or after the options
     register()
     policies = ABLATION if args.ablation else names(args.policies)
     try:
         table = compare(hydra_overrides(args.overrides), policies, args.seeds, names(args.baselines),
-                        names(args.bounds))
+                        names(args.bounds), names(args.oracles))
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         fail(str(exc).splitlines()[0])
     print(" ".join(args.overrides), f"(seeds {args.seeds})" if args.seeds > 1 else "")

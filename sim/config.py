@@ -208,11 +208,20 @@ class PolicyPart:
     params: Dict[str, Any] = field(default_factory=dict)
 
 
+class EstimatorName(str, Enum):
+    """What the policies believe about sequences they have not run (sim.estimate)."""
+
+    prior = "prior"  # the workload's population figures by length
+    online = "online"  # those updated with what the kernel reported of earlier steps
+    oracle = "oracle"  # the data's truth: bound rows of the simulator only
+
+
 @dataclass
 class PolicyConfig:
     name: str = MISSING
     batching: PolicyPart = field(default_factory=PolicyPart)
     sparsity: PolicyPart = field(default_factory=PolicyPart)
+    estimator: EstimatorName = EstimatorName.online
 
 
 class Sharding(str, Enum):

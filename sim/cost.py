@@ -93,6 +93,14 @@ def diag_fraction(lengths: np.ndarray, block_size: int) -> np.ndarray:
     return 2.0 / (nb + 1.0)
 
 
+def topk_kept_fraction(lengths, top_k, block_size: int) -> np.ndarray:
+    """Share of a document's causal blocks that top-k keeps: row r (of nb query blocks) keeps min(k, r + 1)
+    blocks, so k (k + 1) / 2 + (nb - k) k of nb (nb + 1) / 2 when k < nb, and every block otherwise."""
+    nb = np.ceil(np.asarray(lengths, dtype=np.float64) / block_size)
+    k = np.minimum(np.asarray(top_k, dtype=np.float64), nb)
+    return (k * (k + 1.0) / 2.0 + (nb - k) * k) / np.maximum(nb * (nb + 1.0) / 2.0, 1.0)
+
+
 def _head_pair_flops(model: ModelConfig, block_size: int) -> float:
     """FLOPs of QK^T and PV of one (query block, key block) pair for one head: 2 matmuls x 2 FLOPs per MAC."""
     return 4.0 * block_size * block_size * model.head_dim
@@ -271,12 +279,23 @@ class CostModel(ABC):
     def coverage(self, seq: Sequence, kept_fraction: float) -> float:
         return float(self.coverages(np.array([seq.sensitivity]), np.array([kept_fraction]))[0])
 
-    def kept_fractions(self, lengths, sensitivities, p, fixed=None) -> np.ndarray:
-        """Vectorised kept_fraction; where ``fixed`` (a kept fraction) is not NaN it replaces p."""
+    def kept_fractions(self, lengths, sensitivities, p, fixed=None, top_k=None, p_floor=None) -> np.ndarray:
+        """Vectorised kept_fraction; where ``fixed`` (a kept fraction) is not NaN it replaces p, and where
+        ``top_k`` (blocks per query block) is not NaN the top-k rows replace it, raised to ``p_floor``'s
+        top-p rows where that is not NaN (the row keeps the larger of the two sets)."""
         kf = np.power(np.asarray(p, dtype=np.float64), 1.0 / np.asarray(sensitivities, dtype=np.float64))
         if fixed is not None:
             fixed = np.asarray(fixed, dtype=np.float64)
             kf = np.where(np.isnan(fixed), kf, fixed)
+        if top_k is not None:
+            top_k = np.asarray(top_k, dtype=np.float64)
+            rows = topk_kept_fraction(lengths, np.where(np.isnan(top_k), 1.0, top_k), self.block_size)
+            if p_floor is not None:
+                floor = np.asarray(p_floor, dtype=np.float64)
+                with np.errstate(invalid="ignore"):
+                    raised = np.power(floor, 1.0 / np.asarray(sensitivities, dtype=np.float64))
+                rows = np.where(np.isnan(floor), rows, np.maximum(rows, raised))
+            kf = np.where(np.isnan(top_k), kf, rows)
         return np.maximum(kf, diag_fraction(lengths, self.block_size))
 
     @staticmethod

@@ -22,51 +22,45 @@ All sequence-level work is vectorised with numpy before the event loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import simpy
 
-from sim.plan import Plan
+from sim.plan import BudgetArrays, Plan
 from sim.cluster import Cluster, Layout
 from sim.cost import CostModel, total_params, training_flops
 from sim.memory import GB, MemoryModel
+from sim.pipeline import last_micro_batches, one_f_one_b, stage_finish_ms
 from sim.results import StepRecord, coverage_fields
 
 
 @dataclass(frozen=True)
 class PlanArrays:
-    """A Plan flattened to one numpy row per sequence."""
+    """A Plan flattened to one numpy row per sequence, with the data's truth about each (its sensitivity)."""
 
     dp_rank: np.ndarray
     micro_batch: np.ndarray
     length: np.ndarray
     sensitivity: np.ndarray
-    p: np.ndarray
-    fixed_kf: np.ndarray  # NaN where the budget sets p rather than the kept fraction
+    budgets: BudgetArrays
 
     @classmethod
-    def from_plan(cls, plan: Plan) -> PlanArrays:
-        rows = [
-            (a.dp_rank, a.micro_batch, a.length, a.sensitivity, a.budget.p,
-             np.nan if a.budget.kept_fraction is None else a.budget.kept_fraction)
-            for a in plan.assignments
-        ]
-        cols = np.array(rows, dtype=np.float64).reshape(-1, 6).T
-        return cls(cols[0].astype(np.int64), cols[1].astype(np.int64), cols[2].astype(np.int64), cols[3], cols[4], cols[5])
+    def from_plan(cls, plan: Plan, truth: Mapping[int, float]) -> PlanArrays:
+        """``truth``: sequence id -> sensitivity (sim.workload.truth_of); every planned sequence needs one."""
+        a = plan.assignments
+        n = len(a)
+        missing = [x.seq_id for x in a if x.seq_id not in truth]
+        if missing:
+            raise ValueError(f"no sensitivity for sequence {missing[0]} of the step {plan.step} plan")
+        return cls(np.fromiter((x.dp_rank for x in a), dtype=np.int64, count=n),
+                   np.fromiter((x.micro_batch for x in a), dtype=np.int64, count=n),
+                   np.fromiter((x.length for x in a), dtype=np.int64, count=n),
+                   np.fromiter((truth[x.seq_id] for x in a), dtype=np.float64, count=n),
+                   BudgetArrays.of(x.budget for x in a))
 
-
-def one_f_one_b(stage: int, pp: int, m: int) -> list[tuple[bool, int]]:
-    """(is_forward, micro_batch) in 1F1B order for one stage."""
-    warmup = min(pp - stage - 1, m)
-    ops = [(True, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        ops += [(True, warmup + i), (False, i)]
-    return ops + [(False, i) for i in range(m - warmup, m)]
-
-
-def last_micro_batches(pp: int, m: int) -> list[int]:
-    """The micro-batch whose backward each stage runs last under 1F1B."""
-    return [one_f_one_b(stage, pp, m)[-1][1] for stage in range(pp)] if m else []
+    def kept(self, cost: CostModel) -> np.ndarray:
+        return self.budgets.kept(cost, self.length, self.sensitivity)
 
 
 @dataclass(frozen=True)
@@ -149,6 +143,8 @@ class StepOutcome:
     record: StepRecord
     rows: dict[str, np.ndarray]  # MicroBatchRecord columns
     timeline: Timeline
+    kept: np.ndarray  # [n] per sequence in plan order: what the kernel reports
+    coverage: np.ndarray  # [n]
 
 
 class Engine:
@@ -166,23 +162,49 @@ class Engine:
         busy ms, [dp, pp]. With B buckets of t ms each, bucket j (of 0..B-1) is ready on a rank at
         start + busy (j+1)/B and done at (j+1) t + max over i <= j of (latest readiness of bucket i - i t);
         the last bucket's end is the larger of the last readiness plus t and the first readiness plus B t."""
+        return float(self.reduced_all_ms(start, busy))
+
+    def reduced_all_ms(self, start: np.ndarray, busy: np.ndarray) -> np.ndarray:
+        """``reduced_ms`` over leading axes: start and busy [..., dp, pp]."""
         t, b = self.bucket_ms, self.buckets
-        last = (start + busy).max(axis=0) + t
-        first = (start + busy / b).max(axis=0) + b * t
-        return float(np.maximum(last, first).max(initial=0.0))
+        last = (start + busy).max(axis=-2) + t
+        first = (start + busy / b).max(axis=-2) + b * t
+        return np.maximum(last, first).max(axis=-1, initial=0.0)
+
+    def expected_step_ms(self, plan: Plan, kept: np.ndarray) -> float:
+        """The mean step time over rows of kept fractions ``kept`` [S, n] (plan order): what a planner that
+        believes the sequences will run at one of those rows, each as likely, expects the step to take. The
+        same pipeline and gradient reduction as ``step``, in closed form (sim.pipeline)."""
+        layout, cost = self.layout, self.cost
+        dp, m, pp = layout.dp, layout.micro_batches, layout.pp
+        s, n = kept.shape
+        rank = np.fromiter((a.dp_rank for a in plan.assignments), dtype=np.int64, count=n)
+        mb = np.fromiter((a.micro_batch for a in plan.assignments), dtype=np.int64, count=n)
+        lengths = np.fromiter((a.length for a in plan.assignments), dtype=np.int64, count=n)
+        group = (np.arange(s)[:, None] * dp * m + rank * m + mb).ravel()
+        costs = cost.micro_batch_costs(np.tile(lengths, s), kept.ravel(), group, s * dp * m, layout)
+        fwd, bwd = costs.fwd_ms.reshape(s, dp, m), costs.bwd_ms.reshape(s, dp, m)
+        p2p = cost.hand_off_ms(costs.tokens[: dp * m], layout).reshape(dp, m)
+        finish = stage_finish_ms(fwd, bwd, p2p, pp)  # [S, dp, pp]
+        last_bwd = bwd[:, :, last_micro_batches(pp, m)]  # [S, dp, pp]
+        step = np.maximum(finish.max(axis=(-1, -2)), self.reduced_all_ms(finish - last_bwd, last_bwd))
+        return float(step.mean())
 
     def exposed_allreduce_ms(self, last_bwd_ms: float) -> float:
         """The reduction's time past the end of compute when every replica's last backward takes this long."""
         t, b = self.bucket_ms, self.buckets
         return max(t, b * t - last_bwd_ms * (1 - 1 / b))
 
-    def step(self, plan: Plan, trace: bool = False, busy_ms: tuple[np.ndarray, np.ndarray] | None = None) -> StepOutcome:
-        """``busy_ms``: (fwd, bwd) ms per [dp, m, pp] in place of the cost model's compute times (measured ones,
-        runner.replay); hand-offs, the all-reduce, memory and coverage stay modelled."""
+    def step(self, plan: Plan, truth: Mapping[int, float], trace: bool = False,
+             busy_ms: tuple[np.ndarray, np.ndarray] | None = None, predicted_ms: float = float("nan")) -> StepOutcome:
+        """One step of ``plan`` on sequences whose sensitivities are ``truth`` (id -> s). ``busy_ms``: (fwd, bwd)
+        ms per [dp, m, pp] in place of the cost model's compute times (measured ones, runner.replay); hand-offs,
+        the all-reduce, memory and coverage stay modelled. ``predicted_ms``: what the planner expected the step
+        to take, recorded beside it."""
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
-        arrays = PlanArrays.from_plan(plan)
-        kept = cost.kept_fractions(arrays.length, arrays.sensitivity, arrays.p, arrays.fixed_kf)
+        arrays = PlanArrays.from_plan(plan, truth)
+        kept = arrays.kept(cost)
         coverage = cost.coverages(arrays.sensitivity, kept)
         group = arrays.dp_rank * m + arrays.micro_batch
         mb_cost = cost.micro_batch_costs(arrays.length, kept, group, dp * m, layout)
@@ -198,7 +220,7 @@ class Engine:
         # [dp, m, pp] GB of each stage while each micro-batch's backward runs (sim.memory)
         memory_gb = (None if self.memory is None else
                      self.memory.bytes_of(arrays.dp_rank, arrays.micro_batch, arrays.length, kept,
-                                          topk=~np.isnan(arrays.fixed_kf)) / GB)
+                                          topk=arrays.budgets.fixes_blocks) / GB)
         record = StepRecord(
             step=plan.step,
             step_ms=step_ms,
@@ -209,11 +231,12 @@ class Engine:
             min_coverage=float(coverage.min()) if coverage.size else 1.0,
             **coverage_fields(arrays.length, coverage),
             peak_memory_gb=float(memory_gb.max(initial=0.0)) if memory_gb is not None else float("nan"),
+            predicted_ms=predicted_ms,
         )
         compute = np.broadcast_to((fwd + bwd).reshape(dp, m, -1), (dp, m, pp)).reshape(-1)
         rows = self._rows(plan.step, group, kept, coverage, mb_cost, compute, p2p, timeline)
         rows["peak_memory_gb"] = memory_gb.reshape(-1) if memory_gb is not None else np.full(rows["step"].size, np.nan)
-        return StepOutcome(record, rows, timeline)
+        return StepOutcome(record, rows, timeline, kept, coverage)
 
     def _rows(self, step, group, kept, coverage, mb_cost, compute, p2p, timeline) -> dict[str, np.ndarray]:
         """MicroBatchRecord columns, ordered (dp_rank, micro_batch, stage)."""

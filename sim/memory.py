@@ -42,12 +42,12 @@ import numpy as np
 from sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
 from sim.core import ConfigError, resolve_path
 from sim.cost import BF16, embedding_params, params_per_layer
-from sim.plan import Assignment, Plan
+from sim.plan import Assignment, BudgetArrays, Plan
 
 if TYPE_CHECKING:
     from sim.cluster import Layout
     from sim.cost import CostModel
-    from sim.workload import Sequence
+    from sim.workload import Request
 
 GB = 1e9  # bytes; capacities and reports are decimal GB, as the datasheet's 141 GB
 INT32 = 4
@@ -314,7 +314,7 @@ class MemoryModel:
         return Overfull(*map(int, worst), need) if need > self.available_bytes else None
 
     # --- checks
-    def check_batch(self, batch: list[Sequence]) -> None:
+    def check_batch(self, batch: list[Request]) -> None:
         """Fail, naming the sequence, when one sequence alone in a micro-batch (dense) exceeds a stage; nothing
         under ``overflow=allow``."""
         if self.overflow is Overflow.allow:
@@ -387,16 +387,15 @@ class PlanRows:
 
 
 def plan_rows(plan: Plan, cost: CostModel) -> PlanRows:
+    """A plan's rows at the most blocks its budgets can keep: a planner does not know how a sequence's
+    attention spreads, and the kept fraction grows with the sensitivity s (p ** (1 / s)), so s = 1 bounds it."""
     a = plan.assignments
     n = len(a)
     rank = np.fromiter((x.dp_rank for x in a), dtype=np.int64, count=n)
     mb = np.fromiter((x.micro_batch for x in a), dtype=np.int64, count=n)
     length = np.fromiter((x.length for x in a), dtype=np.int64, count=n)
-    sens = np.fromiter((x.sensitivity for x in a), dtype=np.float64, count=n)
-    p = np.fromiter((x.budget.p for x in a), dtype=np.float64, count=n)
-    fixed = np.fromiter((np.nan if x.budget.kept_fraction is None else x.budget.kept_fraction for x in a),
-                        dtype=np.float64, count=n)
-    return PlanRows(rank, mb, length, cost.kept_fractions(length, sens, p, fixed), ~np.isnan(fixed))
+    budgets = BudgetArrays.of(x.budget for x in a)
+    return PlanRows(rank, mb, length, budgets.kept(cost, length, np.ones(n)), budgets.fixes_blocks)
 
 
 MAX_TARGET_RANKS = 8  # a cross-rank move tries the ranks with the lowest peaks only
@@ -464,7 +463,7 @@ def _best_move(memory, rows, rank, mb, state, worst: int, inside: bool):
 
 
 def _moved(plan: Plan, rank: np.ndarray, mb: np.ndarray) -> Plan:
-    moved = [Assignment(a.seq_id, a.length, a.sensitivity, int(r), int(j), a.budget)
+    moved = [Assignment(a.seq_id, a.length, int(r), int(j), a.budget)
              for a, r, j in zip(plan.assignments, rank.tolist(), mb.tolist())]
     moved.sort(key=lambda a: (a.dp_rank, a.micro_batch))  # stable: a micro-batch keeps its order
     return replace(plan, assignments=tuple(moved))

@@ -12,7 +12,6 @@ entry points of the group ``sparsebalance.policies`` (the built-in ``policies`` 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 from importlib import import_module
 from importlib.metadata import entry_points
@@ -25,29 +24,26 @@ from sim.cluster import Layout
 from sim.config import validate
 from sim.core import ConfigError
 from sim.cost import CostModel
-from sim.memory import MemoryModel
+from sim.estimate import Belief
 from sim.plan import Plan
-from sim.workload import Sequence
+from sim.workload import Request
 
 ENTRY_POINT_GROUP = "sparsebalance.policies"
 BUILTIN_PACKAGE = "policies"  # what this project's pyproject.toml names in that group
 
 
-@dataclass(frozen=True)
-class NoParams:
-    """For policies without parameters."""
-
-
 @runtime_checkable
 class BatchingPolicy(Protocol):
-    """May also define ``observe(plan)``: it is then shown every tuned Plan (see ``plan_step``)."""
+    """May also define ``observe(observation)``: it is then shown every step's outcome (sim.planner)."""
 
-    def plan(self, batch: list[Sequence], layout: Layout, cost: CostModel, step: int) -> Plan: ...
+    def plan(self, batch: list[Request], layout: Layout, cost: CostModel, step: int, belief: Belief) -> Plan: ...
 
 
 @runtime_checkable
 class SparsityPolicy(Protocol):
-    def tune(self, plan: Plan, layout: Layout, cost: CostModel) -> Plan: ...
+    """May also define ``observe(observation)``, as a batching policy may."""
+
+    def tune(self, plan: Plan, layout: Layout, cost: CostModel, belief: Belief) -> Plan: ...
 
 
 BATCHING: dict[str, type] = {}
@@ -71,26 +67,6 @@ def _register(registry: dict, name: str):
         return cls
 
     return add
-
-
-def plan_step(batching: BatchingPolicy, sparsity: SparsityPolicy, batch: list[Sequence], layout: Layout,
-              cost: CostModel, step: int, memory: MemoryModel | None = None) -> Plan:
-    """One global batch to its Plan: batching, sparsity tuning, then the tuned Plan shown to a batching
-    policy that learns from it (sab's expected budgets). sim.run and the runner both plan through this,
-    so they produce the same Plans. With a ``memory`` model the batch and both plans must fit (sim.memory:
-    a sequence that fits under no plan, or a plan its batching policy cannot repair, is a one-line error)."""
-    if memory is not None:
-        memory.check_batch(batch)
-    plan = batching.plan(batch, layout, cost, step)
-    if memory is not None:
-        plan = memory.fitted(plan, batching, cost)
-    plan = sparsity.tune(plan, layout, cost)
-    if memory is not None:
-        memory.check(plan, cost, f"{getattr(batching, 'name', '?')} tuned by {getattr(sparsity, 'name', '?')}")
-    observe = getattr(batching, "observe", None)
-    if observe is not None:
-        observe(plan)
-    return plan
 
 
 def make_batching(name: str, params: Mapping[str, Any]) -> BatchingPolicy:

@@ -51,9 +51,20 @@ class StepRecord:
     token_coverage: float = math.nan  # weighted by length
     attention_coverage: float = math.nan  # weighted by length ** 2, the causal attention work
     long_coverage: float = math.nan  # mean over the longest quarter of the step's sequences
+    # The step time the planner expected before the step ran (sim.planner); NaN where it made no prediction.
+    predicted_ms: float = math.nan
 
 
 COVERAGE_KEYS = ("token_coverage", "attention_coverage", "long_coverage")
+
+
+def prediction_fields(steps) -> dict:
+    """How far the steps ran from the planner's predictions: the median and the largest of
+    100 (realized / predicted - 1) over the steps that have a prediction (None where none has)."""
+    err = (100 * (steps["step_ms"] / steps["predicted_ms"] - 1)).dropna() if "predicted_ms" in steps else []
+    if len(err) == 0:
+        return {"prediction_error_pct": None, "prediction_error_max_pct": None}
+    return {"prediction_error_pct": float(err.median()), "prediction_error_max_pct": float(err.abs().max())}
 LONG_SHARE = 0.25  # long_coverage: this share of a step's sequences, the longest
 
 
@@ -124,6 +135,7 @@ class Results:
             "min_coverage": float(steps["min_coverage"].min()),
             "peak_memory_gb": _or_none(steps["peak_memory_gb"].max()),
             **{key: _or_none(steps[key].mean()) for key in COVERAGE_KEYS},  # means over steps
+            **prediction_fields(steps),
         }
 
     def write(self, run_dir: Path, summary: dict) -> list[Path]:

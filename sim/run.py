@@ -28,15 +28,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
-from sim.policy import make_batching, make_sparsity, plan_step
-from sim.cluster import Cluster, Layout
-from sim.config import PolicyConfig, RunConfig, register, validate
+from sim.config import PolicyConfig, RunConfig, register
 from sim.core import CONF_DIR, ConfigError, check_group_overrides, check_writable, compose_config, fail, group_options
-from sim.cost import CostModel, make_cost
 from sim.engine import Engine
-from sim.memory import MemoryModel
 from sim.results import Results
-from sim.workload import Workload
+from sim.setup import load_policy, make_planner, prepare
+from sim.workload import requests, truth_of
 
 OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
 # DST meets its coverage target in its own sums; the engine's sums of the same coverages differ by rounding.
@@ -47,40 +44,7 @@ COVERAGE_TOLERANCE = 1e-9
 class RunOutput:
     results: Results
     summary: dict
-
-
-def load_policy(name: str) -> PolicyConfig:
-    """A policy config by name, outside Hydra's composition (the baseline of a run)."""
-    path = CONF_DIR / "policy" / f"{name}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"baseline={name!r} is not a policy; allowed: {', '.join(group_options('policy'))}")
-    return OmegaConf.merge(OmegaConf.structured(PolicyConfig), OmegaConf.load(path))
-
-
-@dataclass
-class Setup:
-    """What a run is built from, once its config has passed every check."""
-
-    cluster: Cluster
-    layout: Layout
-    cost: CostModel
-    workload: Workload
-    memory: MemoryModel
-
-
-def prepare(cfg: RunConfig) -> Setup:
-    """Validate a run config (ranges, layout, sizes, trace, profiles) and build its parts."""
-    validate(cfg)
-    cluster = Cluster.from_config(cfg.cluster)
-    layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
-    cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
-    memory = MemoryModel.from_config(cfg, layout, cost.block_size)
-    return Setup(cluster, layout, cost, Workload(cfg.workload, cfg.model.max_context, cfg.seed), memory)
-
-
-def make_policy(policy: PolicyConfig):
-    return (make_batching(policy.batching.name, policy.batching.params),
-            make_sparsity(policy.sparsity.name, policy.sparsity.params))
+    kept: list  # per step, each sequence's kept fraction in plan order (what the kernel reported)
 
 
 def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | None = None, progress: bool = False) -> RunOutput:
@@ -91,18 +55,21 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     policy = OmegaConf.to_object(policy) if isinstance(policy, DictConfig) else policy
     setup = prepare(cfg)
     layout = setup.layout
-    batching, sparsity = make_policy(policy)
+    planner = make_planner(cfg, setup, policy, truth=lambda step: truth_of(setup.workload.batch(step)))
     engine = Engine(layout, setup.cost, setup.cluster, setup.memory)
-    results = Results()
+    results, kept = Results(), []
     for step in steps_with_progress(cfg.steps, policy.name, progress):
-        plan = plan_step(batching, sparsity, setup.workload.batch(step), layout, setup.cost, step, setup.memory)
-        outcome = engine.step(plan)
+        batch = setup.workload.batch(step)
+        plan = planner.plan(requests(batch), step)
+        outcome = engine.step(plan, truth_of(batch), predicted_ms=planner.predicted_ms)
+        planner.observe(plan, outcome.kept, outcome.coverage, outcome.record.step_ms)
         results.add(outcome.record, outcome.rows, plan.to_json() if cfg.write_plans else None)
+        kept.append(outcome.kept)
     summary = results.summary(
         policy=policy.name, dp=layout.dp, cp=layout.cp, pp=layout.pp, micro_batches=layout.micro_batches,
         gpus=layout.gpus, seed=cfg.seed, model=cfg.model.name, workload=cfg.workload.name, cost=cfg.cost.name,
     )
-    return RunOutput(results, summary)
+    return RunOutput(results, summary, kept)
 
 
 def steps_with_progress(steps: int, desc: str, progress: bool, interval_s: float = 5.0):
@@ -291,10 +258,10 @@ def check_optuna(sweeper: DictConfig) -> None:
 
 
 def check_job(cfg: RunConfig) -> None:
-    prepare(cfg)
-    make_policy(cfg.policy)
+    setup = prepare(cfg)
+    make_planner(cfg, setup, truth=dict)  # the policies and the estimator (the simulator may give truth)
     if cfg.baseline and cfg.baseline != cfg.policy.name:
-        make_policy(load_policy(cfg.baseline))
+        make_planner(cfg, setup, load_policy(cfg.baseline), truth=dict)
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy import special
 
 from sim.config import LengthDistribution, WorkloadConfig, validate
 from sim.core import ConfigError, resolve_path
@@ -21,10 +22,29 @@ MIN_SENSITIVITY = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
-class Sequence:
+class Request:
+    """What a trainer knows of a sequence before it runs."""
+
     id: int
     length: int  # tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Sequence(Request):
+    """A sequence with the data's truth: how its attention spreads. Only the engine (and in the runner the
+    data generator and the kernel) sees ``sensitivity``; planners get ``requests(batch)``."""
+
     sensitivity: float  # coverage(kf) = kf ** sensitivity, in (0, 1]
+
+
+def requests(batch) -> list[Request]:
+    """The batch as a planner sees it: ids and lengths."""
+    return [Request(s.id, s.length) for s in batch]
+
+
+def truth_of(batch) -> dict[int, float]:
+    """Sequence id -> sensitivity: what the engine prices a step with."""
+    return {s.id: s.sensitivity for s in batch}
 
 
 def read_trace(path: str) -> np.ndarray:
@@ -122,6 +142,18 @@ class Workload:
         raw = (self._profile.draw(lengths, rng) if self._profile is not None
                else rng.beta(self.cfg.sensitivity_a, self.cfg.sensitivity_b, lengths.size))
         return np.clip(raw, MIN_SENSITIVITY, 1.0)
+
+    def population(self, lengths) -> tuple[np.ndarray, np.ndarray]:
+        """The workload's population figures, nothing per sequence: the mean and standard deviation of
+        logit(s) at each length (the measured profile's, or the Beta(a, b) prior's exact ones:
+        E logit s = digamma(a) - digamma(b), Var logit s = trigamma(a) + trigamma(b))."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        if self._profile is not None:
+            return self._profile.mean(lengths), self._profile.std(lengths)
+        a, b = self.cfg.sensitivity_a, self.cfg.sensitivity_b
+        mean = float(special.digamma(a) - special.digamma(b))
+        std = float(np.sqrt(special.polygamma(1, a) + special.polygamma(1, b)))
+        return np.full(lengths.size, mean), np.full(lengths.size, std)
 
     def batch(self, step: int) -> list[Sequence]:
         rng = np.random.default_rng([self.seed, step])

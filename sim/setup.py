@@ -1,0 +1,65 @@
+"""A run's parts built from its config: the cluster, layout, cost and memory models, the workload, and the
+planner (policies plus estimator) that the simulator and the runner plan through."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from omegaconf import OmegaConf
+
+from sim.cluster import Cluster, Layout
+from sim.config import PolicyConfig, RunConfig, validate
+from sim.core import CONF_DIR, ConfigError, group_options
+from sim.cost import CostModel, make_cost
+from sim.engine import Engine
+from sim.estimate import make_estimator
+from sim.memory import MemoryModel
+from sim.planner import Planner
+from sim.policy import make_batching, make_sparsity
+from sim.workload import Workload
+
+
+def load_policy(name: str) -> PolicyConfig:
+    """A policy config by name, outside Hydra's composition (the baseline of a run)."""
+    path = CONF_DIR / "policy" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"baseline={name!r} is not a policy; allowed: {', '.join(group_options('policy'))}")
+    return OmegaConf.merge(OmegaConf.structured(PolicyConfig), OmegaConf.load(path))
+
+
+@dataclass
+class Setup:
+    """What a run is built from, once its config has passed every check."""
+
+    cluster: Cluster
+    layout: Layout
+    cost: CostModel
+    workload: Workload
+    memory: MemoryModel
+
+
+def prepare(cfg: RunConfig) -> Setup:
+    """Validate a run config (ranges, layout, sizes, trace, profiles) and build its parts."""
+    validate(cfg)
+    cluster = Cluster.from_config(cfg.cluster)
+    layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
+    cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
+    memory = MemoryModel.from_config(cfg, layout, cost.block_size)
+    return Setup(cluster, layout, cost, Workload(cfg.workload, cfg.model.max_context, cfg.seed), memory)
+
+
+def make_policy(policy: PolicyConfig):
+    return (make_batching(policy.batching.name, policy.batching.params),
+            make_sparsity(policy.sparsity.name, policy.sparsity.params))
+
+
+def make_planner(cfg: RunConfig, setup: Setup, policy: PolicyConfig | None = None,
+                 truth: Callable[[int], dict[int, float]] | None = None) -> Planner:
+    """The planner of ``policy`` (default ``cfg.policy``) on a prepared run. ``truth`` (step -> {id: s}) is
+    what only the simulator can hand over, for the ``oracle`` estimator's bound rows."""
+    policy = cfg.policy if policy is None else policy
+    batching, sparsity = make_policy(policy)
+    estimator = make_estimator(str(getattr(policy.estimator, "value", policy.estimator)),
+                               setup.workload.population, cfg.seed, truth)
+    engine = Engine(setup.layout, setup.cost, setup.cluster)
+    return Planner(batching, sparsity, estimator, setup.layout, setup.cost, setup.memory, engine)
