@@ -28,15 +28,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sim.cluster import Cluster, Layout
-from sim.config import PolicyConfig, register
+from sim.config import AttentionBackend, PolicyConfig, register
 from sim.core import ConfigError, compose_config, fail, group_options
 from sim.cost import make_cost
 from sim.engine import Engine, run_pipeline
 from sim.plan import Plan
 from sim.run import load_policy, simulate
 
-# Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9), then ours and the cross.
-BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap")
+# Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9), then ours and the cross; verl_dense
+# is what a user who does not train sparse runs (dense on the fastest dense kernel the profile prices).
+BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap", "verl_dense")
 POLICIES = (*BASELINES, "sab", "dst", "verl_dst", "sparsebalance")
 BOUNDS = ("baseline", "sparsebalance")
 ORACLES = ("sparsebalance",)  # bound rows: the policy planning with every sequence's true sensitivity
@@ -55,14 +56,15 @@ FIGURES = {  # table column -> summary key
 }
 
 
-def compare(overrides: list[str], policies: tuple[str, ...] = POLICIES, seeds: int = 1,
-            baselines: tuple[str, ...] = BASELINES, bounds: tuple[str, ...] = (),
+def compare(overrides: list[str], policies: tuple[str, ...] | None = None, seeds: int = 1,
+            baselines: tuple[str, ...] | None = None, bounds: tuple[str, ...] = (),
             oracles: tuple[str, ...] = ()) -> pd.DataFrame:
     """One row per policy (then per bound), the columns of FIGURES plus ``speedup`` and ``vs_best``, as
     means over seeds, with ``<column>_std`` beside each when seeds > 1."""
     if seeds < 1:
         raise ConfigError(f"--seeds={seeds} must be >= 1")
     base = compose_config(overrides)
+    policies, baselines = with_defaults(base, policies, baselines)
     runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds, oracles)
                       for seed in range(base.seed, base.seed + seeds)], ignore_index=True)
     return seed_statistics(runs, seeds > 1)
@@ -198,11 +200,35 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(filter(None, (t.strip() for t in text.split(","))))
 
 
+def with_defaults(base: DictConfig, policies: tuple[str, ...] | None,
+                  baselines: tuple[str, ...] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The lists as given, or where None the defaults this config can price (default_lists)."""
+    if policies is not None and baselines is not None:
+        return policies, baselines
+    default_policies, default_baselines, _ = default_lists(base)
+    return (default_policies if policies is None else policies, default_baselines if baselines is None else baselines)
+
+
+def default_lists(base: DictConfig, ablation: bool = False) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
+    """(policies, baselines) by default, and a note per policy left out: one that trains on a dense backend
+    (``attention_backend``, verl_dense) only where the run's cost model prices one (a profile with a
+    ``backends`` section). Named explicitly, such a policy is an error there instead."""
+    typed = OmegaConf.to_object(base)
+    cost = make_cost(typed.cost, typed.model, Cluster.from_config(typed.cluster), recompute=False)
+    unpriced = [] if cost.dense_backends() else [
+        name for name in BASELINES if load_policy(name).attention_backend not in (None, AttentionBackend.ours)]
+    where = f"the profile {typed.cost.profile}" if typed.cost.name == "calibrated" else f"cost={typed.cost.name}"
+    notes = [f"{name}: left out, {where} prices no dense attention backend" for name in unpriced]
+    policies = ABLATION if ablation else POLICIES
+    return (tuple(n for n in policies if n not in unpriced), tuple(n for n in BASELINES if n not in unpriced), notes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m sim.compare", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="experiment=<name> and Hydra overrides")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; `speedup` is over the first")
-    parser.add_argument("--baselines", default=",".join(BASELINES), help="`vs_best` is over the fastest of these")
+    parser.add_argument("--policies", help=f"comma-separated; `speedup` is over the first (default {','.join(POLICIES)})")
+    parser.add_argument("--baselines", help=f"`vs_best` is over the fastest of these (default {','.join(BASELINES)}; "
+                                            "verl_dense where the profile prices a dense backend)")
     parser.add_argument("--seeds", type=int, default=1, help="consecutive seeds from `seed` (mean +- std)")
     parser.add_argument("--bounds", nargs="?", const=",".join(BOUNDS), default="",
                         help=f"perfect-balance rows for these policies' plans (alone: {','.join(BOUNDS)})")
@@ -211,13 +237,17 @@ def main() -> None:
     parser.add_argument("--ablation", action="store_true", help="the mechanisms one by one instead of --policies")
     args = parser.parse_intermixed_args()  # overrides may come before or after the options
     register()
-    policies = ABLATION if args.ablation else names(args.policies)
+    overrides = hydra_overrides(args.overrides)
     try:
-        table = compare(hydra_overrides(args.overrides), policies, args.seeds, names(args.baselines),
-                        names(args.bounds), names(args.oracles))
+        policies, baselines, notes = default_lists(compose_config(overrides), args.ablation)
+        policies = names(args.policies) if args.policies is not None and not args.ablation else policies
+        baselines = names(args.baselines) if args.baselines is not None else baselines
+        table = compare(overrides, policies, args.seeds, baselines, names(args.bounds), names(args.oracles))
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         fail(str(exc).splitlines()[0])
     print(" ".join(args.overrides), f"(seeds {args.seeds})" if args.seeds > 1 else "")
+    for note in notes:
+        print(note)
     print(formatted(table).to_string(index=False))
 
 

@@ -9,7 +9,7 @@ composed config, so that every bad value is reported as one line naming its key 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from typing import Any, Dict, Optional
 
@@ -188,6 +188,14 @@ class WorkloadConfig:
                               "(a measured profile); the Beta prior has no tasks")
 
 
+class AttentionBackend(str, Enum):
+    """Which kernel prices a micro-batch's attention (sim.backends)."""
+
+    ours = "ours"  # our block-sparse kernel at the plan's budgets
+    dense_best = "dense_best"  # every micro-batch dense (kept 1) on the fastest dense backend the profile prices
+    hybrid = "hybrid"  # each micro-batch on whichever is priced fastest: ours at its budgets or a dense backend
+
+
 @dataclass
 class CostConfig:
     name: str = MISSING  # a key of sim.cost.COST_MODELS
@@ -198,6 +206,7 @@ class CostConfig:
     attn_bwd_ratio: float = bounded(2.5, POSITIVE)  # backward/forward attention FLOPs (5 matmuls vs 2)
     launch_ms: float = bounded(0.0, NON_NEGATIVE)  # roofline: fixed overhead per kernel call
     profile: str = "calibrate/profiles/h200.json"  # calibrated: profile file
+    attention_backend: AttentionBackend = AttentionBackend.ours
 
 
 @dataclass
@@ -222,6 +231,13 @@ class PolicyConfig:
     batching: PolicyPart = field(default_factory=PolicyPart)
     sparsity: PolicyPart = field(default_factory=PolicyPart)
     estimator: EstimatorName = EstimatorName.online
+    # The attention backend this policy trains on (verl_dense: dense_best); null: the run's cost.attention_backend.
+    attention_backend: Optional[AttentionBackend] = None
+
+
+def policy_cost(cost: CostConfig, policy: PolicyConfig) -> CostConfig:
+    """The cost config a policy runs under: its own attention backend where it names one."""
+    return cost if policy.attention_backend is None else replace(cost, attention_backend=policy.attention_backend)
 
 
 class Sharding(str, Enum):

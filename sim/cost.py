@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, backends_problem, fastest, grouped_dense, linear_ms
 from sim.cluster import Cluster, Layout
 from sim.config import CostConfig, ModelConfig
 from sim.core import ConfigError, one_line_errors, read_json_config_file, resolve_path, write_json_atomic
@@ -202,6 +203,15 @@ def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: 
     return {k: float(v[0]) for k, v in feats.items()}
 
 
+def dense_features(lengths, model: ModelConfig, block_size: int) -> dict[str, float]:
+    """Features of one dense attention call (one layer, forward) over a micro-batch of documents: those of
+    sim.backends.DENSE_FEATURES, which a dense backend's terms are priced on."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    per_seq = _sequence_attention(lengths, np.ones(lengths.size), model, block_size)
+    feats = grouped_dense(per_seq, np.zeros(lengths.size, dtype=np.int64), 1, _head_pair_flops(model, block_size))
+    return {k: float(feats[k][0]) for k in DENSE_FEATURES}
+
+
 def layer_features(tokens: float, model: ModelConfig) -> dict[str, float]:
     """Features of one layer's non-attention work (forward). The LM head's matmul is spread over the layers;
     the input embedding is a lookup and costs no FLOPs."""
@@ -235,6 +245,7 @@ class MicroBatchCost:
     other_bwd_ms: float
     cp_comm_ms: float
     tokens: int
+    dense: bool = False  # its attention runs on a dense backend (cost.attention_backend): kept 1, coverage 1
 
 
 @dataclass(frozen=True)
@@ -250,11 +261,11 @@ class MicroBatchCosts:
     other_bwd_ms: np.ndarray
     cp_comm_ms: np.ndarray
     tokens: np.ndarray
+    dense: np.ndarray  # bool per group: its attention runs on a dense backend (kept 1, coverage 1)
 
     def __getitem__(self, group: int) -> MicroBatchCost:
-        values = {f.name: getattr(self, f.name)[group] for f in fields(self)}
-        values["tokens"] = int(values["tokens"])
-        return MicroBatchCost(**{k: (v if k == "tokens" else float(v)) for k, v in values.items()})
+        values = {f.name: float(getattr(self, f.name)[group]) for f in fields(self)}
+        return MicroBatchCost(**values | {"tokens": int(self.tokens[group]), "dense": bool(self.dense[group])})
 
 
 # ----------------------------------------------------------------------------- models
@@ -264,6 +275,8 @@ class CostModel(ABC):
     # Activation checkpointing: the backward recomputes the layers' forward (attention and the other work, not
     # the selection, whose block lists are kept), so it is charged to the backward.
     recompute: bool = False
+    # Which kernel runs each micro-batch's attention (CostConfig.attention_backend; sim.backends).
+    attention_backend: str = OURS
 
     def __init__(self, model: ModelConfig, cluster: Cluster, block_size: int) -> None:
         if block_size < 1:
@@ -271,6 +284,8 @@ class CostModel(ABC):
         self.model = model
         self.cluster = cluster
         self.block_size = block_size
+        # Dense backends the model prices: name -> term -> feature -> ms per unit (a profile's ``backends``).
+        self.dense_terms: dict[str, dict[str, dict[str, float]]] = {}
 
     # --- coverage model
     def kept_fraction(self, seq: Sequence, p: float) -> float:
@@ -332,6 +347,14 @@ class CostModel(ABC):
         comm_f, comm_b = self._cp_comm(tokens, layout)
         a_f, a_b = self._term("attn_fwd", attn), self._term("attn_bwd", attn)
         sel = self._term("select", select)
+        dense = np.full(n_groups, self.attention_backend != OURS)
+        if self.attention_backend != OURS:
+            options = self._dense_options(per_seq, group, n_groups, layout.cp)
+            if self.attention_backend == "hybrid":
+                options.insert(0, (a_f, a_b, sel))
+            choice = fastest(np.array([self._attention_ms(o, comm_f, comm_b) for o in options]))
+            a_f, a_b, sel = (np.choose(choice, [o[i] for o in options]) for i in range(3))
+            dense = choice > 0 if self.attention_backend == "hybrid" else dense
         o_f, o_b = self._term("layer_fwd", layer), self._term("layer_bwd", layer)
         n_layers = self.model.layers / layout.pp
         recomputed = np.maximum(a_f, comm_f) + o_f if self.recompute else 0.0
@@ -345,7 +368,42 @@ class CostModel(ABC):
             other_bwd_ms=n_layers * o_b,
             cp_comm_ms=n_layers * (comm_f + comm_b),
             tokens=tokens.astype(np.int64),
+            dense=dense,
         )
+
+    def dense_backends(self) -> tuple[str, ...]:
+        """The dense backends this model prices (a profile's ``backends``), by name."""
+        return tuple(sorted(self.dense_terms))
+
+    def _dense_options(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int) -> list[tuple]:
+        """(attn_fwd, attn_bwd, select) per layer of each micro-batch on every dense backend: all its causal
+        blocks, no selection."""
+        feats = grouped_dense(per_seq, group, n_groups, _head_pair_flops(self.model, self.block_size), cp)
+        zero = np.zeros(n_groups)
+        return [tuple(linear_ms(self.dense_terms[name][t], feats) for t in DENSE_TERMS) + (zero,)
+                for name in self.dense_backends()]
+
+    def _attention_ms(self, option: tuple, comm_f: np.ndarray, comm_b: np.ndarray) -> np.ndarray:
+        """What an option's attention adds to a micro-batch per layer: its forward behind the CP ring (again
+        in the backward under activation checkpointing), its selection and its backward behind the ring."""
+        a_f, a_b, sel = option
+        return np.maximum(a_f, comm_f) * (1.0 + self.recompute) + sel + np.maximum(a_b, comm_b)
+
+    def attention_options(self, lengths, kept_fractions, layout: Layout) -> dict[str, np.ndarray]:
+        """Attention per layer (forward, backward and selection, behind the CP ring) of each sequence alone in a
+        micro-batch: ``ours`` at its kept fraction, each dense backend at kept 1 (the break-even table)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        kept = np.asarray(kept_fractions, dtype=np.float64)
+        group, n = np.arange(lengths.size), lengths.size
+        per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
+        attn = self._attention(per_seq, group, n, layout.cp, lengths, kept)
+        sparse = (kept < 1.0).astype(np.float64)
+        select = summed_features({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n, layout.cp)
+        comm_f, comm_b = self._cp_comm(attn["tokens"] * layout.cp, layout)
+        ours = (self._term("attn_fwd", attn), self._term("attn_bwd", attn), self._term("select", select))
+        options = [ours, *self._dense_options(per_seq, group, n, layout.cp)]
+        return {name: self._attention_ms(o, comm_f, comm_b)
+                for name, o in zip((OURS, *self.dense_backends()), options)}
 
     def _term(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
         """``term_ms`` on the features that term is priced on (PROFILE_FEATURES)."""
@@ -428,6 +486,7 @@ class CalibratedCost(CostModel):
     def __init__(self, model: ModelConfig, cluster: Cluster, cfg: CostConfig) -> None:
         self.profile = load_profile(cfg.profile)
         super().__init__(model, cluster, self.profile["block_size"])
+        self.dense_terms = {name: entry["terms"] for name, entry in self.profile.get("backends", {}).items()}
 
     def term_ms(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
         coefs = self.profile["terms"][term]
@@ -444,6 +503,12 @@ def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster, *, recomput
         raise ConfigError(f"cost.name={cfg.name!r} is unknown; allowed: {', '.join(sorted(COST_MODELS))}")
     cost = COST_MODELS[cfg.name](model, cluster, cfg)
     cost.recompute = recompute
+    cost.attention_backend = str(getattr(cfg.attention_backend, "value", cfg.attention_backend))
+    if cost.attention_backend != OURS and not cost.dense_terms:
+        where = f"profile {cfg.profile}" if cfg.name == "calibrated" else f"cost.name={cfg.name}"
+        raise ConfigError(f"cost.attention_backend={cost.attention_backend}: the {where} prices no dense backend; "
+                          f"allowed: {OURS}, or a profile with a 'backends' section (python -m calibrate.run on a "
+                          "GPU with the peers installed, then calibrate.fit)")
     return cost
 
 
@@ -472,7 +537,7 @@ def profile_problem(profile) -> str | None:
     missing = [k for k in PROFILE_KEYS if k not in profile]
     if missing:
         return f"missing key {missing[0]!r}; a profile has {', '.join(PROFILE_KEYS)}"
-    return _header_problem(profile) or _terms_problem(profile["terms"])
+    return _header_problem(profile) or _terms_problem(profile["terms"]) or backends_problem(profile.get("backends"))
 
 
 def _header_problem(profile: dict) -> str | None:

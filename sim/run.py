@@ -13,7 +13,7 @@ import itertools
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import hydra
@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
-from sim.config import PolicyConfig, RunConfig, register
+from sim.config import PolicyConfig, RunConfig, policy_cost, register
 from sim.core import CONF_DIR, ConfigError, check_group_overrides, check_writable, compose_config, fail, group_options
 from sim.engine import Engine
 from sim.results import Results
@@ -53,6 +53,7 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     cfg = OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg
     policy = cfg.policy if policy is None else policy
     policy = OmegaConf.to_object(policy) if isinstance(policy, DictConfig) else policy
+    cfg = replace(cfg, cost=policy_cost(cfg.cost, policy))  # the policy's attention backend, where it names one
     setup = prepare(cfg)
     layout = setup.layout
     planner = make_planner(cfg, setup, policy, truth=lambda step: truth_of(setup.workload.batch(step)))
@@ -258,7 +259,7 @@ def check_optuna(sweeper: DictConfig) -> None:
 
 
 def check_job(cfg: RunConfig) -> None:
-    setup = prepare(cfg)
+    setup = prepare(replace(cfg, cost=policy_cost(cfg.cost, cfg.policy)))
     make_planner(cfg, setup, truth=dict)  # the policies and the estimator (the simulator may give truth)
     if cfg.baseline and cfg.baseline != cfg.policy.name:
         make_planner(cfg, setup, load_policy(cfg.baseline), truth=dict)

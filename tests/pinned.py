@@ -11,6 +11,8 @@ from pathlib import Path
 
 PINNED_PROFILE = Path(__file__).resolve().parent / "fixtures" / "profile_h200.json"
 PINNED_OVERRIDES = (f"cost.profile={PINNED_PROFILE}",)
+# The pinned profile with made-up dense backends (cudnn, fa4) beside it: what dense_best, hybrid and verl_dense price.
+BACKENDS_PROFILE = PINNED_PROFILE.with_name("profile_h200_backends.json")
 
 
 def pinned(overrides=()) -> list[str]:

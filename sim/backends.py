@@ -1,0 +1,87 @@
+"""Dense attention backends in the cost model: the peers a user runs instead of our block-sparse kernel.
+
+A profile may price, beside our kernel (its ``terms``), dense causal attention on other kernels of the same GPU
+(``kernels.backends``: cuDNN, FlashAttention-4, FlashAttention-3), each in its optional ``backends`` section:
+
+    "backends": {"fa4": {"version": "flash-attn-4 4.0.0b40", "terms": {"attn_fwd": {...}, "attn_bwd": {...}},
+                         "fit": {...}}}
+
+A dense backend computes every causal block, so it needs no kept fraction: its two terms are linear in
+DENSE_FEATURES (a call, tokens, documents, the FLOPs of the causal blocks) and it has no selection. A profile
+without a backend's section simply has no such backend. ``cost.attention_backend`` says which the simulator
+prices: ``ours`` (the default), ``dense_best`` (every micro-batch dense on its fastest dense backend) or
+``hybrid`` (each micro-batch on whichever the profile prices fastest at its budget, our kernel included).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+DENSE_TERMS = ("attn_fwd", "attn_bwd")
+# const: one call per non-empty micro-batch; docs: documents (per-document launches and tile tails); flops: the
+# forward FLOPs of every causal block (the block size of the profile), as our kernel's ``flops`` at kept 1.
+DENSE_FEATURES = ("const", "tokens", "docs", "flops")
+BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]*")
+OURS = "ours"  # our kernel: the profile's ``terms``, never a ``backends`` entry
+
+
+def grouped_dense(per_seq: dict, group: np.ndarray, n_groups: int, pair_flops: float,
+                  cp: int = 1) -> dict[str, np.ndarray]:
+    """DENSE_FEATURES of ``n_groups`` micro-batches from the cost model's per-sequence features (``tokens``,
+    ``blocks``: causal block pairs x heads; ``pair_flops``: FLOPs of one block pair and head). On CP ranks the
+    tokens and FLOPs are 1/cp (zigzag sharding balances dense causal work), a rank still holds a share of every
+    document, and each micro-batch is one call."""
+    docs = np.bincount(group, weights=np.ones(len(per_seq["tokens"])), minlength=n_groups)
+    return {
+        "const": np.minimum(docs, 1.0),
+        "tokens": np.bincount(group, weights=per_seq["tokens"], minlength=n_groups) / cp,
+        "docs": docs,
+        "flops": np.bincount(group, weights=per_seq["blocks"], minlength=n_groups) * pair_flops / cp,
+    }
+
+
+def linear_ms(coefs: dict[str, float], feats: dict[str, np.ndarray]) -> np.ndarray:
+    """``sum(coef[f] * feature[f])``: a term's time per micro-batch."""
+    return sum((c * feats[f] for f, c in coefs.items()), np.zeros_like(feats["const"]))
+
+
+def fastest(times: np.ndarray) -> np.ndarray:
+    """Index of the fastest option per micro-batch (``times`` [options, groups]); a tie goes to the first."""
+    return np.argmin(times, axis=0)
+
+
+def backends_problem(section) -> str | None:
+    """What is wrong with a profile's ``backends`` section, as ``<key>=<value>: <what is allowed>``; None when it
+    is usable (or absent: ``section`` None)."""
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        return f"backends={section!r}: must map backend names to their version and terms"
+    for name, entry in section.items():
+        if name == OURS or not BACKEND_NAME.fullmatch(name):
+            return (f"backends.{name}: not a dense backend's name; allowed: lower-case names such as cudnn, fa4 "
+                    f"('{OURS}' is the profile's own terms)")
+        if not isinstance(entry, dict) or not isinstance(entry.get("terms"), dict):
+            return f"backends.{name}={entry!r}: must be an object with 'version' and 'terms'"
+        if not isinstance(entry.get("version"), str) or not entry["version"]:
+            return f"backends.{name}.version={entry.get('version')!r}: must be a non-empty string"
+        problem = _dense_terms_problem(name, entry["terms"])
+        if problem:
+            return problem
+    return None
+
+
+def _dense_terms_problem(name: str, terms: dict) -> str | None:
+    if set(terms) != set(DENSE_TERMS):
+        return f"backends.{name}.terms={sorted(terms)!r}: a dense backend's terms are exactly {', '.join(DENSE_TERMS)}"
+    for term, coefs in terms.items():
+        where = f"backends.{name}.terms.{term}"
+        if not isinstance(coefs, dict) or set(coefs) != set(DENSE_FEATURES):
+            found = sorted(coefs) if isinstance(coefs, dict) else coefs
+            return f"{where}={found!r}: must map exactly the features {', '.join(DENSE_FEATURES)} to coefficients"
+        for feat, coef in coefs.items():
+            if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+                return f"{where}.{feat}={coef!r}: coefficients are finite numbers >= 0 (no negative times)"
+    return None

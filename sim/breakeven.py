@@ -1,0 +1,103 @@
+"""``python -m sim.breakeven [overrides...]``: from which kept fraction sparse attention on our kernel pays.
+
+For one document alone in a micro-batch, at each length from 1K to 128K tokens, the kept fraction at which our
+kernel's attention (selection, forward and backward, one layer of ``model=``) takes as long as each dense
+backend of the profile (``cost.profile=``) takes for all of its causal blocks: below it, sparsity on our kernel
+is faster than that backend; ``always``: ours is faster even dense; ``never``: slower even keeping only the
+diagonal blocks. ``fastest dense`` is the break-even against the fastest dense backend at that length (the
+user's real alternative), ``dense: a/b`` the time of dense backend a over dense backend b. Prices only, from the
+profile's fitted terms; nothing is written.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pandas as pd
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sim.backends import OURS
+from sim.cluster import Cluster, Layout
+from sim.config import register
+from sim.core import ArgumentParser, ConfigError, compose_config, fail
+from sim.cost import CostModel, diag_fraction, make_cost
+
+LENGTHS = tuple(1024 * 2 ** i for i in range(8))  # 1K .. 128K
+ALWAYS, NEVER = 1.0, 0.0  # table cells: ours wins even dense / loses even at the diagonal alone
+BISECTIONS = 50  # halvings of the kept-fraction interval: far below any printed digit
+
+
+def break_even(cost: CostModel, lengths, backend: str) -> np.ndarray:
+    """Per length, the largest kept fraction at which ours takes no longer than ``backend`` (ALWAYS where ours
+    dense does, NEVER where even the diagonal blocks alone take longer). Ours grows with the kept fraction below
+    1, where it also pays the selection, which a dense call of our kernel (kept 1) skips."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    layout = Layout(dp=1)
+
+    def times(kept):
+        options = cost.attention_options(lengths, kept, layout)
+        return options[OURS], options[backend]
+
+    ours_dense, target = times(np.ones(lengths.size))
+    low, high = diag_fraction(lengths, cost.block_size), np.ones(lengths.size)
+    ours_low, _ = times(low)
+    for _ in range(BISECTIONS):
+        mid = (low + high) / 2.0
+        ours, _ = times(mid)
+        faster = ours <= target
+        low, high = np.where(faster, mid, low), np.where(faster, high, mid)
+    return np.where(ours_dense <= target, ALWAYS, np.where(ours_low > target, NEVER, low))
+
+
+def table(cost: CostModel, lengths=LENGTHS) -> pd.DataFrame:
+    """One row per length: the break-even kept fraction against each dense backend and the fastest of them,
+    and each pair of dense backends' time ratio."""
+    dense = cost.dense_backends()
+    if not dense:
+        raise ConfigError("the cost model prices no dense attention backend, so there is nothing to break even "
+                          "with; allowed: a profile with a 'backends' section (cost.profile=...)")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    frame = pd.DataFrame({"length": lengths})
+    even = {name: break_even(cost, lengths, name) for name in dense}
+    for name in dense:
+        frame[f"ours vs {name}"] = even[name]
+    frame["fastest dense"] = np.min(np.array(list(even.values())), axis=0)
+    dense_ms = cost.attention_options(lengths, np.ones(lengths.size), Layout(dp=1))
+    for i, a in enumerate(dense):
+        for b in dense[i + 1:]:
+            frame[f"dense: {a}/{b}"] = dense_ms[a] / dense_ms[b]
+    return frame
+
+
+def formatted(frame: pd.DataFrame) -> pd.DataFrame:
+    out = pd.DataFrame({"length": [f"{n // 1024}K" for n in frame["length"]]})
+    for col in frame.columns[1:]:
+        if col.startswith("dense: "):
+            out[col] = frame[col].map(lambda r: f"{r:.3f}")
+        else:
+            out[col] = frame[col].map(lambda kf: "always" if kf == ALWAYS else "never" if kf == NEVER else f"{kf:.3f}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m sim.breakeven", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides: cost.profile=..., model=...")
+    args = parser.parse_args(argv)
+    register()
+    try:
+        cfg = OmegaConf.to_object(compose_config(args.overrides))
+        cost = make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster), recompute=False)
+        frame = table(cost)
+    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+        fail(str(exc).splitlines()[0])
+    gpu = cost.profile.get("meta", {}).get("gpu_name") or cost.profile["gpu"]
+    print(f"break-even kept fraction, one document, one layer of {cfg.model.name}, fwd+bwd (+ selection when "
+          f"sparse), profile {cfg.cost.profile} ({gpu})")
+    print(formatted(frame).to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
