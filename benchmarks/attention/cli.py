@@ -11,7 +11,7 @@ from sim.core import ArgumentParser, number_list, one_line_errors
 from .breakdown import kernel_breakdown
 from .check import check
 from .common import FLEX_MODES, log
-from .fair import FAIR_HEADS, run_fair
+from .fair import FAIR_HEADS, FAIR_IMPLS, run_fair
 from .flex_variants import flex_variants
 from .grid import run_bench, selection_cost
 from .quick import quick
@@ -46,6 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fair-heads", type=number_list(str, lambda x: x in FAIR_HEADS, ", ".join(FAIR_HEADS)),
                     default=",".join(FAIR_HEADS),
                     help="--fair's head configurations, in this order (to split the grid over calls)")
+    ap.add_argument("--fair-sparsities", type=number_list(float, lambda x: 0 <= x < 1, "sparsities in [0, 1)"),
+                    default=None, help="--fair's sparsities for both head configurations (default: MHA 0,0.75,0.9,0.95, "
+                                       "GQA 0,0.5,0.9); 0, where the dense backends are timed, always runs")
+    ap.add_argument("--fair-impls", type=number_list(str, lambda x: x in FAIR_IMPLS, ", ".join(FAIR_IMPLS)),
+                    default=",".join(FAIR_IMPLS), help="--fair's implementations (ours always runs)")
     ap.add_argument("--quick", action="store_true", help="short follow-up check + a few of our grid points")
     ap.add_argument("--short-vs-long", action="store_true", help="short- vs long-row configs, MHA and GQA")
     ap.add_argument("--kernels", action="store_true",

@@ -5,17 +5,19 @@ token-level document mask (create_block_mask) makes blocks straddle documents an
 is most of our lead on packed batches. Flex's best constructions are measured beside it: documents aligned to
 the block size with Flex handed exactly our kept blocks (BlockMask.from_kv_blocks, enable_gqa), and the
 unaligned documents each padded to a whole number of blocks (what a Flex user does, a few % more tokens).
+The dense kernels a user runs instead (``kernels.backends``: cuDNN, FlashAttention-4 and -3 where installed) are
+timed at sparsity 0 on the unaligned batch: their work does not depend on the sparsity.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import time
 
 import torch
 
+from kernels.backends import load, load_all
 from kernels.sparse_attention import VarlenBatch, select_blocks
 from .common import (B, D, compiled_flex, csv_emitter, cu_from_lens, flex_pair, heads_first, interleaved_ms,
                      kept_fwd_flops, log, long_tail_lengths, make_qkv, sparse_pair, timed_row, weighted_kept_fraction)
@@ -27,9 +29,12 @@ FAIR_SPARSITIES = {"mha": (0.0, 0.75, 0.9, 0.95), "gqa": (0.0, 0.5, 0.9)}
 FAIR_FIELDS = ["case", "heads", "T", "ndocs", "padded_T", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms",
                "fwd_tflops", "fwdbwd_tflops", "error"]
 # (peer, ours) rows of each construction: ours on the batch the construction starts from
+# each dense backend's rows (kernels.backends name -> impl)
+DENSE_IMPLS = {"cudnn": "cudnn_per_document_dense", "fa4": "fa4_varlen_dense", "fa3": "fa3_varlen_dense"}
 FAIR_PAIRS = (("flex_token_mask", "triton_sparse"), ("flex_padded", "triton_sparse"),
               ("flex_exact", "triton_sparse_aligned"), ("flex_flash_exact", "triton_sparse_aligned"),
-              ("cudnn_per_document_dense", "triton_sparse"))
+              *((impl, "triton_sparse") for impl in DENSE_IMPLS.values()))
+FAIR_IMPLS = ("triton_sparse", "triton_sparse_aligned", *(peer for peer, _ in FAIR_PAIRS))
 
 
 def fair_lengths(total: int = 65536, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -66,25 +71,16 @@ def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
     return heads_first(*out)
 
 
-def cudnn_per_document_fns(q, k, v, do, lens):
-    """cuDNN SDPA, dense causal, one call per document: (fwd, fwd+bwd); its launches cost host time that
-    do_bench counts wherever the GPU runs short of it. cuDNN refuses a key length of 1 (torch 2.11: "cudnn
-    SDPA does not support key/value sequence length 1"), so a one-token document goes to whichever SDPA
-    backend torch picks for it."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def dense_backend_fns(name: str, q, k, v, do, lens):
+    """(fwd, fwd+bwd) of the dense backend ``name`` (kernels.backends) on the documents ``lens``; a backend
+    that cannot run here raises its one-line BackendAbsent. Their launches cost host time that do_bench counts
+    wherever the GPU runs short of it (cuDNN: a call per document)."""
+    backend = load(name)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    spans = torch.tensor([0, *lens]).cumsum(0).tolist()
-    G = q.shape[1] // k.shape[1]
+    docs = backend.documents(lens, q.device)
 
     def fwd():
-        outs = []
-        for s, e in zip(spans, spans[1:]):
-            qd, kd, vd = [x[s:e].transpose(0, 1)[None] for x in leaves]
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if e - s > 1 else contextlib.nullcontext():
-                o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=G > 1)
-            outs.append(o[0].transpose(0, 1))
-        return torch.cat(outs)
+        return backend.attention(*leaves, docs)
 
     return fwd, lambda: torch.autograd.grad(fwd(), leaves, do)
 
@@ -120,20 +116,23 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
         fns[name] = sparse_pair(q, k, v, do, cu, sel, args.options)
         batch[key + "_sel"] = sel
     un = batch["unaligned"]
-    if heads == "mha":  # the token-level document mask: the construction of the --bench grid (MHA only)
+    wanted = set(args.fair_impls)
+    if heads == "mha" and "flex_token_mask" in wanted:  # the --bench grid's construction (MHA only)
         fns["flex_token_mask"] = sticky.fns(f"flex_token_mask_{sp}", lambda: flex_pair(
             flex, batch["un_heads"], flex_block_mask_packed(batch["unaligned_sel"], Hq, sum(un[5]), B), G))
-    fns["flex_padded"] = sticky.fns(f"flex_padded_{sp}", lambda: flex_pair(
-        flex, batch["padded"], exact_block_mask(batch["unaligned_sel"], Hq, batch["padded_end"]), G))
-    exact = exact_block_mask(batch["aligned_sel"], Hq, batch["aligned_end"])
-    fns["flex_exact"] = flex_pair(flex, batch["al_heads"], exact, G)
-    fns["flex_flash_exact"] = sticky.fns("flash", lambda: probed(flex_pair(flex, batch["al_heads"], exact, G,
-                                                                                {"BACKEND": "FLASH"})))
-    if sp == 0.0:
-        # One cuDNN call per document: through nested (jagged) tensors, torch 2.11's cuDNN path made an illegal
-        # memory access on the H200 on this batch, which poisons the CUDA context for every later timing.
-        fns["cudnn_per_document_dense"] = sticky.fns(f"cudnn_docs_{heads}", lambda: probed(
-            cudnn_per_document_fns(*un[:4], un[5])))
+    if "flex_padded" in wanted:
+        fns["flex_padded"] = sticky.fns(f"flex_padded_{sp}", lambda: flex_pair(
+            flex, batch["padded"], exact_block_mask(batch["unaligned_sel"], Hq, batch["padded_end"]), G))
+    if wanted & {"flex_exact", "flex_flash_exact"}:
+        exact = exact_block_mask(batch["aligned_sel"], Hq, batch["aligned_end"])
+    if "flex_exact" in wanted:
+        fns["flex_exact"] = flex_pair(flex, batch["al_heads"], exact, G)
+    if "flex_flash_exact" in wanted:
+        fns["flex_flash_exact"] = sticky.fns("flash", lambda: probed(flex_pair(flex, batch["al_heads"], exact, G,
+                                                                                    {"BACKEND": "FLASH"})))
+    for name, impl in DENSE_IMPLS.items():
+        if sp == 0.0 and impl in wanted:
+            fns[impl] = sticky.fns(f"{impl}_{heads}", lambda name=name: probed(dense_backend_fns(name, *un[:4], un[5])))
     for impl, timed in interleaved_ms({n: f for n, f in fns.items() if not isinstance(f, Exception)},
                                       args.rounds).items():
         ours = "triton_sparse_aligned" if impl in ("flex_exact", "flex_flash_exact", "triton_sparse_aligned") \
@@ -171,6 +170,13 @@ def fair_batch(heads: str) -> dict:
     return batch
 
 
+def fair_sparsities(args, heads: str) -> tuple[float, ...]:
+    """--fair-sparsities where given (0 first, where the dense backends are timed), else FAIR_SPARSITIES."""
+    if args.fair_sparsities is None:
+        return FAIR_SPARSITIES[heads]
+    return (0.0, *sorted(set(args.fair_sparsities) - {0.0}))
+
+
 def run_fair(args):
     """The fair grid (see FAIR_HEADS): every head configuration's sparsities, into ``args.csv``. Our kernels
     compile only what they launch here (no precompile: GPU time of the call, not of a training run)."""
@@ -182,11 +188,13 @@ def run_fair(args):
     t_start = time.time()
     with open(args.csv, "w", newline="") as out:
         emit = csv_emitter(out, FAIR_FIELDS)
+        dense, absent = load_all(DENSE_IMPLS)
         log("META", json.dumps(dict(torch=torch.__version__, triton=triton.__version__,
-                                    gpu=torch.cuda.get_device_name(), rounds=args.rounds, flex_mode=args.flex_mode)))
+                                    gpu=torch.cuda.get_device_name(), rounds=args.rounds, flex_mode=args.flex_mode,
+                                    backends={name: b.version() for name, b in dense.items()}, absent=absent)))
         for heads in args.fair_heads:
             batch = fair_batch(heads)
-            for sp in FAIR_SPARSITIES[heads]:
+            for sp in fair_sparsities(args, heads):
                 if time.time() - t_start > args.deadline_s:
                     emit(dict(case="packed64k", heads="{}:{}".format(*FAIR_HEADS[heads]), sparsity=sp, impl="all",
                               error="skipped: --deadline-s reached"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from sim.core import ConfigError
-from .fair import FAIR_PAIRS
+from .fair import DENSE_IMPLS, FAIR_PAIRS
 
 
 def case_label(case: str, T: int, ndocs: int) -> str:
@@ -65,27 +65,36 @@ def results_table(path: str) -> str:
 
 FAIR_COLUMNS = (("flex_token_mask", "Flex, token-level document mask"), ("flex_padded", "Flex, documents padded"),
                 ("flex_exact", "Flex, aligned, exact blocks"), ("flex_flash_exact", "Flex FLASH, aligned, exact blocks"),
-                ("cudnn_per_document_dense", "cuDNN dense, a call per document"))
+                ("cudnn_per_document_dense", "cuDNN dense, a call per document"),
+                ("fa4_varlen_dense", "FlashAttention-4 dense varlen"), ("fa3_varlen_dense", "FlashAttention-3 dense varlen"))
 
 
 def fair_table(df) -> str:
-    """Markdown of a --fair CSV: per head configuration and sparsity, our fwd+bwd ms and effective TFLOP/s on
-    the unaligned and the aligned batch, and each other implementation's ms with its time over ours (above 1:
-    ours is faster) against ours on the batch it starts from (FAIR_PAIRS); then why any is absent."""
+    """Markdown of a --fair CSV: per head configuration and sparsity, the kept fraction, our fwd+bwd ms and
+    effective TFLOP/s on the unaligned and the aligned batch, and each other implementation's ms with its time
+    over ours (above 1: ours is faster) against ours on the batch it starts from (FAIR_PAIRS); a dense backend,
+    timed at sparsity 0, against ours at every sparsity. Columns of implementations the CSV never names are left
+    out; then why any is absent."""
     ours_of = {theirs: ours for theirs, ours in FAIR_PAIRS}
-    lines = ["| heads | sparsity | ours, unaligned: ms (TFLOP/s) | ours, aligned: ms (TFLOP/s) | "
-             + " | ".join(title for _, title in FAIR_COLUMNS) + " |", "| --- " * (4 + len(FAIR_COLUMNS)) + "|"]
+    columns = [(impl, title) for impl, title in FAIR_COLUMNS if impl in set(df.impl)]
+    lines = ["| heads | sparsity | kept | ours, unaligned: ms (TFLOP/s) | ours, aligned: ms (TFLOP/s) | "
+             + " | ".join(title for _, title in columns) + " |", "| --- " * (5 + len(columns)) + "|"]
     timed = df[df.fwdbwd_ms.notna()]
+    dense = timed[timed.impl.isin(DENSE_IMPLS.values())].set_index(["heads", "impl"]).fwdbwd_ms
     for (heads, sp), g in timed.groupby(["heads", "sparsity"], sort=False):
         g = g.set_index("impl")
 
         def ours(impl):
             return f"{g.fwdbwd_ms[impl]:.2f} ({g.fwdbwd_tflops[impl]:.0f})" if impl in g.index else "-"
 
-        cells = [f"{g.fwdbwd_ms[i]:.2f} ({g.fwdbwd_ms[i] / g.fwdbwd_ms[ours_of[i]]:.2f}x)"
-                 if i in g.index and ours_of[i] in g.index else "-" for i, _ in FAIR_COLUMNS]
-        lines.append(f"| {heads} | {sp:g} | {ours('triton_sparse')} | {ours('triton_sparse_aligned')} | "
-                     + " | ".join(cells) + " |")
+        def peer(impl):
+            ms = g.fwdbwd_ms[impl] if impl in g.index else dense.get((heads, impl), float("nan"))
+            return "-" if math.isnan(ms) or ours_of[impl] not in g.index else \
+                f"{ms:.2f} ({ms / g.fwdbwd_ms[ours_of[impl]]:.2f}x)"
+
+        kept = g.kept_fraction.get("triton_sparse", float("nan"))
+        lines.append(f"| {heads} | {sp:g} | {kept:.3f} | {ours('triton_sparse')} | {ours('triton_sparse_aligned')} | "
+                     + " | ".join(peer(i) for i, _ in columns) + " |")
     absent = df[df.error.fillna("").str.startswith("absent")].drop_duplicates("impl")
     notes = [f"* {dict(FAIR_COLUMNS).get(r.impl, r.impl)}: {r.error}" for r in absent.itertuples()]
     padded = df[df.impl == "flex_padded"].dropna(subset=["padded_T"]).head(1)

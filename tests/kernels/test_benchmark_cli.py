@@ -149,18 +149,26 @@ packed64k,16:16,62567,49,65536,0.9,0.1,flex_padded,0.6,2.2,90,220,
 packed64k,16:16,65536,49,,0.9,0.1,triton_sparse_aligned,0.5,2.1,100,240,
 packed64k,16:16,65536,49,,0.9,0.1,flex_exact,0.55,2.1,95,240,
 packed64k,16:16,62567,49,,0.9,0.1,flex_flash_exact,,,,,"absent: ModuleNotFoundError('flash_attn')"
+packed64k,16:16,62567,49,,0.0,1.0,triton_sparse,2.0,8.0,300,360,
+packed64k,16:16,62567,49,,0.0,1.0,fa4_varlen_dense,1.5,6.0,400,480,
+packed64k,16:16,62567,49,,0.0,1.0,fa3_varlen_dense,,,,,"absent: BackendAbsent('fa3: absent (ModuleNotFoundError)')"
 """
 
 
 def test_fair_table_from_a_fair_csv(tmp_path, capsys):
-    """The fair grid's table: ours on each batch, every Flex construction (and cuDNN) against ours on the
-    batch it starts from, why an implementation is absent, the padded batch's size."""
+    """The fair grid's table: ours on each batch, every Flex construction against ours on the batch it starts
+    from, a dense backend (timed at sparsity 0) against ours at every sparsity, no column for an implementation
+    the CSV never names (cuDNN here), why an implementation is absent, the padded batch's size."""
     path = tmp_path / "fair.csv"
     path.write_text(FAIR_CSV)
     cli.main(["--table", str(path)])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2] == "| 16:16 | 0.9 | 2.00 (250) | 2.10 (240) | 8.00 (4.00x) | 2.20 (1.10x) | 2.10 (1.00x) | - | - |"
-    assert lines[4:] == ["* Flex FLASH, aligned, exact blocks: absent: ModuleNotFoundError('flash_attn')",
+    assert "cuDNN" not in lines[0] and lines[0].endswith("| FlashAttention-4 dense varlen | FlashAttention-3 dense varlen |")
+    assert lines[2] == ("| 16:16 | 0.9 | 0.100 | 2.00 (250) | 2.10 (240) | 8.00 (4.00x) | 2.20 (1.10x) | 2.10 (1.00x) | - "
+                        "| 6.00 (3.00x) | - |")
+    assert lines[3] == "| 16:16 | 0 | 1.000 | 8.00 (360) | - | - | - | - | - | 6.00 (0.75x) | - |"
+    assert lines[5:] == ["* Flex FLASH, aligned, exact blocks: absent: ModuleNotFoundError('flash_attn')",
+                         "* FlashAttention-3 dense varlen: absent: BackendAbsent('fa3: absent (ModuleNotFoundError)')",
                          "* padded batch: 65536 tokens for 62567 (4.7% more), 49 documents"]
 
 

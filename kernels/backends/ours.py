@@ -1,0 +1,35 @@
+"""``ours``: the block-sparse Triton kernel (:mod:`kernels.sparse_attention`), dense unless given a kept
+fraction; on CPU tensors its PyTorch reference."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import cu_seqlens, register
+
+
+@register("ours")
+class Ours:
+    sparse = True
+
+    def __init__(self, block_size: int = 128) -> None:
+        self.block_size = block_size  # the calibrated profile's (conf/cost)
+
+    def check(self) -> None:
+        from kernels import sparse_attention  # noqa: F401  (Triton and the kernels)
+
+    def version(self) -> str:
+        import triton
+
+        return f"kernels.sparse_attention (triton {triton.__version__}, torch {torch.__version__})"
+
+    def documents(self, lengths: Sequence[int], device) -> object:
+        from kernels.sparse_attention import VarlenBatch
+
+        return VarlenBatch.from_cu_seqlens(cu_seqlens(lengths))
+
+    def attention(self, q, k, v, docs, kept_fraction: float = 1.0):
+        from kernels.sparse_attention import sparse_attention
+
+        return sparse_attention(q, k, v, docs, kept_fraction=kept_fraction, block_size=self.block_size)
