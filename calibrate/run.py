@@ -22,11 +22,10 @@ import time
 import warnings
 from pathlib import Path
 
-from tqdm import tqdm
-
 from calibrate import grid, store, timing
 from calibrate.grid import GridPoint, build_grid
 from sim.core import ArgumentParser, ConfigError, one_line_errors
+from sim.progress import with_progress
 from sim.shapes import ModelShape, load_shapes, model_names
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / "h200_raw.csv"
@@ -79,15 +78,14 @@ def measure_all(points: list[GridPoint], measurer, csv: Path, time_budget_s: flo
     """Time and append each point; returns how many were measured. Stops starting points past the budget."""
     start = time.monotonic()
     measured = 0
-    bar = tqdm(points, desc="calibrate", unit="pt", file=sys.stderr, mininterval=2.0)
-    for point in bar:
+    for point in with_progress(points, "calibrate", unit="point"):
         if time_budget_s is not None and time.monotonic() - start > time_budget_s:
-            bar.write(f"time budget of {time_budget_s:.0f}s spent; {len(points) - measured} points left for a rerun")
             break
-        bar.set_postfix_str(point.key[:60])
         store.append_rows(csv, measurer.measure(point))
         measured += 1
-    bar.close()
+    if measured < len(points):
+        print(f"time budget of {time_budget_s:.0f}s spent; {len(points) - measured} points left for a rerun",
+              file=sys.stderr)
     return measured
 
 

@@ -12,7 +12,6 @@ import copy
 import itertools
 import shutil
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,11 +25,11 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from tqdm import tqdm
 
 from sim.config import PolicyConfig, RunConfig, policy_cost, register
 from sim.core import CONF_DIR, ConfigError, check_group_overrides, check_writable, compose_config, fail, group_options
 from sim.engine import Engine
+from sim.progress import with_progress
 from sim.results import Results
 from sim.setup import load_policy, make_planner, prepare
 from sim.workload import requests, truth_of
@@ -59,7 +58,7 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     planner = make_planner(cfg, setup, policy, truth=lambda step: truth_of(setup.workload.batch(step)))
     engine = Engine(layout, setup.cost, setup.cluster, setup.memory)
     results, kept = Results(), []
-    for step in steps_with_progress(cfg.steps, policy.name, progress):
+    for step in with_progress(range(cfg.steps), policy.name, enabled=progress):
         batch = setup.workload.batch(step)
         plan = planner.plan(requests(batch), step)
         outcome = engine.step(plan, truth_of(batch), predicted_ms=planner.predicted_ms)
@@ -71,23 +70,6 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
         gpus=layout.gpus, seed=cfg.seed, model=cfg.model.name, workload=cfg.workload.name, cost=cfg.cost.name,
     )
     return RunOutput(results, summary, kept)
-
-
-def steps_with_progress(steps: int, desc: str, progress: bool, interval_s: float = 5.0):
-    """The step indices, with a tqdm bar on a terminal and a log line every ``interval_s`` elsewhere (CI logs,
-    batch jobs), so that a long run is never silent."""
-    if not progress:
-        yield from range(steps)
-    elif sys.stderr.isatty():
-        yield from tqdm(range(steps), desc=desc, leave=False)
-    else:
-        start = last = time.monotonic()
-        for step in range(steps):
-            yield step
-            now = time.monotonic()
-            if now - last >= interval_s and step + 1 < steps:
-                print(f"{desc}: step {step + 1}/{steps} after {now - start:.0f} s", file=sys.stderr, flush=True)
-                last = now
 
 
 def run(cfg: DictConfig, run_dir: Path) -> float | None:
