@@ -25,15 +25,18 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import least_squares, nnls
 
 from calibrate import store
+from calibrate.backends import (HELDOUT_MAX_PCT, HELDOUT_MEDIAN_PCT, backend_checks, fit_backends, print_backends,
+                                recorded_versions)
 from calibrate.grid import TERMS as GRID_TERMS
 from calibrate.grid import GridPoint
+from calibrate.linear import COLLINEAR, TermFit, ape, fit_term, predict, summarise
 from calibrate.run import DEFAULT_CSV, meta_path, read_runs
 from sim.cluster import Layout
 from sim.config import ModelConfig
 from sim.core import ArgumentParser, ConfigError, check_writable, one_line_errors, write_checked_json
+from sim.backends import BACKEND_NAME, DENSE_TERMS, OURS
 from sim.cost import PROFILE_SCHEMA_VERSION, TERMS, CostModel, load_profile, profile_problem
 
 DEFAULT_OUT = DEFAULT_CSV.with_name("h200.json")
@@ -52,6 +55,7 @@ class Measurement:
     kept_fractions: tuple[float, ...]
     median_ms: float
     spread: float  # (p80 - p20) / median
+    backend: str = OURS  # a dense backend's point (key kind attn@<backend>) or ours
 
     @classmethod
     def from_row(cls, row: dict, models: Collection[str]) -> Measurement:
@@ -76,10 +80,11 @@ class Measurement:
             GridPoint.budgets_of(key)  # composition and the plots read the requested budgets
             return kind
 
-        kind = field("key", point_kind, lambda k: k in GRID_TERMS, "a calibrate.grid point key, "
-                     f"<kind>|<model>|<lengths>|<'+'-joined budgets> with kind one of {', '.join(GRID_TERMS)}")
-        term = field("term", str, lambda t: t in GRID_TERMS[kind],
-                     f"{', '.join(GRID_TERMS[kind])} (the key's kind is {kind})")
+        kind = field("key", point_kind, lambda k: kind_terms(k) is not None, "a calibrate.grid point key, "
+                     f"<kind>|<model>|<lengths>|<'+'-joined budgets> with kind one of {', '.join(GRID_TERMS)} "
+                     "(attn@<backend> for a dense backend's point)")
+        term = field("term", str, lambda t: t in kind_terms(kind),
+                     f"{', '.join(kind_terms(kind))} (the key's kind is {kind})")
         lengths = field("lengths", numbers(int), lambda v: min(v) >= 1, "';'-joined whole numbers of tokens >= 1")
         median = field("median_ms", float, lambda v: math.isfinite(v) and v > 0, "a finite number of ms > 0")
         quantiles = [field(q, float, lambda v: math.isfinite(v) and v >= 0, "a finite number of ms >= 0")
@@ -96,7 +101,16 @@ class Measurement:
                                  f"{len(lengths)} ';'-joined numbers in (0, 1], one per length"),
             median_ms=median,
             spread=(quantiles[1] - quantiles[0]) / median,
+            backend=kind.partition("@")[2] or OURS,
         )
+
+
+def kind_terms(kind: str) -> tuple[str, ...] | None:
+    """The terms a point key's kind has: a grid kind's, or a dense backend's (``attn@<name>``); None if neither."""
+    base, at, backend = kind.partition("@")
+    if not at:
+        return GRID_TERMS.get(kind)
+    return DENSE_TERMS if base == "attn" and backend != OURS and BACKEND_NAME.fullmatch(backend) else None
 
 
 def load_measurements(csv: Path) -> list[Measurement]:
@@ -143,92 +157,6 @@ class FeatureSource:
 
     def __call__(self, m: Measurement) -> dict[str, dict[str, float]]:
         return self.taps[m.model].features(m.lengths, m.kept_fractions)
-
-
-ROBUST_SCALE = 0.05  # relative residuals beyond ~5% count linearly, not squared
-# A feature column that a non-negative combination of the other columns rebuilds to within this share of
-# its norm (columns scaled to unit norm) adds no prediction the others cannot make: it is merged into them.
-COLLINEAR = 1e-6
-
-
-@dataclass(frozen=True)
-class TermFit:
-    """One term's coefficients and how its fit was conditioned.
-
-    ``merged`` maps a feature held at zero to the weights that rebuild its column from the fitted ones
-    (``x[f] = sum(w * x[g])`` on every fit point); ``condition`` is the condition number of the scaled
-    design matrix that was solved.
-    """
-
-    coefs: dict[str, float]
-    merged: dict[str, dict[str, float]]
-    condition: float
-
-    def conditioning(self) -> dict:
-        return {"condition_number": float(f"{self.condition:.4g}"), "merged": self.merged}
-
-
-def merged_columns(A: np.ndarray) -> dict[int, np.ndarray]:
-    """Columns of A (unit-norm or zero) that are non-negative combinations of the others, with the weights.
-
-    At the grid's lengths (multiples of the block size) ``tokens``, ``q_blocks`` and ``kv_blocks`` are each
-    the block count times a per-model constant, so on a grid of two models one of them is exactly a
-    combination of the other two: the coefficients along that direction are not determined by the data and
-    move with the solver's rounding.
-    Holding such a column at zero changes no prediction on the fit points when its weights are
-    non-negative (any non-negative fit that uses it is rewritten without it). Columns are tried from the
-    last to the first, so the order of the features decides which of a collinear set is kept.
-    """
-    keep = list(range(A.shape[1]))
-    merged = {}
-    for j in reversed(range(A.shape[1])):
-        others = [k for k in keep if k != j]
-        if not others:
-            continue
-        weights, miss = nnls(A[:, others], A[:, j], maxiter=50 * len(others))
-        if miss <= COLLINEAR:
-            keep.remove(j)
-            merged[j] = np.zeros(A.shape[1])
-            merged[j][others] = weights
-    return merged
-
-
-def fit_term(X: np.ndarray, y: np.ndarray, names: list[str]) -> TermFit:
-    """Nonnegative coefficients minimising a robust loss of the relative error of X @ c against y.
-
-    Rows are divided by the measured time (relative error) and columns scaled to unit norm, so features
-    twelve orders of magnitude apart meet the solver on equal terms; columns that the others rebuild
-    (``merged_columns``) are held at zero. NNLS on the squared relative error gives the start; a soft-L1
-    refinement then keeps a few outlying timings (a host hiccup in a 30 us call, the first call after a
-    shape change) from pulling the rest.
-    """
-    A = X / y[:, None]
-    norm = np.linalg.norm(A, axis=0)
-    norm[norm == 0] = 1.0  # an all-zero feature is merged (coefficient 0)
-    A = A / norm
-    merged = merged_columns(A)
-    free = [j for j in range(A.shape[1]) if j not in merged]
-    Af = A[:, free]
-    start, _ = nnls(Af, np.ones_like(y), maxiter=50 * Af.shape[1])
-    robust = least_squares(lambda c: Af @ c - 1.0, start, bounds=(0.0, np.inf), loss="soft_l1",
-                           f_scale=ROBUST_SCALE, x_scale="jac").x
-    # The bounded solver stays strictly inside the bounds; a feature worth under a millionth of every
-    # point's time (unit-norm columns: no entry above 1) is really at its bound of zero.
-    robust[robust < 1e-6] = 0.0
-    coefs = np.zeros(A.shape[1])
-    coefs[free] = robust / norm[free]
-    return TermFit(dict(zip(names, coefs.tolist())), _in_feature_units(merged, norm, names), float(np.linalg.cond(Af)))
-
-
-def _in_feature_units(merged: dict[int, np.ndarray], norm: np.ndarray, names: list[str]) -> dict:
-    """Merge weights of scaled columns as weights of the features: x_j = sum(w_i * norm_j / norm_i * x_i).
-    A weight under COLLINEAR adds less than the tolerance the column was merged at and is left out."""
-    return {names[j]: {names[i]: float(f"{w[i] * norm[j] / norm[i]:.6g}") for i in np.flatnonzero(w > COLLINEAR)}
-            for j, w in sorted(merged.items())}
-
-
-def predict(coefs: dict[str, float], feats: dict[str, float]) -> float:
-    return sum(c * feats[f] for f, c in coefs.items())
 
 
 @dataclass(frozen=True)
@@ -304,10 +232,6 @@ def term_prediction(term: str, coefs: dict, feats: dict[str, dict[str, float]]) 
     return predict(coefs[term], feats[term])
 
 
-def _ape(pred: float, measured: float) -> float:
-    return abs(pred - measured) / measured * 100.0
-
-
 def evaluate(measurements: list[Measurement], coefs: dict, features: FeatureSource, split: str) -> dict:
     """Absolute % errors on one split: per term, attention forward+backward, and whole layers."""
     errors: dict[str, list[float]] = defaultdict(list)
@@ -316,23 +240,14 @@ def evaluate(measurements: list[Measurement], coefs: dict, features: FeatureSour
         if m.split != split:
             continue
         pred = term_prediction(m.term, coefs, features(m))
-        errors["layer" if m.term == "layer_full" else m.term].append(_ape(pred, m.median_ms))
+        errors["layer" if m.term == "layer_full" else m.term].append(ape(pred, m.median_ms))
         if m.term in ("attn_fwd", "attn_bwd"):
             attn[m.key][m.term] = (pred, m.median_ms)
     for pair in attn.values():
         if len(pair) == 2:
             pred, measured = (sum(v[i] for v in pair.values()) for i in (0, 1))
-            errors["attn_fwd+bwd"].append(_ape(pred, measured))
+            errors["attn_fwd+bwd"].append(ape(pred, measured))
     return errors
-
-
-def summarise(errors: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    return {
-        name: {"median_ape_pct": round(float(np.median(v)), 3), "max_ape_pct": round(float(np.max(v)), 3),
-               "points": len(v)}
-        for name, v in sorted(errors.items())
-        if v
-    }
 
 
 def validation_table(measurements: list[Measurement], coefs: dict, features: FeatureSource) -> list[dict]:
@@ -471,7 +386,7 @@ def print_report(report: dict) -> None:
               f"predicted {v['predicted_ms']:.3f} ms, {v['error_pct']:+.1f}%")
 
 
-HELDOUT_TARGET_PCT = 5.0  # held-out median absolute % error of attention fwd+bwd and of whole layers
+HELDOUT_TARGET_PCT = 5.0  # held-out median absolute % error of whole layers
 VALIDATION_TARGET_PCT = 10.0  # every validation micro-batch (packed, mixed budgets, outside the grid)
 
 
@@ -485,8 +400,9 @@ def _recorded(section, *keys: str) -> float | None:
 def target_checks(profile: dict) -> list[tuple[str, float | None, float]]:
     """(what, recorded % error or None, limit on its size) for every error target of a profile."""
     report = profile.get("fit")
-    checks = [(f"held-out {name} median", _recorded(report, "heldout_mape", name, "median_ape_pct"),
-               HELDOUT_TARGET_PCT) for name in ("attn_fwd+bwd", "layer")]
+    checks = backend_checks(profile, _recorded)  # every attention backend's held-out fwd+bwd, ours first
+    checks.append(("held-out layer median", _recorded(report, "heldout_mape", "layer", "median_ape_pct"),
+                   HELDOUT_TARGET_PCT))
     validation = report.get("validation") if isinstance(report, dict) else None
     # No validation table at all is a miss, not a vacuous pass.
     for point in validation if isinstance(validation, list) and validation else [None]:
@@ -528,8 +444,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="allow --out to name a profile measured on another GPU, which is then overwritten")
     ap.add_argument("--check", nargs="?", const=DEFAULT_OUT, type=Path, metavar="PROFILE",
                     help=f"fit nothing; check that PROFILE (default {DEFAULT_OUT.relative_to(ROOT)}) meets the "
-                         f"error targets: held-out median <= {HELDOUT_TARGET_PCT:g}%% for attention fwd+bwd and "
-                         f"whole layers, every validation point within {VALIDATION_TARGET_PCT:g}%%")
+                         f"error targets: held-out attention fwd+bwd of every backend median <= "
+                         f"{HELDOUT_MEDIAN_PCT:g}%%, max <= {HELDOUT_MAX_PCT:g}%%; whole layers median <= "
+                         f"{HELDOUT_TARGET_PCT:g}%%; every validation point within {VALIDATION_TARGET_PCT:g}%%")
     return ap.parse_args(argv)
 
 
@@ -579,11 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.replace_measured:
         check_same_gpu(out, runs[-1].get("gpu_name"), args.csv)
     grid = runs[-1]["grid"]
-    measurements = load_measurements(args.csv)
+    measured = load_measurements(args.csv)
+    measurements = [m for m in measured if m.backend == OURS]  # our kernel's and the layer's
     features = FeatureSource(grid["models"], grid["block_size"])
     try:
         trained, stepped = as_trained(measurements)
         fitted = fit_all(trained, features)
+        backends = fit_backends([m for m in measured if m.backend != OURS], grid["models"], grid["block_size"],
+                                recorded_versions(runs))
     except ConfigError as exc:
         raise ConfigError(f"--csv {args.csv}: {exc}") from None
     coefs = fitted.coefs
@@ -598,8 +518,10 @@ def main(argv: list[str] | None = None) -> int:
         "points": {s: sum(m.split == s for m in measurements) for s in ("fit", "heldout", "validate")},
     }
     fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])
-    write_profile(out, build_profile(gpu, runs, coefs, report, fit_command, args.csv))
+    profile = build_profile(gpu, runs, coefs, report, fit_command, args.csv)
+    write_profile(out, profile | ({"backends": backends} if backends else {}))
     print_report(report)
+    print_backends(backends)
     print(f"wrote {out}")
     return 0
 

@@ -3,13 +3,16 @@
 A point is one packed varlen batch (sequence lengths + a kept fraction per sequence) on one model. Its
 ``kind`` says what is timed: ``attn`` (selection, attention forward and backward), ``layer`` (the
 non-attention work of one transformer layer) or ``layer_full`` (a whole layer, forward and backward, with
-the real kernel: never fitted, used to check that the fitted terms add up to a layer).
+the real kernel: never fitted, used to check that the fitted terms add up to a layer). A point of a dense
+attention backend (``backend``, a name of ``kernels.backends`` other than ``ours``) times that backend's forward
+and backward on all the causal blocks of its documents (:func:`dense_points`).
 """
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
 
+from sim.backends import DENSE_TERMS, OURS
 from sim.shapes import ModelShape
 
 K = 1024
@@ -58,12 +61,14 @@ class GridPoint:
     lengths: tuple[int, ...]
     kept_fractions: tuple[float, ...]
     split: str = "fit"
+    backend: str = OURS  # a dense backend's points are keyed <kind>@<backend>
 
     @property
     def key(self) -> str:
         lengths = "+".join(map(str, self.lengths))
         kept = "+".join(f"{f:g}" for f in self.kept_fractions)
-        return f"{self.kind}|{self.model}|{lengths}|{kept}"
+        kind = self.kind if self.backend == OURS else f"{self.kind}@{self.backend}"
+        return f"{kind}|{self.model}|{lengths}|{kept}"
 
     @staticmethod
     def budgets_of(key: str) -> tuple[float, ...]:
@@ -72,7 +77,7 @@ class GridPoint:
 
     @property
     def terms(self) -> tuple[str, ...]:
-        return TERMS[self.kind]
+        return TERMS[self.kind] if self.backend == OURS else DENSE_TERMS
 
     @property
     def tokens(self) -> int:
@@ -146,14 +151,33 @@ def validation_points(shape: ModelShape) -> list[GridPoint]:
     ]
 
 
-def build_grid(models: list[ModelShape]) -> list[GridPoint]:
-    """Every point for these models; validation first so a cut-short run still has it, then cheap to dear.
+def dense_points(shape: ModelShape, backend: str) -> list[GridPoint]:
+    """A dense backend's points: the documents of the attention grid, all kept (a dense call has no kept
+    fraction), within MAX_KEPT_WORK; and the validation micro-batches' documents, held out. The same documents
+    are held out as for our kernel's dense points, the shortest and longest single documents never."""
+    singles = [n for n in _singles(shape) if kept_work(n, (1.0,)) <= MAX_KEPT_WORK]
+    batches = dict.fromkeys(p.lengths for p in attention_points(shape)
+                            if kept_work(p.lengths, (1.0,) * len(p.lengths)) <= MAX_KEPT_WORK)
+    points = []
+    for lengths in batches:
+        ours = GridPoint("attn", shape.name, lengths, (1.0,) * len(lengths))
+        split = "heldout" if _heldout(ours.key, lengths in (singles[0], singles[-1])) else "fit"
+        points.append(GridPoint("attn", shape.name, lengths, ours.kept_fractions, split, backend))
+    points += [GridPoint("attn", shape.name, lengths, (1.0,) * len(lengths), "heldout", backend)
+               for lengths, _ in VALIDATION if max(lengths) <= shape.max_context]
+    return points
+
+
+def build_grid(models: list[ModelShape], backends: tuple[str, ...] = ()) -> list[GridPoint]:
+    """Every point for these models, and every dense point of ``backends`` (names of kernels.backends besides
+    ours); validation first so a cut-short run still has it, then cheap to dear.
 
     Sequences never exceed a model's context (``max_context``).
     """
     points: list[GridPoint] = []
     for m in models:
         points += attention_points(m) + layer_points(m) + layer_full_points(m)
+        points += [p for backend in backends for p in dense_points(m, backend)]
     by_name = {m.name: m for m in models}
     points.sort(key=lambda p: estimate_point_ms(p, by_name[p.model]))
     return [v for m in models for v in validation_points(m)] + points

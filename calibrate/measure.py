@@ -2,7 +2,8 @@
 
 ``kernel`` is anything with the pinned API of ``kernels.sparse_attention`` (``select_blocks``,
 ``sparse_attention``) and ``attention`` the runner's attention callable (``runner.attention.make_attention``)
-that whole layers use; tests pass CPU stand-ins. Features are fitted on the kept fractions the kernel
+that whole layers use; ``backends`` the dense attention backends (``kernels.backends``, by name) whose points
+the grid has; tests pass CPU stand-ins. Features are fitted on the kept fractions the kernel
 actually realised (the diagonal block is always kept, counts round), so those are what the rows record.
 
 Inputs are handed over as the runner does: the documents once per micro-batch (``VarlenBatch``), budgets
@@ -15,6 +16,7 @@ from typing import Callable
 import torch
 
 from calibrate.grid import GridPoint, estimate_term_ms
+from sim.backends import OURS
 from sim.shapes import ModelShape
 from calibrate.timing import Timing
 from runner.model import Block, packed_positions, rope_angles
@@ -33,6 +35,7 @@ class Measurer:
         dtype: torch.dtype = torch.bfloat16,
         block_size: int = 64,
         seed: int = 0,
+        backends: dict | None = None,
     ):
         self.shapes = {s.name: s for s in shapes}
         self.kernel = kernel
@@ -42,12 +45,13 @@ class Measurer:
         self.dtype = dtype
         self.block_size = block_size
         self.seed = seed
+        self.backends = backends or {}
         self._blocks: dict[str, Block] = {}
 
     def measure(self, point: GridPoint) -> list[dict]:
         """Rows for the store, one per term of the point."""
         by_kind = {"attn": self._attention, "layer": self._layer, "layer_full": self._layer_full}
-        timings, kept = by_kind[point.kind](point)
+        timings, kept = (by_kind[point.kind] if point.backend == OURS else self._dense)(point)
         return [_row(point, term, timings[term], kept) for term in point.terms]
 
     # -- inputs -------------------------------------------------------------------------------------
@@ -99,6 +103,25 @@ class Measurer:
                    "attn_fwd": self.bench(forward, self._expected("attn_fwd", point))}
         timings["attn_bwd"] = self._backward(out, grad_out, self._expected("attn_bwd", point), [q, k, v])
         return timings, tuple(sel.kept_fraction.tolist())
+
+    def _dense(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
+        """A dense backend's forward and backward over every causal block of the point's documents, its
+        documents handed over once as for every layer of a micro-batch."""
+        s, backend = self.shapes[point.model], self.backends[point.backend]
+        torch.manual_seed(self.seed)
+        q = self._randn(point.tokens, s.heads, s.head_dim).requires_grad_()
+        k = self._randn(point.tokens, s.kv_heads, s.head_dim).requires_grad_()
+        v = self._randn(point.tokens, s.kv_heads, s.head_dim).requires_grad_()
+        docs = backend.documents(point.lengths, self.device)
+
+        def forward():
+            return backend.attention(q, k, v, docs)
+
+        out = forward()
+        grad_out = torch.randn_like(out)
+        timings = {"attn_fwd": self.bench(forward, self._expected("attn_fwd", point))}
+        timings["attn_bwd"] = self._backward(out, grad_out, self._expected("attn_bwd", point), [q, k, v])
+        return timings, point.kept_fractions
 
     def _layer(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
         """The layer's non-attention work: the runner's Block with a pass-through in place of attention; its

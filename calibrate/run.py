@@ -6,6 +6,10 @@ Triton but no Hydra/OmegaConf, and the calibration has a handful of flags, no co
 Each finished point is appended to the CSV at once; a rerun with the same CSV skips what is there, so a
 run cut short by a time limit resumes where it stopped. Run facts (GPU, driver, versions, grid, command)
 go to ``<csv>.meta.json`` beside it, one entry per run.
+
+Every attention backend of ``--backends`` that runs here is timed over the same documents (``kernels.backends``:
+our kernel over the whole grid, each dense peer over the grid's documents, all kept); one that cannot run is
+one line (``fa4: absent (...)``) and is left out, unless named on the command line.
 """
 from __future__ import annotations
 
@@ -23,8 +27,10 @@ import warnings
 from pathlib import Path
 
 from calibrate import grid, store, timing
+from kernels.backends import BACKENDS, load_all
 from calibrate.grid import GridPoint, build_grid
-from sim.core import ArgumentParser, ConfigError, one_line_errors
+from sim.backends import OURS
+from sim.core import ArgumentParser, ConfigError, number_list, one_line_errors
 from sim.progress import with_progress
 from sim.shapes import ModelShape, load_shapes, model_names
 
@@ -46,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="busy: the GPU's summed kernel time per call (training runs ahead of the GPU); events: "
                          "do_bench's device events around each call (host launch gaps included)")
     ap.add_argument("--dry-run", action="store_true", help="print the grid and its estimated cost, time nothing")
+    ap.add_argument("--backends", type=number_list(str, lambda b: b in BACKENDS, ", ".join(BACKENDS)), default=None,
+                    help=f"attention backends to time (default: every one that runs here, of {', '.join(BACKENDS)}); "
+                         f"{OURS} always runs")
     ap.add_argument("--code-version", default=None,
                     help="commit of the kernel and layer code being timed (GPU boxes get a copy without .git)")
     args = ap.parse_args(argv)
@@ -106,7 +115,7 @@ def measurement_settings(run: dict) -> dict:
     the block size, the grid's timing settings, each model's shape, the clock and the device. The models and
     ``max_tokens`` only choose which points are measured."""
     facts = run.get("grid", {})
-    settings = {k: v for k, v in facts.items() if k not in ("models", "max_tokens", "points")}
+    settings = {k: v for k, v in facts.items() if k not in ("models", "max_tokens", "points", "backends")}
     settings |= {f"models.{name}.{k}": v for name, shape in facts.get("models", {}).items() for k, v in shape.items()}
     return settings | {k: run[k] for k in ("timing", "device") if k in run}
 
@@ -123,9 +132,11 @@ def check_same_settings(csv: Path, settings: dict) -> None:
                                   "--csv for these")
 
 
-def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int | None, n_points: int) -> dict:
+def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int | None, n_points: int,
+                     backends: tuple[str, ...] = ()) -> dict:
     return {
         "models": {s.name: vars(s) for s in shapes},
+        "backends": [OURS, *backends],
         "block_size": block_size,
         "single_lengths": list(grid.SINGLE_LENGTHS),
         "kept_fractions": list(grid.KEPT_FRACTIONS),
@@ -220,7 +231,7 @@ def comm_figures(device: str) -> dict | str:
     return measure_comm(gpus)
 
 
-def make_measurer(shapes: list[ModelShape], device: str, block_size: int, clock: str = "busy"):
+def make_measurer(shapes: list[ModelShape], device: str, block_size: int, clock: str = "busy", backends=None):
     if device == "cpu":
         # The interpreter must be chosen before Triton is imported; it has no bf16 arithmetic, hence fp32.
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -238,7 +249,21 @@ def make_measurer(shapes: list[ModelShape], device: str, block_size: int, clock:
     gpu_bench = timing.bench_gpu_busy if clock == "busy" else timing.bench_gpu
     bench = gpu_bench if device == "cuda" else timing.bench_cpu
     attention = make_attention("kernel", block_size)
-    return Measurer(shapes, kernel, attention, bench, device=device, dtype=dtype, block_size=block_size)
+    return Measurer(shapes, kernel, attention, bench, device=device, dtype=dtype, block_size=block_size,
+                    backends=backends)
+
+
+def peer_backends(named: list[str] | None, dry_run: bool) -> tuple[dict, list[str]]:
+    """The dense backends to time (name -> loaded backend; in a dry run name -> None, nothing loaded) and the
+    lines of those left out. A default one that cannot run here is left out with its line; one named with
+    --backends is a ConfigError with it."""
+    peers = [b for b in (BACKENDS if named is None else named) if b != OURS]
+    if dry_run:
+        return dict.fromkeys(peers), []
+    loaded, absent = load_all(peers)
+    if named is not None and absent:
+        raise ConfigError(f"--backends {','.join(named)}: {absent[0]}; allowed: backends that run here")
+    return loaded, absent
 
 
 @one_line_errors
@@ -246,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shapes = load_shapes(args.models)
     by_name = {s.name: s for s in shapes}
-    points = select_points(build_grid(shapes), args.max_tokens)
-    grid_facts = grid_description(shapes, args.block_size, args.max_tokens, len(points))
+    peers, absent = peer_backends(args.backends, args.dry_run)
+    for line in absent:
+        print(line, file=sys.stderr)
+    points = select_points(build_grid(shapes, tuple(peers)), args.max_tokens)
+    grid_facts = grid_description(shapes, args.block_size, args.max_tokens, len(points), tuple(peers))
     check_same_settings(args.csv, measurement_settings({"grid": grid_facts, "timing": args.timing,
                                                          "device": args.device}))
     todo = pending(points, args.csv)
@@ -265,10 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "calibrate.run", *(sys.argv[1:] if argv is None else argv)])
     entry = {"command": command, "code_version": args.code_version, "timing": args.timing,
              **machine_facts(args.device),
+             "backends": {name: backend.version() for name, backend in peers.items()}, "absent_backends": absent,
              "grid": grid_facts}
     write_meta(args.csv, entry | {"points_measured": None, "points_left": len(todo)})
     started = time.monotonic()
-    measurer = make_measurer(shapes, args.device, args.block_size, args.timing)
+    measurer = make_measurer(shapes, args.device, args.block_size, args.timing, peers)
     measured = measure_all(todo, measurer, args.csv, args.time_budget_s)
     write_meta(args.csv, entry | {"points_measured": measured, "points_left": len(todo) - measured,
                                   "seconds": round(time.monotonic() - started, 1), "comm": comm_figures(args.device)},

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibrate import fit, run, store
+from calibrate import fit, linear, run, store
 from calibrate.fit import FeatureSource, Measurement
 from calibrate.grid import build_grid
 from sim.shapes import load_shapes
@@ -96,7 +96,7 @@ def test_merged_columns_are_the_nonnegative_combinations_of_the_others():
     a, b = np.array([1.0, 0.0, 1.0, 2.0]), np.array([0.0, 1.0, 1.0, 0.5])
     columns = np.stack([a, b, a + 2 * b, a - b], axis=1)
     columns /= np.linalg.norm(columns, axis=0)
-    merged = fit.merged_columns(columns)
+    merged = linear.merged_columns(columns)
     # Last to first: a - b needs a negative weight on b (kept), a + 2b is merged, b = a - (a - b) is kept,
     # and then a = (a - b) + b is merged: b and a - b are left, and rebuild the other two.
     assert list(merged) == [2, 0]

@@ -1,0 +1,96 @@
+"""The dense attention backends' terms: fitted from their points of the raw CSV into a profile's ``backends``.
+
+A dense backend's point (``attn@<backend>`` keys, ``calibrate.grid.dense_points``) times its forward and its
+backward over every causal block of a micro-batch's documents. Each term is fitted as our kernel's are
+(``calibrate.linear.fit_term``) on the features the simulator prices it on (``sim.cost.dense_features``:
+const, tokens, documents, causal FLOPs), and its version is the one the run recorded. Every backend, ours
+included, is held to the same error targets on its held-out attention forward plus backward
+(:func:`backend_checks`).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import fields
+
+import numpy as np
+
+from calibrate.linear import ape, fit_term, predict, summarise
+from sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS
+from sim.config import ModelConfig
+from sim.core import ConfigError
+from sim.cost import dense_features
+
+HELDOUT_MEDIAN_PCT = 3.0  # held-out attention fwd+bwd of every backend: median absolute % error
+HELDOUT_MAX_PCT = 10.0  # and the largest
+
+
+def recorded_versions(runs: list[dict]) -> dict[str, str]:
+    """Each backend's version as the last run that timed it recorded it."""
+    versions: dict[str, str] = {}
+    for run in runs:
+        versions.update(run.get("backends") or {})
+    return versions
+
+
+def fit_backends(measurements: list, models: dict[str, dict], block_size: int, versions: dict[str, str]) -> dict:
+    """The profile's ``backends`` section from the dense backends' measurements (none: empty)."""
+    keys = [f.name for f in fields(ModelConfig)]
+    shapes = {name: ModelConfig(**{k: shape[k] for k in keys if k in shape}) for name, shape in models.items()}
+    by_backend: dict[str, list] = defaultdict(list)
+    for m in measurements:
+        by_backend[m.backend].append(m)
+    section = {}
+    for name, points in sorted(by_backend.items()):
+        feats = {m.key: dense_features(m.lengths, shapes[m.model], block_size) for m in points}
+        terms, conditioning = {}, {}
+        for term in DENSE_TERMS:
+            rows = [m for m in points if m.term == term and m.split == "fit"]
+            if not rows:
+                raise ConfigError(f"backend {name}: no 'fit' measurements of {term}; allowed: raw measurements with "
+                                  "them (calibrate.run times them)")
+            X = np.array([[feats[m.key][f] for f in DENSE_FEATURES] for m in rows])
+            fitted = fit_term(X, np.array([m.median_ms for m in rows]), list(DENSE_FEATURES))
+            terms[term], conditioning[term] = fitted.coefs, fitted.conditioning()
+        section[name] = {
+            "version": versions.get(name) or "unknown (not recorded by calibrate.run)",
+            "terms": terms,
+            "fit": {"heldout_mape": summarise(_errors(points, terms, feats, "heldout")),
+                    "fit_mape": summarise(_errors(points, terms, feats, "fit")),
+                    "conditioning": conditioning,
+                    "points": {s: sum(m.split == s and m.term == DENSE_TERMS[0] for m in points)
+                               for s in ("fit", "heldout")}},
+        }
+    return section
+
+
+def _errors(points: list, terms: dict, feats: dict, split: str) -> dict[str, list[float]]:
+    """Absolute % errors per term and of forward plus backward, on one split."""
+    errors: dict[str, list[float]] = defaultdict(list)
+    pairs: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)
+    for m in points:
+        if m.split == split:
+            pred = predict(terms[m.term], feats[m.key])
+            errors[m.term].append(ape(pred, m.median_ms))
+            pairs[m.key][m.term] = (pred, m.median_ms)
+    for pair in pairs.values():
+        if len(pair) == len(DENSE_TERMS):
+            errors["attn_fwd+bwd"].append(ape(*(sum(v[i] for v in pair.values()) for i in (0, 1))))
+    return errors
+
+
+def backend_checks(profile: dict, recorded) -> list[tuple[str, float | None, float]]:
+    """(what, recorded % error or None, limit) of every backend's held-out attention fwd+bwd: ours (the
+    profile's own fit) and each dense backend of its ``backends``. ``recorded(section, *keys)`` reads a number."""
+    fits = {OURS: profile.get("fit")} | {name: entry.get("fit") for name, entry in (profile.get("backends") or {}).items()}
+    return [(f"held-out attn_fwd+bwd {stat}, {name}", recorded(fit, "heldout_mape", "attn_fwd+bwd", key), limit)
+            for name, fit in fits.items()
+            for stat, key, limit in (("median", "median_ape_pct", HELDOUT_MEDIAN_PCT),
+                                     ("max", "max_ape_pct", HELDOUT_MAX_PCT))]
+
+
+def print_backends(section: dict) -> None:
+    for name, entry in section.items():
+        print(f"backend {name} ({entry['version']}), absolute % error (median / max / points):")
+        for split in ("heldout", "fit"):
+            for term, s in entry["fit"][f"{split}_mape"].items():
+                print(f"  {split:>7} {term:>13}: {s['median_ape_pct']:7.2f} {s['max_ape_pct']:8.2f} {s['points']:5d}")

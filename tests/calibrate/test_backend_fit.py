@@ -1,0 +1,161 @@
+"""Dense attention backends in the calibration: their grid points, their timing (a CPU stand-in), their rows'
+keys, their fit into a profile's ``backends`` with the version the run recorded, and the simulator pricing them."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import kernels.sparse_attention as kernel
+from calibrate import fit, run, store, timing
+from calibrate.grid import GridPoint, build_grid, dense_points
+from calibrate.measure import Measurer
+from kernels.backends import load
+from pinned import PINNED_PROFILE
+from runner.attention import make_attention
+from sim.backends import DENSE_FEATURES, DENSE_TERMS
+from sim.cluster import Cluster, Layout
+from sim.core import ConfigError, compose_config
+from sim.cost import dense_features, load_profile, make_cost
+from sim.shapes import ModelShape, load_shapes
+
+BLOCK = 128
+TRUE = {"attn_fwd": {"const": 0.02, "tokens": 3e-6, "docs": 0.004, "flops": 1 / 550e9},
+        "attn_bwd": {"const": 0.05, "tokens": 6e-6, "docs": 0.01, "flops": 2.6 / 550e9}}
+OURS_TRUE = load_profile(str(PINNED_PROFILE))["terms"]
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    return load_shapes(list(run.CALIBRATED_MODELS))
+
+
+def test_dense_points_are_the_grids_documents_all_kept_and_hold_out_the_validation_documents(shapes):
+    ours = {p.lengths for s in shapes for p in build_grid([s]) if p.kind == "attn"}
+    for shape in shapes:
+        points = dense_points(shape, "fa4")
+        assert all(p.key.startswith(f"attn@fa4|{shape.name}|") and p.terms == DENSE_TERMS for p in points)
+        assert all(set(p.kept_fractions) == {1.0} and sum(n * n for n in p.lengths) <= 65536 ** 2 for p in points)
+        assert {p.lengths for p in points if p.split == "fit"} <= ours
+        assert {(1024,), (min(shape.max_context, 65536),)} <= {p.lengths for p in points if p.split == "fit"}
+        assert sum(p.split == "heldout" for p in points) >= 4
+    grid = build_grid(shapes, ("cudnn", "fa4"))
+    assert len(grid) == len(build_grid(shapes)) + 2 * sum(len(dense_points(s, "fa4")) for s in shapes)
+
+
+def rows_of(shapes, backends=("fa4",), noise=0.0, seed=0):
+    """CSV rows of a run: ours timed as the pinned profile prices it, each dense backend as TRUE."""
+    rng = np.random.default_rng(seed)
+    features = fit.FeatureSource({s.name: vars(s) for s in shapes}, BLOCK)
+    rows = []
+    for p in build_grid(shapes, backends):
+        if p.backend == "ours":
+            probe = fit.Measurement(p.key, "", p.split, p.model, p.lengths, p.kept_fractions, 1.0, 0.0)
+            times = {t: fit.term_prediction(t, OURS_TRUE, features(probe)) or 0.4 for t in p.terms}
+        else:
+            feats = dense_features(p.lengths, features.taps[p.model].model, BLOCK)
+            times = {t: sum(c * feats[f] for f, c in TRUE[t].items()) for t in p.terms}
+        for term, t in times.items():
+            t *= float(np.exp(rng.normal(0.0, noise)))
+            rows.append({"key": p.key, "term": term, "split": p.split, "model": p.model,
+                         "lengths": ";".join(map(str, p.lengths)),
+                         "kept_fractions": ";".join(map(str, p.kept_fractions)), "median_ms": t,
+                         "p20_ms": t * 0.99, "p80_ms": t * 1.01, "reps": 9})
+    return rows
+
+
+def write_run(tmp_path, shapes, rows, backends=("fa4",), name="h100_raw.csv"):
+    csv = tmp_path / name
+    store.append_rows(csv, rows)
+    grid = run.grid_description(shapes, BLOCK, None, len(rows), backends)
+    run.write_meta(csv, {"command": "python -m calibrate.run", "date": "2026-12-06T00:00:00+00:00", "torch": "t",
+                         "triton": "tr", "gpu_name": "synthetic", "driver": "d", "grid": grid,
+                         "backends": {b: f"{b} 1.2.3" for b in backends}})
+    return csv
+
+
+def test_fit_writes_each_dense_backends_terms_version_and_errors(tmp_path, shapes, capsys):
+    csv = write_run(tmp_path, shapes, rows_of(shapes))
+    out = tmp_path / "h100.json"
+    assert fit.main(["--csv", str(csv), "--out", str(out)]) == 0
+    profile = load_profile(str(out))
+    entry = profile["backends"]["fa4"]
+    assert entry["version"] == "fa4 1.2.3" and set(entry["terms"]) == set(DENSE_TERMS)
+    for term in DENSE_TERMS:
+        assert set(entry["terms"][term]) == set(DENSE_FEATURES)
+        for feat, coef in TRUE[term].items():
+            assert entry["terms"][term][feat] == pytest.approx(coef, rel=1e-3), (term, feat)
+    assert entry["fit"]["heldout_mape"]["attn_fwd+bwd"]["max_ape_pct"] < 1e-3
+    assert entry["fit"]["points"]["heldout"] >= 8
+    assert "backend fa4 (fa4 1.2.3)" in capsys.readouterr().out
+    # ours is fitted from its own rows alone: the dense backend's rows change none of its coefficients
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    ours_only = [r for r in rows_of(shapes) if "@" not in r["key"]]
+    assert fit.main(["--csv", str(write_run(plain, shapes, ours_only, ())), "--out", str(plain / "h100.json")]) == 0
+    assert json.loads((plain / "h100.json").read_text())["terms"] == profile["terms"]
+    assert "backends" not in json.loads((plain / "h100.json").read_text())
+    # and the simulator prices the backend it names
+    cfg = OmegaConf.to_object(compose_config([f"cost.profile={out}", "cost.attention_backend=dense_best",
+                                              "model=llama3-8b"]))
+    cost = make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster), recompute=False)
+    mb = cost.micro_batch_cost([8192, 4096], [0.3, 1.0], Layout(dp=8))
+    feats = dense_features([8192, 4096], cfg.model, BLOCK)
+    assert mb.dense and mb.attn_fwd_ms == pytest.approx(
+        cfg.model.layers * sum(c * feats[f] for f, c in entry["terms"]["attn_fwd"].items()))
+
+
+def test_a_dense_backend_without_fit_points_of_a_term_is_one_line(tmp_path, shapes, capsys):
+    rows = [r for r in rows_of(shapes) if not (r["key"].startswith("attn@") and r["term"] == "attn_bwd"
+                                               and r["split"] == "fit")]
+    csv = write_run(tmp_path, shapes, rows)
+    with pytest.raises(SystemExit) as done:
+        fit.main(["--csv", str(csv), "--out", str(tmp_path / "h100.json")])
+    err = capsys.readouterr().err.splitlines()
+    assert done.value.code == 2 and err == [f"error: --csv {csv}: backend fa4: no 'fit' measurements of attn_bwd; "
+                                            "allowed: raw measurements with them (calibrate.run times them)"]
+    assert not (tmp_path / "h100.json").exists()
+
+
+@pytest.mark.parametrize("key, term, ok", [
+    ("attn@fa4|llama3-8b|4096|1", "attn_bwd", True),
+    ("attn@fa4|llama3-8b|4096|1", "select", False),
+    ("attn@ours|llama3-8b|4096|1", "attn_fwd", False),
+    ("layer@fa4|llama3-8b|4096|1", "layer_fwd", False),
+    ("attn@FA4|llama3-8b|4096|1", "attn_fwd", False),
+])
+def test_row_keys_of_dense_backends(key, term, ok):
+    row = {"key": key, "term": term, "split": "fit", "model": "llama3-8b", "lengths": "4096", "kept_fractions": "1",
+           "median_ms": "1.0", "p20_ms": "0.9", "p80_ms": "1.1", "reps": "5"}
+    if ok:
+        assert fit.Measurement.from_row(row, ["llama3-8b"]).backend == "fa4"
+    else:
+        with pytest.raises(ConfigError, match=f"row key={key!r}"):
+            fit.Measurement.from_row(row, ["llama3-8b"])
+
+
+def test_the_measurer_times_a_dense_backend_forward_and_backward():
+    tiny = ModelShape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100,
+                      max_context=4096)
+    ours = load("ours")
+    ours.block_size = 32
+    measurer = Measurer([tiny], kernel, make_attention("kernel", 32), timing.bench_cpu, device="cpu",
+                        dtype=torch.float32, block_size=32, backends={"ours_dense": ours})
+    point = GridPoint("attn", "tiny", (256, 77), (1.0, 1.0), "heldout", "ours_dense")
+    rows = measurer.measure(point)
+    assert [r["term"] for r in rows] == ["attn_fwd", "attn_bwd"]
+    assert all(r["key"] == "attn@ours_dense|tiny|256+77|1+1" and float(r["median_ms"]) > 0 for r in rows)
+    assert rows[0]["kept_fractions"] == "1;1" and rows[0]["split"] == "heldout"
+
+
+def test_calibrate_run_names_the_backends_it_leaves_out(tmp_path, capsys):
+    assert run.main(["--dry-run", "--csv", str(tmp_path / "x.csv"), "--backends", "ours,fa4"]) == 0
+    assert run.peer_backends(["ours", "fa4"], dry_run=True) == ({"fa4": None}, [])
+    if not torch.cuda.is_available():
+        loaded, absent = run.peer_backends(None, dry_run=False)
+        assert loaded == {} and [line.split(":")[0] for line in absent] == ["cudnn", "fa4", "fa3"]
+        with pytest.raises(ConfigError, match=r"^--backends fa4: fa4: absent \("):
+            run.peer_backends(["fa4"], dry_run=False)
