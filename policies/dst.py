@@ -98,6 +98,8 @@ class DynamicSparsityTuning:
         coverage_weight: CoverageWeight = CoverageWeight.attention  # the weighting of that mean
         # each rank's time is planned at this quantile of what the belief about the sequences lets it take
         quantile: float = bounded(0.75, FRACTION)
+        # false: no balancing, only the one budget per step that meets min_mean_coverage (a baseline's choice)
+        balance: bool = True
 
     def __init__(self, params: Params) -> None:
         if Family(params.family) is Family.topp and not 0.0 < params.floor <= params.p <= params.cap <= 1.0:
@@ -110,6 +112,8 @@ class DynamicSparsityTuning:
                              f"k_cap={params.k_cap}")
         if params.levels < 2:
             raise ValueError(f"levels={params.levels} must be >= 2")
+        if not params.balance and params.min_mean_coverage is None:
+            raise ValueError("balance=false picks the budget that meets min_mean_coverage: set min_mean_coverage")
         self.params = params
 
     def tune(self, plan: Plan, layout: Layout, cost: CostModel, belief: Belief) -> Plan:
@@ -122,6 +126,10 @@ def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost
     budgets, start_level = level_budgets(params, cost.block_size)
     table = LevelTable.build(plan, layout, cost, budgets, belief, CoverageWeight(params.coverage_weight),
                              params.quantile)
+    if params.min_mean_coverage is not None:
+        start_level = meeting_level(table, start_level, params.min_mean_coverage)
+    if not params.balance:
+        return uniform_budget_plan(plan, budgets[start_level])
     start = np.full((layout.dp, layout.micro_batches), start_level)
     start_ms, start_cov = table.makespan(start), table.mean_coverage(start)
     target_cov = start_cov if params.min_mean_coverage is None else params.min_mean_coverage
@@ -131,6 +139,16 @@ def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost
     if new_ms > start_expected or (new_ms == start_expected and new_cov <= start_cov):
         return uniform_budget_plan(plan, budgets[start_level])
     return with_levels(plan, levels[table.rank, table.micro_batch], budgets)
+
+
+def meeting_level(table: LevelTable, start_level: int, target: float) -> int:
+    """The starting level, raised to the lowest uniform level that the belief expects to reach ``target``
+    where the start does not (the highest where none does): DST is then never slower than the fixed budget
+    that meets the coverage target, rather than than one that misses it."""
+    dp, m = table.rank_ms.shape[1], table.fwd.shape[-1]
+    covered = [table.mean_coverage(np.full((dp, m), level)) for level in range(table.fwd.shape[0])]
+    meets = [level for level in range(start_level, len(covered)) if covered[level] >= target]
+    return meets[0] if meets else (start_level if covered[start_level] >= target else len(covered) - 1)
 
 
 def level_budgets(params: DynamicSparsityTuning.Params, block_size: int) -> tuple[list[Budget], int]:

@@ -6,11 +6,13 @@ turns it into tensors on the run's device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import torch
 
 from runner.task import BOS, PAD, TaskConfig, make_example
+from sim.core import ConfigError
 from sim.plan import Assignment
 
 
@@ -38,14 +40,19 @@ class MicroBatch:
         return self.cu_seqlens if self.shards is None else self.shards
 
 
-def pack(assignments: tuple[Assignment, ...], task: TaskConfig, vocab_size: int, seed: int,
-         device: torch.device) -> MicroBatch:
-    """Pack the sequences of one (rank, micro-batch) of a Plan, with their budgets, in plan order."""
-    examples = [make_example(task, vocab_size, seed, a.seq_id, a.length, a.sensitivity) for a in assignments]
+def pack(assignments: tuple[Assignment, ...], truth: Mapping[int, float], task: TaskConfig, vocab_size: int,
+         seed: int, device: torch.device) -> MicroBatch:
+    """Pack the sequences of one (rank, micro-batch) of a Plan, with their budgets, in plan order; each
+    sequence is generated from its sensitivity in ``truth`` (id -> s), which the Plan does not carry."""
+    examples = [make_example(task, vocab_size, seed, a.seq_id, a.length, truth[a.seq_id]) for a in assignments]
     offsets = np.cumsum([0] + [a.length for a in assignments])
     tokens = np.concatenate([e.tokens for e in examples])
     positions = np.concatenate([o + e.answer_positions for o, e in zip(offsets, examples)])
     answers = np.concatenate([e.answers for e in examples])
+    if any(a.budget.top_k is not None for a in assignments):
+        raise ConfigError("a Plan gives top-k budgets (budget.top_k), which the simulator prices but the runner's "
+                          "kernel cannot select yet; allowed in the runner: coverage-target (p) and kept-fraction "
+                          "budgets (dst family=topp, fixed without top_k)")
     fixed = [a.budget.kept_fraction for a in assignments]
     if any(f is None for f in fixed) and any(f is not None for f in fixed):
         raise ValueError("a micro-batch mixes coverage-target and fixed-kept-fraction budgets")
@@ -82,6 +89,6 @@ def placeholder(device: torch.device, length: int = 1) -> MicroBatch:
     )
 
 
-def n_answers(assignments, task: TaskConfig) -> int:
-    """Scored tokens of a set of assignments; every rank computes the global count from the Plan."""
-    return sum(task.queries(a.sensitivity) for a in assignments)
+def n_answers(assignments, task: TaskConfig, truth: Mapping[int, float]) -> int:
+    """Scored tokens of a set of assignments; every rank computes the global count from the Plan and the data."""
+    return sum(task.queries(truth[a.seq_id]) for a in assignments)

@@ -28,8 +28,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -39,7 +37,6 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
-from tqdm import tqdm
 
 from kernels.sparse_attention import compile_count
 from runner import checkpoint
@@ -55,9 +52,10 @@ from runner.pipeline import Clock, Outcome, StageDriver, Work, most
 from runner.records import SequenceRecord, TrainRecord
 from runner.task import TaskConfig
 from sim.cluster import Cluster
-from sim.core import ConfigError
+from sim.core import ConfigError, atomic_path
 from sim.cost import training_flops
 from sim.memory import GB
+from sim.progress import with_progress
 from sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord, coverage_fields
 
 WRITE_EVERY_S = 10.0  # the longest a run's Results files lag its steps (they are rewritten whole)
@@ -97,35 +95,39 @@ class Trainer:
             self._resume(Path(cfg.runner.resume))
 
     # ------------------------------------------------------------------ loop
-    def train(self) -> None:
+    def train(self) -> dict | None:
+        """Train the run's steps; on rank 0, the summary (summary.json's) written after the last one."""
         every = self.cfg.runner.checkpoint_every
-        bar = tqdm(range(self.start_step, self.cfg.steps), desc=self.cfg.policy.name,
-                   disable=self.rank != 0, initial=self.start_step, total=self.cfg.steps)
-        written = -math.inf
-        for step in bar:
-            summary = self.step(step)
+        latest: dict = {}
+        steps = with_progress(range(self.start_step, self.cfg.steps), self.cfg.policy.name, total=self.cfg.steps,
+                              initial=self.start_step, enabled=self.rank == 0,
+                              status=lambda: f"loss {latest['loss']:.3f}, acc {latest['accuracy']:.2f}")
+        written, summary = -math.inf, None
+        for step in steps:
+            row = self.step(step)
             checkpoint_due = every and ((step + 1) % every == 0 or step + 1 == self.cfg.steps)
-            if summary:
-                bar.set_postfix(loss=f"{summary['loss']:.3f}", acc=f"{summary['accuracy']:.2f}")
+            if row:
+                latest = row
                 # Rewritten whole (atomically, off the clock) after the last step, with every checkpoint and
                 # otherwise at most every WRITE_EVERY_S: a run cut short keeps its steps up to then, and a long
                 # run does not spend a time that grows with its length rewriting them after every step.
                 if step + 1 == self.cfg.steps or checkpoint_due or time.monotonic() - written >= WRITE_EVERY_S:
-                    self._write_results()
+                    summary = self._write_results()
                     written = time.monotonic()
             if checkpoint_due:
                 self._save(step + 1)
+        return summary
 
     def step(self, step: int) -> dict | None:
-        plan = self.planner.plan(step)
+        plan, truth = self.planner.plan(step)
         t0 = time.perf_counter()
         assigned = {r: [plan.micro_batch(r, mb) for mb in range(self.layout.micro_batches)] for r in self.dp_ranks}
-        n_global = n_answers(plan.assignments, self.task)
+        n_global = n_answers(plan.assignments, self.task, truth)
         # DDP and FSDP average over the replicas (dp x cp ranks: each CP rank scores the answers among its own
         # tokens); this weight turns that into the sum over the global batch.
         weight = self.model.replicas / n_global
-        work = {r: [Work(self._pack(a), weight) if a else Work(self._pack(a), 0.0, empty=True) for a in mine]
-                for r, mine in assigned.items()}
+        work = {r: [Work(self._pack(a, truth), weight) if a else Work(self._pack(a, truth), 0.0, empty=True)
+                    for a in mine] for r, mine in assigned.items()}
         data_ms = (time.perf_counter() - t0) * 1e3
 
         self.comm.sync()
@@ -149,7 +151,7 @@ class Trainer:
                       optimizer_ms=clock.ms(end) - clock.ms(before_opt),
                       plan_sha256=hashlib.sha256(plan.to_json().encode()).hexdigest(),
                       compilations=compile_count() - compiled)
-        local = [{**self._local_record(step, plan, assigned[r], outcome, clock, r), **shared,
+        local = [{**self._local_record(step, plan, assigned[r], outcome, clock, r, truth), **shared,
                   "peak_bytes": most(*outcome.peaks.values(), outcome.tail_peak, optimizer_peak)}
                  for r, outcome in outcomes.items()]
         if self.one_process:
@@ -163,10 +165,20 @@ class Trainer:
             gathered = local
         else:
             with self.comm.guard(f"the records of step {step}"):
-                gathered = self.comm.gather(local[0])
+                gathered = self.comm.gather(local[0])  # on every rank, so every planner observes the same
+        self._observe(plan, gathered)
         if self.rank != 0:
             return None
         return self._record_step(step, plan, gathered, n_global)
+
+    def _observe(self, plan, gathered: list[dict]) -> None:
+        """What the kernel reported of every sequence (kept fraction and coverage, over layers and stages) and
+        how long the step took, shown to the planner before it plans the next step."""
+        by_id = {s["seq_id"]: s for s in merge_stages([s for g in gathered for s in g["sequences"]])}
+        kept = [by_id[a.seq_id]["kept_fraction"] for a in plan.assignments]
+        coverage = [by_id[a.seq_id]["coverage"] for a in plan.assignments]
+        step_ms = max(g["end_wall"] for g in gathered) - min(g["start_wall"] for g in gathered)
+        self.planner.observe(plan, kept, coverage, step_ms)
 
     def _attention(self):
         """The kernel through its API; under CP the kernel over all-gathered keys (runner/cp_kernel.py), or
@@ -178,14 +190,14 @@ class Trainer:
             return make_cp_attention(self.block_size, self.comm.ring)
         return make_cp_kernel_attention(self.block_size, self.comm.ring, BACKENDS[backend])
 
-    def _pack(self, assignments):
+    def _pack(self, assignments, truth):
         """This rank's share of a micro-batch: all of it, or under CP its zigzag chunks of every sequence."""
-        batch = (pack(assignments, self.task, self.cfg.model.vocab, self.cfg.seed, self.device) if assignments
+        batch = (pack(assignments, truth, self.task, self.cfg.model.vocab, self.cfg.seed, self.device) if assignments
                  else placeholder(self.device, 2 * self.comm.layout.cp))
         return batch if self.comm.ring is None else shard_micro_batch(batch, self.comm.layout.cp, self.comm.cp_rank)
 
     # ------------------------------------------------------------------ records
-    def _local_record(self, step, plan, assigned, outcome: Outcome, clock: Clock, dp_rank: int) -> dict:
+    def _local_record(self, step, plan, assigned, outcome: Outcome, clock: Clock, dp_rank: int, truth) -> dict:
         """This rank's rows, as plain Python values (gathered to rank 0 as objects). The last micro-batch's
         wait and communication are filled in on rank 0, which sees every replica's end of compute."""
         m = self.layout.micro_batches
@@ -211,7 +223,7 @@ class Trainer:
                 for a, k, c in zip(assigned[mb] if self.comm.cp_rank == 0 else (), kept, cov):
                     sequences.append(asdict(SequenceRecord(
                         step=step, seq_id=a.seq_id, dp_rank=dp_rank, micro_batch=mb, length=a.length,
-                        sensitivity=a.sensitivity, p=a.budget.p, budget_kept_fraction=a.budget.kept_fraction,
+                        sensitivity=truth[a.seq_id], p=a.budget.p, budget_kept_fraction=a.budget.kept_fraction,
                         kept_fraction=k, coverage=c,
                     )))
             peak = outcome.peaks[mb]
@@ -292,8 +304,9 @@ class Trainer:
             waits.append(wait)
         return waits
 
-    def _write_results(self) -> None:
-        """The simulator's files (sim.results.Results) plus the runner's own: train.csv, sequences.csv."""
+    def _write_results(self) -> dict:
+        """The simulator's files (sim.results.Results) plus the runner's own: train.csv, sequences.csv; returns the
+        summary."""
         h = self.history
         results = self._results
         # Steps recorded since the last write join the Results (rows are appended in step order).
@@ -319,6 +332,7 @@ class Trainer:
         _write_csv_atomic(train, self.run_dir / "train.csv")
         _write_csv_atomic(pd.DataFrame(h["sequences"]), self.run_dir / "sequences.csv")
         results.write(self.run_dir, summary)  # summary.json last: marks the run complete
+        return summary
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, next_step: int) -> None:
@@ -420,8 +434,9 @@ def check_resume(cfg: DictConfig, planner, world_size: int) -> None:
 def check_continuation(ckpt: dict, path: Path, cfg: DictConfig, planner) -> None:
     """Check that the checkpoint fits the whole model (a meta-device copy: shapes, no memory) and its
     optimiser, and that this run's planner plans the checkpoint's steps as it recorded them, replaying the
-    planner over them: policies such as sab carry state across steps (a budget EMA), so the resumed run then
-    plans what the uninterrupted run would."""
+    planner over them with what each step reported: policies such as sab and the online estimator carry state
+    across steps (a budget EMA, the sensitivities seen), so the resumed run then plans what the uninterrupted
+    run would."""
     done = ckpt["next_step"]
     if cfg.steps <= done:
         raise ConfigError(f"steps={cfg.steps}: the checkpoint runner.resume={path} has trained {done} steps "
@@ -435,10 +450,16 @@ def check_continuation(ckpt: dict, path: Path, cfg: DictConfig, planner) -> None
     make_scheduler(optimizer, cfg)
     with checkpoint.naming(path):
         checkpoint.check_compatible(ckpt, model, optimizer)
-        for step, recorded in enumerate(ckpt["history"]["plans"]):
-            if planner.plan(step).to_json() != recorded:
+        history = ckpt["history"]
+        for step, recorded in enumerate(history["plans"]):
+            plan = planner.plan(step)[0]
+            if plan.to_json() != recorded:
                 raise checkpoint.Invalid(f"its Plan of step {step} is not the one this config plans; "
                                          "allowed: a checkpoint this config wrote")
+            # what the kernel reported of that step, as the run that wrote the checkpoint observed it
+            by_id = {s["seq_id"]: s for s in history["sequences"] if s["step"] == step}
+            planner.observe(plan, [by_id[a.seq_id]["kept_fraction"] for a in plan.assignments],
+                            [by_id[a.seq_id]["coverage"] for a in plan.assignments], history["steps"][step]["step_ms"])
 
 
 def check_schedule_steps(ckpt: dict, path: Path, cfg: DictConfig) -> None:
@@ -452,7 +473,5 @@ def check_schedule_steps(ckpt: dict, path: Path, cfg: DictConfig) -> None:
 
 
 def _write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    frame.to_csv(tmp, index=False, float_format=FLOAT_FORMAT)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        frame.to_csv(tmp, index=False, float_format=FLOAT_FORMAT)

@@ -2,7 +2,8 @@
 every GPU of a layout, timed on the one local device, composed into steps by the simulator's own schedule.
 
 For a config of ``sim.run`` (the same overrides) each policy's Plans are made exactly as ``sim.run`` makes them
-(``sim.run.prepare``, ``sim.policy.plan_step``). Then, on this one device, every DP rank's micro-batches and,
+(``sim.setup.make_planner``), step by step, each planner shown what the kernel reported of the steps before
+(its kept fraction and coverage per sequence) and the replayed step time. Then, on this one device, every DP rank's micro-batches and,
 with pipeline stages, every stage's share of the layers run one after another: the forward through the stages
 in order, the backward in reverse, each stage's forward and backward timed apart (CUDA events; the host clock
 on the CPU) after ``--warmup`` untimed runs of the same micro-batch, which compile the kernels' specialisations
@@ -35,9 +36,7 @@ import contextlib
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -64,12 +63,13 @@ from sim.cluster import Layout
 from sim.compare import BASELINES, hydra_overrides, label, names, policy_variant
 from sim.config import PolicyConfig, RunConfig
 from sim.core import (ArgumentParser, ConfigError, check_writable, compose_config, group_options, one_line_errors,
-                      write_json_atomic)
+                      temporary_dir, write_json_atomic)
 from sim.engine import Engine, PlanArrays
 from sim.plan import Budget, Plan
-from sim.policy import plan_step
+from sim.planner import Planner
 from sim.results import FLOAT_FORMAT, Results
-from sim.run import load_policy, make_policy, prepare
+from sim.setup import Setup, load_policy, make_planner, prepare
+from sim.workload import requests, truth_of
 from sim.shapes import ModelShape
 
 COMMUNICATION_NOTE = ("communication is modelled, not run: stage hand-offs and the gradient all-reduce come from "
@@ -288,35 +288,37 @@ class PolicyReplay:
 
     name: str
     policy: PolicyConfig
-    plans: list[Plan]
+    planner: Planner
     results: Results
     rows: list[pd.DataFrame]
     sim_ms: list[float]
     sim_kf_ms: list[float]
 
 
-def compose(replay: PolicyReplay, engine: Engine, plan: Plan, measured: Measured) -> None:
+def compose(replay: PolicyReplay, engine: Engine, plan: Plan, measured: Measured, truth: dict[int, float]) -> float:
     """The step from the measured times (the engine's schedule and modelled communication), the simulator's
-    own step for the same Plan, and the per-micro-batch comparison."""
+    own step for the same Plan, and the per-micro-batch comparison; returns the replayed step's ms."""
     at_kernel = kernel_budgets(plan, measured)
-    outcome = engine.step(at_kernel, busy_ms=(measured.fwd_ms, measured.bwd_ms))
+    outcome = engine.step(at_kernel, truth, busy_ms=(measured.fwd_ms, measured.bwd_ms),
+                          predicted_ms=replay.planner.predicted_ms)
     replay.results.add(outcome.record, outcome.rows, plan.to_json())
-    replay.sim_ms.append(engine.step(plan).record.step_ms)
-    replay.sim_kf_ms.append(engine.step(at_kernel).record.step_ms)
-    replay.rows.append(micro_batch_rows(engine, plan, measured))
+    replay.sim_ms.append(engine.step(plan, truth).record.step_ms)
+    replay.sim_kf_ms.append(engine.step(at_kernel, truth).record.step_ms)
+    replay.rows.append(micro_batch_rows(engine, plan, measured, truth))
+    return outcome.record.step_ms
 
 
-def micro_batch_rows(engine: Engine, plan: Plan, measured: Measured) -> pd.DataFrame:
+def micro_batch_rows(engine: Engine, plan: Plan, measured: Measured, truth: dict[int, float]) -> pd.DataFrame:
     """Per non-empty (rank, micro-batch, stage): measured vs the cost model's ms, at the kernel's kept
     fractions and at the Plan's modelled ones (the coverage model's)."""
     cost, layout = engine.cost, engine.layout
     dp, m, pp = layout.dp, layout.micro_batches, layout.pp
-    arrays = PlanArrays.from_plan(plan)
+    arrays = PlanArrays.from_plan(plan, truth)
     group = arrays.dp_rank * m + arrays.micro_batch
     kernel = np.array([measured.kept[a.seq_id] for a in plan.assignments])
     kernel_cov = np.array([measured.coverage[a.seq_id] for a in plan.assignments])
-    kept_kernel = cost.kept_fractions(arrays.length, arrays.sensitivity, arrays.p, kernel)
-    kept_plan = cost.kept_fractions(arrays.length, arrays.sensitivity, arrays.p, arrays.fixed_kf)
+    kept_kernel = cost.kept_fractions(arrays.length, arrays.sensitivity, arrays.budgets.p, kernel)
+    kept_plan = arrays.kept(cost)
     at_kernel = cost.micro_batch_costs(arrays.length, kept_kernel, group, dp * m, layout)
     at_plan = cost.micro_batch_costs(arrays.length, kept_plan, group, dp * m, layout)
     count = np.bincount(group, minlength=dp * m)
@@ -376,7 +378,7 @@ def load_inputs(overrides: list[str], policies: str | None, baselines: str | Non
         raise ConfigError(f"layout.cp={setup.layout.cp}: the replay runs whole micro-batches, not CP shards; "
                           "allowed: layout.cp=1")
     check_task(cfg)
-    chosen = policy_list(cfg, policies)
+    chosen = policy_list(cfg, setup, policies)
     labels = [name for name, _ in chosen]
     if baselines is None:
         baselines_list = [name for name in labels if name in BASELINES]
@@ -391,7 +393,7 @@ def load_inputs(overrides: list[str], policies: str | None, baselines: str | Non
     return Inputs(cfg, setup.layout, chosen, baselines_list, torch.device(kind), attention)
 
 
-def policy_list(cfg: RunConfig, policies: str | None) -> list[tuple[str, PolicyConfig]]:
+def policy_list(cfg: RunConfig, setup: Setup, policies: str | None) -> list[tuple[str, PolicyConfig]]:
     """``--policies`` (names or ``name:key=value`` variants, as sim.compare takes them), or sim.run's pair:
     the baseline and the configured policy."""
     if policies is None:
@@ -412,7 +414,7 @@ def policy_list(cfg: RunConfig, policies: str | None) -> list[tuple[str, PolicyC
         raise ConfigError(f"--policies={policies}: a policy is named twice; allowed: each policy once")
     typed = [(name, OmegaConf.to_object(p) if isinstance(p, DictConfig) else p) for name, p in chosen]
     for name, policy in typed:
-        make_policy(policy)  # its parameters, checked now
+        make_planner(cfg, setup, policy)  # its parameters and estimator (the replay has no oracle), checked now
     return typed
 
 
@@ -434,14 +436,6 @@ def check_out(out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- the run
-def plans_of(cfg: RunConfig, policy: PolicyConfig) -> list[Plan]:
-    """``cfg.steps`` Plans exactly as ``sim.run.simulate`` makes them."""
-    setup = prepare(cfg)
-    batching, sparsity = make_policy(policy)
-    return [plan_step(batching, sparsity, setup.workload.batch(step), setup.layout, setup.cost, step, setup.memory)
-            for step in range(cfg.steps)]
-
-
 def run_replay(inputs: Inputs, out: Path, warmup: int, deadline_s: float | None, clock: Clock | None = None,
                log=print) -> pd.DataFrame:
     """Plan, run, compose and write; the comparison table. ``clock`` defaults to the device's."""
@@ -450,14 +444,14 @@ def run_replay(inputs: Inputs, out: Path, warmup: int, deadline_s: float | None,
     layout = setup.layout
     clock = clock or make_clock(device)
     engine = Engine(layout, setup.cost, setup.cluster, setup.memory)
-    replays = [PolicyReplay(name, policy, plans_of(cfg, policy), Results(), [], [], [])
+    replays = [PolicyReplay(name, policy, make_planner(cfg, setup, policy), Results(), [], [], [])
                for name, policy in inputs.policies]
     staged = StagedModel(ModelShape.from_config(cfg.model), layout.pp, cfg.seed, device, inputs.attention,
                          setup.cost.block_size, recompute=setup.cost.recompute)
     task = TaskConfig()
 
-    def packer(assignments):
-        return pack(assignments, task, cfg.model.vocab, cfg.seed, device)
+    def packer(assignments, truth):
+        return pack(assignments, truth, task, cfg.model.vocab, cfg.seed, device)
 
     log(f"replay: dp{layout.dp} x cp{layout.cp} x pp{layout.pp} ({layout.gpus} GPUs, {layout.micro_batches} "
         f"micro-batches), {cfg.model.layers} layers of {cfg.model.name}, on {device} ({clock_name(clock)}, "
@@ -471,16 +465,22 @@ def run_replay(inputs: Inputs, out: Path, warmup: int, deadline_s: float | None,
             log(f"replay: --deadline-s={deadline_s:g} reached after {step} of {cfg.steps} steps ({elapsed:.0f} s)")
             break
         round_start = time.monotonic()
+        batch = setup.workload.batch(step)
+        truth = truth_of(batch)
         for replay in replays:
-            measured = replay_step(staged, replay.name, replay.plans[step], layout.pp, clock, warmup, packer)
-            compose(replay, engine, replay.plans[step], measured)
+            plan = replay.planner.plan(requests(batch), step)
+            measured = replay_step(staged, replay.name, plan, layout.pp, clock, warmup, lambda a: packer(a, truth))
+            step_ms = compose(replay, engine, plan, measured, truth)
+            replay.planner.observe(plan, [measured.kept[a.seq_id] for a in plan.assignments],
+                                   [measured.coverage[a.seq_id] for a in plan.assignments], step_ms,
+                                   measured.fwd_ms + measured.bwd_ms)
         last_round = time.monotonic() - round_start
         print(f"replay: step {step + 1}/{cfg.steps} of {len(replays)} policies in {last_round:.1f} s",
               file=sys.stderr, flush=True)
     table = comparison(replays, inputs.baselines)
     gains = speedups(table, inputs.baselines)
     write_all(out, replays, table, gains, inputs, warmup, clock)
-    log(table[["policy", "steps", "replay_ms", "sim_ms", "sim_kf_ms", "mb_err_%", "mb_err_plan_%"]].round(3)
+    log(table[["policy", "steps", "replay_ms", "pred_ms", "sim_ms", "sim_kf_ms", "mb_err_%", "mb_err_plan_%"]].round(3)
         .to_string(index=False))
     if not gains.empty:
         log(gains.round(3).to_string(index=False))
@@ -497,6 +497,7 @@ def comparison(replays: list[PolicyReplay], baselines: list[str]) -> pd.DataFram
         "policy": r.name,
         "steps": len(r.sim_ms),
         "replay_ms": float(r.results.steps_frame()["step_ms"].mean()),
+        "pred_ms": float(r.results.steps_frame()["predicted_ms"].mean()),  # the planner's own, blind
         "sim_ms": float(np.mean(r.sim_ms)),
         "sim_kf_ms": float(np.mean(r.sim_kf_ms)),
         "mb_err_%": float(np.median(np.abs(pd.concat(r.rows)["error_pct"]))),
@@ -504,7 +505,7 @@ def comparison(replays: list[PolicyReplay], baselines: list[str]) -> pd.DataFram
     } for r in replays])
     ms = frame.set_index("policy")
     for base in baselines:
-        for prefix, col in (("x", "replay_ms"), ("sim_x", "sim_ms"), ("sim_kf_x", "sim_kf_ms")):
+        for prefix, col in (("x", "replay_ms"), ("pred_x", "pred_ms"), ("sim_x", "sim_ms"), ("sim_kf_x", "sim_kf_ms")):
             frame[f"{prefix}_{base}"] = ms.loc[base, col] / frame[col]
     return frame
 
@@ -512,10 +513,11 @@ def comparison(replays: list[PolicyReplay], baselines: list[str]) -> pd.DataFram
 def speedups(table: pd.DataFrame, baselines: list[str]) -> pd.DataFrame:
     """The speedups of ``comparison`` one row per (policy, baseline), with the replayed one's difference from
     the simulator's in percent (the issue's target: within 3%)."""
-    rows = [{"policy": row["policy"], "over": base, "replayed": row[f"x_{base}"], "simulated": row[f"sim_x_{base}"],
-             "simulated_kf": row[f"sim_kf_x_{base}"]}
+    rows = [{"policy": row["policy"], "over": base, "replayed": row[f"x_{base}"], "predicted": row[f"pred_x_{base}"],
+             "simulated": row[f"sim_x_{base}"], "simulated_kf": row[f"sim_kf_x_{base}"]}
             for _, row in table.iterrows() for base in baselines if base != row["policy"]]
-    frame = pd.DataFrame(rows, columns=["policy", "over", "replayed", "simulated", "simulated_kf"])
+    frame = pd.DataFrame(rows, columns=["policy", "over", "replayed", "predicted", "simulated", "simulated_kf"])
+    frame["diff_pred_%"] = 100 * (frame["replayed"] / frame["predicted"] - 1)
     frame["diff_%"] = 100 * (frame["replayed"] / frame["simulated"] - 1)
     frame["diff_kf_%"] = 100 * (frame["replayed"] / frame["simulated_kf"] - 1)
     return frame
@@ -539,9 +541,7 @@ def summary_of(replay: PolicyReplay, inputs: Inputs, warmup: int, clock: Clock, 
 def write_all(out: Path, replays: list[PolicyReplay], table: pd.DataFrame, gains: pd.DataFrame, inputs: Inputs,
               warmup: int, clock: Clock) -> None:
     """Everything into a temporary directory beside ``out``, renamed to ``out`` when complete."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with temporary_dir(out) as tmp:
         rows = table.set_index("policy")
         for replay in replays:
             run_dir = tmp / dir_name(replay.name)
@@ -558,8 +558,6 @@ def write_all(out: Path, replays: list[PolicyReplay], table: pd.DataFrame, gains
         if out.exists():
             out.rmdir()  # empty (check_out)
         os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def dir_name(name: str) -> str:

@@ -10,13 +10,14 @@ plus loss and retrieval accuracy. Rank 0 writes the simulator's Results files in
 
 Bad input (world size vs layout, unknown policy or data parallelism, a workload that does not fit the
 model's context or the task, sequences too short for the CP chunks, a runner key out of range, a
-checkpoint this run cannot continue, a run dir that cannot be written) is one
-``error:`` line and
-exit code 2 before Hydra makes a run dir or any process group exists; a rank that dies or hangs ends the
-job with a ``RankFailure`` line and exit code 1 within ``runner.timeout_s``.
+checkpoint this run cannot continue, a sequence that the device's memory cannot hold (runner/capacity.py),
+a run dir that cannot be written) is one ``error:`` line and exit code 2 before Hydra makes a run dir or any
+process group exists; a rank that dies or hangs ends the job with a ``RankFailure`` line and exit code 1 within
+``runner.timeout_s``.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -30,34 +31,53 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.attention import BACKENDS
+from runner.capacity import check_fits, device_capacity
 from runner.config import register
 from runner.dist import Comm, RankFailure, World, check_world
 from runner.loop import Trainer, check_resume
 from runner.parallel import DATA_PARALLEL
 from sim.cluster import Cluster, Layout
-from sim.core import CONF_DIR, ConfigError, check_group_overrides, compose_config, fail
-from sim.policy import plan_step
-from sim.run import check_output_dir, make_policy, prepare, sweep_jobs
-from sim.workload import Workload
+from sim.core import (CONF_DIR, EXIT_INTERRUPTED, ConfigError, check_group_overrides, compose_config, fail,
+                      hydra_reason, interrupted, preset_overrides)
+from sim.outputs import Outputs, discard_outputs, pin_output_dir
+from sim.results import FILES
+from sim.plan import Plan
+from sim.planner import Planner
+from sim.run import check_output_dir, command_overrides, fixed_overrides, is_sweep, summary_table, sweep_jobs
+from sim.setup import make_planner, prepare
+from sim.workload import Workload, requests, truth_of
 
 EXIT_RANK_FAILURE = 1
+RUN_FILES = (*FILES, "train.csv", "sequences.csv")  # what a run writes beside Hydra's files
 
 
 @dataclass(frozen=True)
-class Planner:
-    """Global batch -> Plan, exactly as ``sim.run.simulate`` does it."""
+class StepPlanner:
+    """Global batch -> Plan, exactly as ``sim.run.simulate`` does it: the data generator knows each sequence's
+    sensitivity (it builds the sequence from it), the planner gets ids and lengths and what earlier steps
+    reported (``observe``)."""
 
     workload: Workload
-    batching: object
-    sparsity: object
-    layout: Layout
-    cost: object
+    planner: Planner
 
-    def plan(self, step: int):
-        return plan_step(self.batching, self.sparsity, self.workload.batch(step), self.layout, self.cost, step)
+    @property
+    def layout(self) -> Layout:
+        return self.planner.layout
+
+    @property
+    def cost(self):
+        return self.planner.cost
+
+    def plan(self, step: int) -> tuple[Plan, dict[int, float]]:
+        """The step's Plan and the data's truth, which only the data generator and the kernel use."""
+        batch = self.workload.batch(step)
+        return self.planner.plan(requests(batch), step), truth_of(batch)
+
+    def observe(self, plan: Plan, kept_fraction, coverage, step_ms: float, micro_batch_ms=None) -> None:
+        self.planner.observe(plan, kept_fraction, coverage, step_ms, micro_batch_ms)
 
 
-def build_planner(cfg: DictConfig, world: World) -> tuple[Planner, Cluster]:
+def build_planner(cfg: DictConfig, world: World) -> tuple[StepPlanner, Cluster]:
     """Everything that can reject the config, before any process group or model exists: every key's
     range and the checks across groups (``sim.run.prepare``, which also checks the runner's keys and
     the task, see runner/config.py), the world size, the attention backend and device."""
@@ -78,8 +98,8 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[Planner, Cluster]:
     if cfg.runner.data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"runner.data_parallel={cfg.runner.data_parallel!r} is unknown; allowed: "
                           f"{', '.join(DATA_PARALLEL)}")
-    batching, sparsity = make_policy(cfg.policy)
-    return Planner(setup.workload, batching, sparsity, layout, setup.cost), setup.cluster
+    # no truth: the runner has none to give, so the oracle estimator is refused here
+    return StepPlanner(setup.workload, make_planner(OmegaConf.to_object(cfg), setup)), setup.cluster
 
 
 def check_attention(backend: str, device: str) -> None:
@@ -129,10 +149,7 @@ def compose(overrides: list[str]) -> DictConfig:
     try:
         cfg = compose_config(overrides, config_name="runner")
     except (HydraException, OmegaConfBaseException) as exc:
-        reason = str(exc).splitlines()[0]
-        if exc.__cause__ is not None:
-            reason += f" ({str(exc.__cause__).splitlines()[0]})"
-        raise ConfigError(reason) from None
+        raise ConfigError(hydra_reason(exc)) from None
     if cfg.plot:
         # runner.yaml extends config.yaml, whose figures callback would draw on every rank, each from its own
         # Hydra run dir (${now:...} resolves per rank); only rank 0 writes the Results.
@@ -153,6 +170,9 @@ def check_inputs(argv: list[str], world: World) -> None:
         planner, _ = build_planner(cfg, world)
         if cfg.runner.resume:
             check_resume(cfg, planner, world.size)
+        kind = device_type(cfg.runner.device)
+        check_fits(cfg, planner.workload, planner.layout, planner.cost.block_size,
+                   device_capacity(kind, world.local_rank, world.local_size), kind)
     hydra_args = [a for a in argv if "=" in a and a.lstrip("+").startswith(("hydra.", "hydra/"))]
     check_output_dir([*jobs[0], *hydra_args], "sweep" if sweep else "run", config_name="runner")
 
@@ -177,22 +197,54 @@ def main(cfg: DictConfig) -> None:
         run_dir = Path(comm.broadcast(HydraConfig.get().runtime.output_dir))
         try:
             # A checkpoint that changed since check_inputs read it, or a batch no Plan fits (plan_step).
-            Trainer(cfg, planner, cluster, comm, device, run_dir).train()
+            summary = Trainer(cfg, planner, cluster, comm, device, run_dir).train()
         except ConfigError as exc:
             fail(str(exc))
         comm.close()
+        if summary is not None:
+            report(summary, run_dir)
     except RankFailure as exc:
         # No orderly shutdown: the process group may wait on the rank that failed.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_RANK_FAILURE)
 
 
+def report(summary: dict, run_dir: Path) -> None:
+    """The closing lines on stdout, as sim.run prints them: the run's summary table (its loss and accuracy over
+    the last quarter of the steps), then where its files are."""
+    table = summary_table([summary], None).assign(loss=round(summary["final_loss"], 4),
+                                                   accuracy=round(summary["final_accuracy"], 4))
+    print(table.astype(object).where(table.notna(), "-").to_string(index=False))
+    files = sorted(p.name for p in run_dir.iterdir() if p.is_file())
+    print(f"results: {run_dir}  ({', '.join(files)})", flush=True)
+
+
 def cli() -> None:
+    """Check the run, then train; Ctrl-C reaches every rank: each removes its run directory if it never got
+    results, and rank 0 ends with one line, exit code 130."""
+    argv, world = preset_overrides(sys.argv[1:]), World.from_env()  # experiment=<name> or +experiment=<name>
     try:
-        check_inputs(sys.argv[1:], World.from_env())
+        check_inputs(argv, world)
+        argv, outputs = pin_output_dir(argv, fixed_overrides(command_overrides(argv)), is_sweep(argv), "runner")
     except (ConfigError, OmegaConfBaseException) as exc:
         fail(str(exc).splitlines()[0])
-    main()
+    sys.argv[1:] = argv
+    try:
+        main()
+    except KeyboardInterrupt:
+        detail = discard_outputs(outputs, "train", RUN_FILES) + kept_steps(outputs)
+        if world.rank == 0:
+            interrupted(detail)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def kept_steps(outputs: Outputs) -> str:
+    """What an interrupted run keeps: the steps written so far (summary.json's ``steps`` of ``steps_planned``)."""
+    summary = outputs.path / "summary.json"
+    if outputs.sweep or not summary.is_file():
+        return ""
+    written = json.loads(summary.read_text())
+    return f"; {outputs.path} keeps the results of {written['steps']} of {written['steps_planned']} steps"
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ is written to disk.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 import pandas as pd
@@ -29,18 +30,22 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sim.cluster import Cluster, Layout
 from sim.config import AttentionBackend, PolicyConfig, register
-from sim.core import ConfigError, compose_config, fail, group_options
+from sim.core import (ConfigError, compose_config, did_you_mean, fail, group_options, hydra_reason, interrupted,
+                      preset_overrides)
 from sim.cost import make_cost
 from sim.engine import Engine, run_pipeline
 from sim.plan import Plan
-from sim.run import load_policy, simulate
+from sim.progress import with_progress
+from sim.run import load_policy, simulate, trace_note
 
-# Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9), then ours and the cross; verl_dense
-# is what a user who does not train sparse runs (dense on the fastest dense kernel the profile prices).
-BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap", "verl_dense")
-POLICIES = (*BASELINES, "sab", "dst", "verl_dst", "sparsebalance")
+# Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9; verl_topk: one top-k budget per step
+# at the coverage sparsebalance_topk keeps), then ours and the cross; verl_dense is what a user who does not
+# train sparse runs (dense on the fastest dense kernel the profile prices).
+BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap", "verl_topk", "verl_dense")
+POLICIES = (*BASELINES, "sab", "dst", "verl_dst", "sparsebalance", "sparsebalance_topk")
 BOUNDS = ("baseline", "sparsebalance")
-ORACLES = ("sparsebalance",)  # bound rows: the policy planning with every sequence's true sensitivity
+# bound rows: the policy planning with every sequence's true sensitivity
+ORACLES = ("sparsebalance", "sparsebalance_topk")
 FIT, SEARCH = "batching.params.pipeline_order=fit", "batching.params.pipeline_order=search"
 ABLATION = (  # the strongest baseline, then one mechanism at a time
     "verl", f"verl:{SEARCH}", f"verl:{FIT}", "sab", f"sab:{FIT}", "verl_dst", f"sparsebalance:{SEARCH}",
@@ -66,7 +71,8 @@ def compare(overrides: list[str], policies: tuple[str, ...] | None = None, seeds
     base = compose_config(overrides)
     policies, baselines = with_defaults(base, policies, baselines)
     runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds, oracles)
-                      for seed in range(base.seed, base.seed + seeds)], ignore_index=True)
+                      for seed in with_progress(range(base.seed, base.seed + seeds), "sim.compare", unit="seed")],
+                     ignore_index=True)
     return seed_statistics(runs, seeds > 1)
 
 
@@ -83,7 +89,7 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
     variants = {name: blind(policy_variant(name, flag), name, flag) for name, flag in option.items()}
     variants.update({f"oracle: {name}": OmegaConf.merge(policy_variant(name, "--oracles"), {"estimator": "oracle"})
                      for name in oracles})  # every name checked before anything runs
-    outputs = {name: simulate(cfg, variant) for name, variant in variants.items()}
+    outputs = {name: simulate(cfg, variant, progress=True) for name, variant in variants.items()}
     labels = {**{name: label(name) for name in policies}, **{f"oracle: {name}": f"oracle: {label(name)}" for name in oracles}}
     rows = [{"policy": labels[name], **{col: outputs[name].summary[key] for col, key in FIGURES.items()}}
             for name in labels]
@@ -109,7 +115,8 @@ def policy_variant(spec: str, option: str = "--policies") -> PolicyConfig:
     try:
         policy = load_policy(name)
     except ConfigError:
-        raise ConfigError(f"{option} {spec!r}: no policy {name!r} in conf/policy/; allowed: "
+        raise ConfigError(f"{option} {spec!r}: no policy {name!r} in conf/policy/"
+                          f"{did_you_mean(name, group_options('policy'))}; allowed: "
                           f"{', '.join(group_options('policy'))}") from None
     try:
         return OmegaConf.merge(policy, OmegaConf.from_dotlist(overrides))
@@ -175,12 +182,13 @@ def seed_statistics(runs: pd.DataFrame, with_std: bool) -> pd.DataFrame:
         spread = grouped.std(ddof=1)
         for col in columns:
             table.insert(table.columns.get_loc(col) + 1, f"{col}_std", spread[col])
+        table["vs_best_min"] = grouped["vs_best"].min()  # the worst seed's
     return table.reset_index()
 
 
 def formatted(table: pd.DataFrame) -> pd.DataFrame:
     """The table as printed: ``mean +- std`` where there is a spread."""
-    digits = {"step_ms": 1, "bubble_%": 1, "speedup": 3, "vs_best": 3, "peak_GB": 1}
+    digits = {"step_ms": 1, "bubble_%": 1, "speedup": 3, "vs_best": 3, "vs_best_min": 3, "peak_GB": 1}
     out = pd.DataFrame({"policy": table["policy"]})
     for col in [c for c in table.columns if c != "policy" and not c.endswith("_std")]:
         places = digits.get(col, 4)
@@ -189,11 +197,6 @@ def formatted(table: pd.DataFrame) -> pd.DataFrame:
             text = text + table[f"{col}_std"].map(lambda v: "" if pd.isna(v) else f" +- {v:.{places}f}")
         out[col] = text
     return out
-
-
-def hydra_overrides(args: list[str]) -> list[str]:
-    """``experiment=x`` is not in the default list, so Hydra needs it appended (``+experiment=x``)."""
-    return [f"+{a}" if a.startswith("experiment=") else a for a in args]
 
 
 def names(text: str) -> tuple[str, ...]:
@@ -223,6 +226,16 @@ def default_lists(base: DictConfig, ablation: bool = False) -> tuple[tuple[str, 
     return (tuple(n for n in policies if n not in unpriced), tuple(n for n in BASELINES if n not in unpriced), notes)
 
 
+def check_work(base: DictConfig, seeds: int, runs: int) -> None:
+    """What sim.run checks before it runs, over the whole comparison (``runs`` policies, each on every seed):
+    sim.config's size guard, and the warning for a trace shorter than a run."""
+    typed = OmegaConf.to_object(base)
+    typed.check_size(runs=seeds * runs, across=f"--seeds {seeds} x {runs} policies")
+    note = trace_note(typed)
+    if note:
+        print(note, file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m sim.compare", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="experiment=<name> and Hydra overrides")
@@ -237,14 +250,20 @@ def main() -> None:
     parser.add_argument("--ablation", action="store_true", help="the mechanisms one by one instead of --policies")
     args = parser.parse_intermixed_args()  # overrides may come before or after the options
     register()
-    overrides = hydra_overrides(args.overrides)
+    overrides = preset_overrides(args.overrides)  # experiment=<name> as well as +experiment=<name>
     try:
-        policies, baselines, notes = default_lists(compose_config(overrides), args.ablation)
+        base = compose_config(overrides)
+        policies, baselines, notes = default_lists(base, args.ablation)
         policies = names(args.policies) if args.policies is not None and not args.ablation else policies
         baselines = names(args.baselines) if args.baselines is not None else baselines
+        check_work(base, args.seeds, len({*policies, *baselines, *names(args.bounds)}) + len(names(args.oracles)))
         table = compare(overrides, policies, args.seeds, baselines, names(args.bounds), names(args.oracles))
-    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
-        fail(str(exc).splitlines()[0])
+    except ConfigError as exc:
+        fail(str(exc))
+    except (HydraException, OmegaConfBaseException) as exc:
+        fail(hydra_reason(exc))
+    except KeyboardInterrupt:
+        interrupted()
     print(" ".join(args.overrides), f"(seeds {args.seeds})" if args.seeds > 1 else "")
     for note in notes:
         print(note)
