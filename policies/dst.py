@@ -89,11 +89,11 @@ class DynamicSparsityTuning:
         floor: float = 0.8  # top-p: lowest coverage target any sequence may get
         cap: float = 1.0  # top-p: highest: the profile anchor (1.0 = dense)
         levels: int = 11  # budget levels between floor and cap (steps of 0.02 by default)
-        k: int = 64  # top-k: starting blocks per query block
+        k: int = 64  # top-k: starting blocks per query block (with min_mean_coverage: the level that meets it)
         k_floor: int = 16  # top-k: fewest blocks per query block
         k_cap: Optional[int] = None  # top-k: most blocks per query block; None: 4 k
         p_floor: Optional[float] = bounded(None, FRACTION)  # top-k: the rows' runtime coverage floor; None: none
-        # None: the start's mean coverage (as weighted below)
+        # None: the start's mean coverage (as weighted below); set: DST starts from the lowest level that meets it
         min_mean_coverage: Optional[float] = bounded(None, FRACTION)
         coverage_weight: CoverageWeight = CoverageWeight.attention  # the weighting of that mean
         # each rank's time is planned at this quantile of what the belief about the sequences lets it take
@@ -127,7 +127,7 @@ def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost
     table = LevelTable.build(plan, layout, cost, budgets, belief, CoverageWeight(params.coverage_weight),
                              params.quantile)
     if params.min_mean_coverage is not None:
-        start_level = meeting_level(table, start_level, params.min_mean_coverage)
+        start_level = meeting_level(table, params.min_mean_coverage)
     if not params.balance:
         return uniform_budget_plan(plan, budgets[start_level])
     start = np.full((layout.dp, layout.micro_batches), start_level)
@@ -141,14 +141,12 @@ def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost
     return with_levels(plan, levels[table.rank, table.micro_batch], budgets)
 
 
-def meeting_level(table: LevelTable, start_level: int, target: float) -> int:
-    """The starting level, raised to the lowest uniform level that the belief expects to reach ``target``
-    where the start does not (the highest where none does): DST is then never slower than the fixed budget
-    that meets the coverage target, rather than than one that misses it."""
+def meeting_level(table: LevelTable, target: float) -> int:
+    """The lowest uniform level that the belief expects to reach ``target`` (the highest where none does): the
+    fixed budget that meets the coverage target, which DST then starts from and is never slower than."""
     dp, m = table.rank_ms.shape[1], table.fwd.shape[-1]
-    covered = [table.mean_coverage(np.full((dp, m), level)) for level in range(table.fwd.shape[0])]
-    meets = [level for level in range(start_level, len(covered)) if covered[level] >= target]
-    return meets[0] if meets else (start_level if covered[start_level] >= target else len(covered) - 1)
+    levels = range(table.fwd.shape[0])
+    return next((level for level in levels if table.mean_coverage(np.full((dp, m), level)) >= target), levels[-1])
 
 
 def level_budgets(params: DynamicSparsityTuning.Params, block_size: int) -> tuple[list[Budget], int]:

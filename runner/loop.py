@@ -265,6 +265,7 @@ class Trainer:
             min_coverage=float(coverage.min()),
             peak_memory_gb=max(peaks) if peaks else math.nan,  # as the engine's: the largest micro-batch's
             **coverage_fields(lengths, coverage),
+            predicted_ms=self.planner.predicted_ms,
         )
         train = TrainRecord(
             step=step,

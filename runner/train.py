@@ -68,6 +68,11 @@ class StepPlanner:
     def cost(self):
         return self.planner.cost
 
+    @property
+    def predicted_ms(self) -> float:
+        """The step time the planner expected of its last Plan."""
+        return self.planner.predicted_ms
+
     def plan(self, step: int) -> tuple[Plan, dict[int, float]]:
         """The step's Plan and the data's truth, which only the data generator and the kernel use."""
         batch = self.workload.batch(step)

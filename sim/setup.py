@@ -3,13 +3,13 @@ planner (policies plus estimator) that the simulator and the runner plan through
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from omegaconf import OmegaConf
 
 from sim.cluster import Cluster, Layout
 from sim.config import PolicyConfig, RunConfig, validate
-from sim.core import CONF_DIR, ConfigError, group_options
+from sim.core import CONF_DIR, ConfigError, compose_config, group_options
 from sim.cost import CostModel, make_cost
 from sim.engine import Engine
 from sim.estimate import make_estimator
@@ -63,3 +63,11 @@ def make_planner(cfg: RunConfig, setup: Setup, policy: PolicyConfig | None = Non
                                setup.workload.population, cfg.seed, truth)
     engine = Engine(setup.layout, setup.cost, setup.cluster)
     return Planner(batching, sparsity, estimator, setup.layout, setup.cost, setup.memory, engine)
+
+
+def build_planner(policy: str = "sparsebalance", overrides: Sequence[str] = ()) -> Planner:
+    """A planner for another trainer's loop, from this project's configs by name: ``policy`` one of conf/policy/,
+    ``overrides`` as on sim.run's command line (``+experiment=paper``, ``layout.dp=4``, ``model=tiny``). The
+    caller needs no Hydra: it gets a ``sim.planner.Planner`` (plan / observe)."""
+    cfg = OmegaConf.to_object(compose_config([f"policy={policy}", *overrides]))
+    return make_planner(cfg, prepare(cfg))
