@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Accuracy under DST's budgets, over seeds, on one H200: conf/experiment/learning_lookup.yaml (the tiny model at
+# Accuracy under DST's budgets, over seeds, on one GPU of the kind GPU (default h200, its cluster;
+# scripts/gpu_env.sh): conf/experiment/learning_lookup.yaml (the tiny model at
 # the size where it learns the lookup, a DP8 layout's Plans trained in one process, so that sparsebalance shifts
 # budget between ranks) under baseline and sparsebalance for every seed of SEEDS, and the multihop task under the
 # baseline for MULTIHOP_SEEDS. The runs are small and host-bound, so they train side by side, one process each
@@ -14,6 +15,8 @@
 # learning.log.
 # Extra arguments are Hydra overrides for every run (e.g. steps=1000).
 set -uo pipefail
+cd "$(dirname "$0")/.."
+. scripts/gpu_env.sh
 SEEDS=${SEEDS:-"0 1 2 3 4 5"}
 MULTIHOP_SEEDS=${MULTIHOP_SEEDS:-"0"}
 RUN_LIMIT_S=${RUN_LIMIT_S:-450}
@@ -41,7 +44,8 @@ train() {
   local resume=()
   [ -f "$dir/checkpoint.pt" ] && resume=(runner.resume="$(realpath "$dir/checkpoint.pt")")
   echo "== $name: $* ${resume[*]}" >> "$OUT/learning.log"
-  timeout "$RUN_LIMIT_S" python3 -m runner.train +experiment=learning_lookup hydra.run.dir="$dir" "$@" \
+  timeout "$RUN_LIMIT_S" python3 -m runner.train +experiment=learning_lookup "${GPU_OVERRIDES[@]}" \
+    hydra.run.dir="$dir" "$@" \
     "${resume[@]}" "${EXTRA[@]}" >> "$dir/train.log" 2>&1 &
 }
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The sparsity-sensitivity profile of the runner's model on one H200: the learning recipe
+# The sparsity-sensitivity profile of the runner's model on one GPU of the kind GPU (default h200, its cluster;
+# scripts/gpu_env.sh): the learning recipe
 # (conf/experiment/learning.yaml, the Triton kernel in bf16) trained on each task of TASKS under the baseline
 # policy, then each final checkpoint's coverage curves measured on held-out sequences of its task
 # (python -m runner.sensitivity: SEQUENCES per length of LENGTHS, top-p targets P and fixed kept fractions KEPT,
@@ -10,6 +11,8 @@
 # accuracy while training), sensitivity.json (the profile, to commit as calibrate/profiles/sensitivity_<name>.json)
 # and sensitivity.log. Extra arguments are Hydra overrides for every training run.
 set -uo pipefail
+cd "$(dirname "$0")/.."
+. scripts/gpu_env.sh
 TASKS=${TASKS:-"retrieval multihop"}
 RUN_LIMIT_S=${RUN_LIMIT_S:-60}
 MEASURE_LIMIT_S=${MEASURE_LIMIT_S:-150}
@@ -29,7 +32,7 @@ for task in $TASKS; do
     echo "== train $task" | tee -a "$OUT/sensitivity.log"
     # cut at RUN_LIMIT_S, the run keeps its last checkpoint (runner.checkpoint_every)
     timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m runner.train \
-      +experiment=learning hydra.run.dir="$dir" runner.task.kind="$task" policy=baseline "$@" \
+      +experiment=learning "${GPU_OVERRIDES[@]}" hydra.run.dir="$dir" runner.task.kind="$task" policy=baseline "$@" \
       > "$dir/train.log" 2>&1 || status=1
   fi
   cp "$dir/train.csv" "$OUT/sensitivity_${task}_train.csv" || status=1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The H200 fidelity experiment in one call: `baseline` (arrival order, fixed p=0.9) and `sparsebalance` trained
-# by runner.train on NPROC GPUs of one host (default 1: world size 1, 4 micro-batches per step), the real Triton
-# kernel in bf16, STEPS steps each, then runner.compare replays both through the simulator:
+# The fidelity experiment in one call, on GPUs of the kind GPU (default h200; scripts/gpu_env.sh): `baseline`
+# (arrival order, fixed p=0.9) and `sparsebalance` trained by runner.train on NPROC GPUs of one host (default 1:
+# world size 1, 4 micro-batches per step), the real Triton kernel in bf16, STEPS steps each, then runner.compare
+# replays both through the simulator, priced by PROFILE (default the GPU's calibrate/profiles/<GPU>.json):
 #   - step time, measured vs simulated, per step, with each step's Triton compilations (zero after the first
 #     steps: the kernels compile every variant a batch of these shapes can take at their first launch, so no
 #     whole-run warm-up is needed; SKIP leaves the compiling steps out of the errors);
@@ -11,29 +12,32 @@
 # Model: qwen2.5-3b's layer shape (the calibrated one, time and memory) with LAYERS of its 36 layers; the
 # vocabulary scaled by LAYERS/36, because sim.cost spreads the embedding/LM-head FLOPs over the layers, so the
 # per-layer features (and the calibrated per-layer times) stay exactly qwen2.5-3b's. Sequences up to 16K.
-# Memory is priced as the runner holds it: the measured per-token terms (memory.profile), bf16 weights, the
+# Memory is priced as the runner holds it: the measured per-token terms (MEMORY_PROFILE, measured on the H200;
+# a token's bytes are the model's and the kernel's, the same on any GPU), bf16 weights, the
 # gradient and DDP's bucket copy of it (grad_bytes=4), AdamW's two bf16 moments and no fp32 master copy
 # (optimizer_bytes=4), whole optimiser states on every replica (sharding=ddp), and logits only at the
 # answer positions (logits_bytes=0).
 #
-# Writes under $OUT (7 files, nothing deeper): h200_experiment.log (everything printed), h200_runs.tgz (both
-# run dirs; tarred again after every run, so a timeout keeps what is done), compare.csv and compare.json (both runs' steps and summaries), compare_memory.csv (the memory
-# table), environment.txt (GPU, driver, torch and Triton versions), status.txt (the exit code of each part).
+# Writes under $OUT (7 files, nothing deeper): fidelity.log (everything printed), runs.tgz (both run dirs; tarred
+# again after every run, so a timeout keeps what is done), compare.csv and compare.json (both runs' steps and
+# summaries), compare_memory.csv (the memory table), environment.txt (GPU, driver, torch and Triton versions),
+# status.txt (the exit code of each part).
 # Nothing is fetched: Hydra, OmegaConf, ANTLR, SimPy and tqdm come from the wheels in .whl/ (carried; ignored by
 # git) where the machine lacks them. Extra arguments are Hydra overrides for both runs (the CPU check runs it
-# with a tiny model: docs/runner.md).
+# with a tiny model, without Triton: docs/runner.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/h200_experiment}
-RUNS=${RUNS:-/tmp/h200_runs}
+. scripts/gpu_env.sh
+OUT=${OUT:-/tmp/gpu_fidelity}
+RUNS=${RUNS:-/tmp/gpu_fidelity_runs}
 STEPS=${STEPS:-10}
 SKIP=${SKIP:-2}
 LAYERS=${LAYERS:-4}
 NPROC=${NPROC:-1}
 RUN_LIMIT_S=${RUN_LIMIT_S:-150}  # a guard against a hang: a run takes about a minute
-PROFILE=${PROFILE:-calibrate/profiles/h200.json}
+PROFILE=${PROFILE:-calibrate/profiles/$GPU.json}
+MEMORY_PROFILE=${MEMORY_PROFILE:-calibrate/profiles/h200_memory.json}
 mkdir -p "$OUT" "$RUNS"
-. runner/h200_env.sh
 
 experiment() {
   # not in a pipeline: gpu_environment exports the PYTHONPATH of the wheels it installs, which a subshell loses
@@ -45,8 +49,8 @@ experiment() {
 
   COMMON=(cluster.gpus_per_node="$NPROC" layout.micro_batches=4 model=qwen2.5-3b "model.layers=$LAYERS"
           "model.vocab=$((151936 * LAYERS / 36))" workload=longtail workload.global_batch=16 workload.max_len=16384
-          cost=calibrated memory.profile=calibrate/profiles/h200_memory.json memory.sharding=ddp memory.grad_bytes=4
-          memory.optimizer_bytes=4 memory.logits_bytes=0 "steps=$STEPS")
+          cost=calibrated "${GPU_OVERRIDES[@]}" "memory.profile=$MEMORY_PROFILE" memory.sharding=ddp
+          memory.grad_bytes=4 memory.optimizer_bytes=4 memory.logits_bytes=0 "steps=$STEPS")
   : >"$OUT/status.txt"
   status=0
   for policy in baseline sparsebalance; do
@@ -56,14 +60,14 @@ experiment() {
     code=$?
     echo "runner.train $policy: exit $code" | tee -a "$OUT/status.txt"
     [ "$code" = 0 ] || status=1
-    tar czf "$OUT/h200_runs.tgz" -C "$RUNS" baseline sparsebalance 2>/dev/null
+    tar czf "$OUT/runs.tgz" -C "$RUNS" baseline sparsebalance 2>/dev/null
   done
   python3 -m runner.compare "$RUNS/baseline" "$RUNS/sparsebalance" --profile "$PROFILE" --skip "$SKIP" \
     --out "$OUT/compare.csv"
   code=$?
   echo "runner.compare: exit $code" | tee -a "$OUT/status.txt"
   [ "$code" = 0 ] || status=1
-  tar czf "$OUT/h200_runs.tgz" -C "$RUNS" baseline sparsebalance 2>/dev/null
+  tar czf "$OUT/runs.tgz" -C "$RUNS" baseline sparsebalance 2>/dev/null
   # Compilations after the first SKIP steps make those steps slower than any cost model; they must be zero.
   [ "$code" = 0 ] && python3 - "$OUT/compare.json" <<'EOF' | tee -a "$OUT/status.txt"
 import json, sys
@@ -78,5 +82,5 @@ EOF
   return $status
 }
 
-experiment "$@" 2>&1 | tee "$OUT/h200_experiment.log"
+experiment "$@" 2>&1 | tee "$OUT/fidelity.log"
 exit "${PIPESTATUS[0]}"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Multi-rank balance on the real kernel, on one H200 (runner/replay.py): every GPU's micro-batches of the
+# Multi-rank balance on the real kernel, on one GPU of the kind GPU (default h200; scripts/gpu_env.sh), its
+# cluster and cost profile (runner/replay.py): every GPU's micro-batches of the
 # simulator's Plans run one after another on the one device, timed with CUDA events after a warm-up run each,
 # and every step is composed by the simulator's schedule (1F1B, hand-offs, gradient all-reduce); the
 # communication is modelled, not run. Two layouts of the paper preset (8 GPUs), POLICIES on each in one process:
@@ -7,7 +8,7 @@
 #   dp8      layout.dp=8 layout.pp=1, global batch 64: 8 sequences per rank in 4 micro-batches of 2 (the
 #            preset's micro-batch size), about five times the work per step.
 # Model: qwen2.5-3b's layer shape with LAYERS of its 36 layers and the vocabulary scaled by LAYERS/36, as
-# runner/h200_experiment.sh does: sim.cost spreads the LM head's FLOPs over the layers, so the per-layer features
+# scripts/gpu_fidelity.sh does: sim.cost spreads the LM head's FLOPs over the layers, so the per-layer features
 # (and the calibrated per-layer times) stay qwen2.5-3b's, and the Plans, the simulated and the replayed steps
 # all describe the same LAYERS-layer model (LAYERS/pp layers per stage). A replay starts no step round that
 # would end after its deadline (DEADLINE_S for dp2xpp4, DP8_DEADLINE_S for dp8; the first round also compiles
@@ -19,6 +20,7 @@
 # Extra arguments are Hydra overrides for both layouts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/gpu_env.sh
 OUT=${OUT:-/tmp/replay}
 STEPS=${STEPS:-3}
 LAYERS=${LAYERS:-4}
@@ -27,10 +29,10 @@ DP8_DEADLINE_S=${DP8_DEADLINE_S:-120}
 WARMUP=${WARMUP:-1}
 POLICIES=${POLICIES:-baseline,lbb,verl,sparsebalance}
 mkdir -p "$OUT"
-. runner/h200_env.sh
 gpu_environment || exit 1
 
-COMMON=(+experiment=paper "model.layers=$LAYERS" "model.vocab=$((151936 * LAYERS / 36))" "steps=$STEPS")
+COMMON=(+experiment=paper "${GPU_OVERRIDES[@]}" "model.layers=$LAYERS" "model.vocab=$((151936 * LAYERS / 36))"
+        "steps=$STEPS")
 status=0
 replay() {
   local name=$1 deadline=$2
