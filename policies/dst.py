@@ -4,7 +4,14 @@ Every sequence starts at the budget ``p`` (what ``fixed`` would give it). DST th
 where it is free to where it buys time: the bottleneck DP rank gets a lower budget (more sparsity, never
 below ``floor``), the other ranks a higher one (less sparsity, never above ``cap``, the profile anchor)
 until they fill the idle time up to the new makespan. Under the power-law coverage model a budget p
-gives coverage max(p, diag ** s) >= p, so ``floor`` is a coverage floor for every sequence.
+gives coverage max(p, diag ** s) >= p, so ``floor`` is a coverage floor for every sequence. With
+``family: topk`` the levels are block counts k per query block instead (the paper's routing): a level's
+time then follows from the lengths, and only its coverage is uncertain.
+
+DST never sees a sequence's sensitivity. It prices every level under each of the planner's belief samples
+(sim.estimate): a rank's time at a level is the ``quantile`` (0.75) of its times over the samples, so a
+rank whose sequences may spread their attention more is planned with room for it; coverages are the
+belief's expected ones.
 
 What "bottleneck" means: the data-parallel barrier makes the step as long as its slowest rank, and a
 rank's time is its pipeline's: 1F1B over its micro-batches, evaluated exactly by ``pipeline_ms`` (the
@@ -19,8 +26,10 @@ look-ups.
    between sequences, not taken from the model). The mean is weighted by ``coverage_weight``: by
    default by attention work (length ** 2), since an unweighted mean lets DST buy speed with sparsity
    on the long stragglers, where most of the attention is, while short sequences gain coverage that
-   weighs little. tau never exceeds the start's makespan, so DST is never slower than ``fixed`` at the
-   same ``p``.
+   weighs little. tau never exceeds the start's planned makespan, and a plan whose expected step (the
+   belief's mean of the slowest rank) is slower than the start's is dropped for the start: DST is never
+   expected to be slower than ``fixed`` at the same ``p``. Whether it is, is a question of realized
+   times: ``sim.compare`` and the Results hold the planner's prediction beside every realized step.
 2. Micro-batch level (fills pipeline bubbles): with tau fixed, each micro-batch in turn is raised to
    the highest level that keeps its rank within tau; repeated until nothing moves (a fixed point).
    A micro-batch off the critical path of the 1F1B schedule gets a higher budget for free, and with
