@@ -1,7 +1,9 @@
 """Planning overhead of ``sparsebalance``: one 1024-sequence global batch for 128 DP ranks.
 
 ``python -m benchmarks.plan_overhead`` prints the median and worst time of one planning step
-(``plan_step``: SAB's plan, DST's tune, SAB observing the tuned budgets) per step (16 nodes x 8 H200, DP128, 4 micro-batches of 2 sequences per rank, the longqa workload) and
+(``sim.planner.Planner``: the estimator's belief, SAB's plan, DST's tune, the predicted step time, then the
+planner observing the step's outcome; the simulated step itself is not timed) per step (16 nodes x 8 H200,
+DP128, 4 micro-batches of 2 sequences per rank, the longqa workload) and
 whether the median meets the 20 ms target. Both wall and CPU time of this process are printed: the
 machine is shared (the load average is printed too), and CPU time is what the planner itself costs.
 """
@@ -11,12 +13,15 @@ import os
 import statistics
 import time
 
-from sim.policy import make_batching, make_sparsity, plan_step
 from sim.cluster import Cluster, Layout
 from sim.cost import make_cost
 from sim.compare import policy_variant
 from sim.core import ArgumentParser, compose_config, one_line_errors
-from sim.workload import Workload
+from sim.engine import Engine
+from sim.estimate import make_estimator
+from sim.planner import Planner
+from sim.setup import make_policy
+from sim.workload import Workload, requests, truth_of
 
 TARGET_MS = 20.0
 
@@ -45,15 +50,21 @@ def main(argv: list[str] | None = None) -> None:
     layout = Layout(dp=args.dp, micro_batches=micro_batches, gpus=Cluster.gpus(cfg.cluster))
     workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
     policy = policy_variant(args.policy, "--policy")
-    batching = make_batching(policy.batching.name, policy.batching.params)
-    sparsity = make_sparsity(policy.sparsity.name, policy.sparsity.params)
     batches = [workload.batch(step) for step in range(args.steps)]
+    engine = Engine(layout, cost, cluster)
+    estimator = make_estimator(str(getattr(policy.estimator, "value", policy.estimator)), workload.population,
+                               cfg.seed, truth=lambda step: truth_of(batches[step]))
+    planner = Planner(*make_policy(policy), estimator, layout, cost, timer=engine)
     wall, cpu = [], []
     for step, batch in enumerate(batches):
         start, start_cpu = time.perf_counter(), time.process_time()
-        plan_step(batching, sparsity, batch, layout, cost, step)
-        wall.append((time.perf_counter() - start) * 1e3)
-        cpu.append((time.process_time() - start_cpu) * 1e3)
+        plan = planner.plan(requests(batch), step)
+        planning = time.perf_counter() - start, time.process_time() - start_cpu
+        outcome = engine.step(plan, truth_of(batch))  # what the step reports, not part of planning
+        start, start_cpu = time.perf_counter(), time.process_time()
+        planner.observe(plan, outcome.kept, outcome.coverage, outcome.record.step_ms)
+        wall.append((planning[0] + time.perf_counter() - start) * 1e3)
+        cpu.append((planning[1] + time.process_time() - start_cpu) * 1e3)
     wall, cpu = wall[1:], cpu[1:]  # the first step also pays one-off imports and caches
     print(f"{args.policy} planning, {args.global_batch} sequences, DP{args.dp} x {micro_batches} micro-batches, "
           f"{len(wall)} steps, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

@@ -13,9 +13,9 @@ import time
 
 import pandas as pd
 
-from sim.run import load_policy, simulate
-
 from sim.core import ArgumentParser, compose_config, group_options, one_line_errors
+from sim.run import simulate
+from sim.setup import load_policy
 
 MICRO_BATCHES = 8
 

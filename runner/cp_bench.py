@@ -38,7 +38,7 @@ from runner.cp_kernel import own_rows
 from sim.cluster import Layout
 from sim.core import ConfigError, compose_config, fail
 from sim.cp_shards import kept_share_shift
-from sim.run import prepare
+from sim.setup import prepare
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:

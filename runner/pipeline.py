@@ -1,6 +1,6 @@
 """One stage's share of a training step: the Plan's micro-batches in 1F1B order over ``send``/``recv``.
 
-The order is the simulator's (``sim.engine.one_f_one_b``: warm-up forwards, one forward one backward,
+The order is the simulator's (``sim.pipeline.one_f_one_b``: warm-up forwards, one forward one backward,
 cool-down backwards); with one stage it is plain gradient accumulation. A stage receives its input
 activations from the previous stage of its replica and the gradients of its output from the next one;
 sends are asynchronous (``isend``) and waited for at the end of the step, receives block, and the time
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from runner.data import MicroBatch
 from runner.dist import Comm
 from runner.parallel import Replicated
-from sim.engine import one_f_one_b
+from sim.pipeline import one_f_one_b
 
 
 class Clock:

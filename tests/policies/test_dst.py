@@ -7,13 +7,15 @@ from hypothesis import assume, given, settings, strategies as st
 from policies.base import uniform_budget_plan
 
 from sim.policy import make_batching, make_sparsity
-from policies.dst import LevelTable, budget_grid, pipeline_ms
+from policies.dst import LevelTable, level_budgets
 from sim.plan import Budget
 from sim.cluster import Cluster, Layout
 from sim.core import ConfigError, compose_config
 from sim.cost import make_cost
 from sim.engine import Engine, run_pipeline
-from sim.workload import Sequence
+from sim.pipeline import pipeline_ms
+from sim.workload import Sequence, requests, truth_of
+from oracle import oracle
 from pinned import pinned
 
 
@@ -25,12 +27,15 @@ def world():
 
 
 def plan_for(lengths, sens, layout, cost, batching="sequential"):
+    """The batch's plan and the belief that knows each sequence's sensitivity (DST then plans on the truth)."""
     batch = [Sequence(i, int(n), float(s)) for i, (n, s) in enumerate(zip(lengths, sens))]
-    return make_batching(batching, {}).plan(batch, layout, cost, step=0)
+    belief = oracle(batch)
+    return make_batching(batching, {}).plan(requests(batch), layout, cost, step=0, belief=belief), belief
 
 
-def barrier_ms(plan, layout, cost, cluster):
-    return float(Engine(layout, cost, cluster).step(plan).timeline.finish_ms.max())
+def barrier_ms(plan, belief, layout, cost, cluster):
+    truth = dict(zip(belief.ids.tolist(), belief.samples[0].tolist()))
+    return float(Engine(layout, cost, cluster).step(plan, truth).timeline.finish_ms.max())
 
 
 layouts = st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4))  # dp, pp, micro-batches
@@ -52,12 +57,13 @@ def test_level_table_makespan_matches_the_engine(world):
     cluster, cost = world
     layout = Layout(dp=2, pp=4, micro_batches=4)
     rng = np.random.default_rng(1)
-    plan = plan_for(rng.integers(1024, 32768, 16), rng.uniform(0.05, 1, 16), layout, cost)
-    grid = np.array([0.8, 0.9, 1.0])
-    table = LevelTable.build(plan, layout, cost, grid)
-    for level, p in enumerate(grid):
-        fixed = uniform_budget_plan(plan, Budget(p=float(p)))
-        assert table.makespan(np.full((2, 4), level)) == pytest.approx(barrier_ms(fixed, layout, cost, cluster), rel=1e-12)
+    plan, belief = plan_for(rng.integers(1024, 32768, 16), rng.uniform(0.05, 1, 16), layout, cost)
+    grid = [Budget(p=0.8), Budget(p=0.9), Budget(p=1.0)]
+    table = LevelTable.build(plan, layout, cost, grid, belief)
+    for level, budget in enumerate(grid):
+        fixed = uniform_budget_plan(plan, budget)
+        assert table.makespan(np.full((2, 4), level)) == pytest.approx(barrier_ms(fixed, belief, layout, cost, cluster),
+                                                                       rel=1e-12)
 
 
 @settings(max_examples=80)
@@ -70,24 +76,27 @@ def test_dst_never_slower_than_fixed_and_budgets_in_range(world, layout_dims, bu
     lengths = data.draw(st.lists(st.integers(256, 32768), min_size=n, max_size=n))
     sens = data.draw(st.lists(st.floats(0.01, 1.0), min_size=n, max_size=n))
     layout = Layout(dp=dp, pp=pp, micro_batches=m)
-    plan = plan_for(lengths, sens, layout, cost, data.draw(st.sampled_from(["sequential", "karmarkar_karp"])))
+    plan, belief = plan_for(lengths, sens, layout, cost, data.draw(st.sampled_from(["sequential", "karmarkar_karp"])))
     weight = data.draw(st.sampled_from(["sequence", "token", "attention"]))
     dst = make_sparsity("dst", {"p": p, "floor": floor, "cap": cap, "levels": 9, "coverage_weight": weight})
-    tuned = dst.tune(plan, layout, cost)
+    tuned = dst.tune(plan, layout, cost, belief)
     fixed = uniform_budget_plan(plan, Budget(p=p))
-    assert barrier_ms(tuned, layout, cost, cluster) <= barrier_ms(fixed, layout, cost, cluster) * (1 + 1e-12)
+    assert barrier_ms(tuned, belief, layout, cost, cluster) <= \
+        barrier_ms(fixed, belief, layout, cost, cluster) * (1 + 1e-12)
     assert all(floor <= a.budget.p <= cap for a in tuned.assignments)
     assert [(a.seq_id, a.dp_rank, a.micro_batch) for a in tuned.assignments] == [
         (a.seq_id, a.dp_rank, a.micro_batch) for a in plan.assignments
     ]
-    assert mean_coverage(tuned, cost, weight) >= mean_coverage(fixed, cost, weight) - 1e-12
+    assert mean_coverage(tuned, belief, cost, weight) >= mean_coverage(fixed, belief, cost, weight) - 1e-12
 
 
-def mean_coverage(plan, cost, weight="attention"):
-    """Coverage over the plan's sequences, weighted as DST's constraint is (its default: attention work)."""
+def mean_coverage(plan, belief, cost, weight="attention"):
+    """Coverage over the plan's sequences (at the sensitivities the oracle ``belief`` holds), weighted as DST's
+    constraint is (its default: attention work)."""
     lengths = np.array([a.length for a in plan.assignments], dtype=np.float64)
-    kept = [cost.kept_fraction(Sequence(a.seq_id, a.length, a.sensitivity), a.budget.p) for a in plan.assignments]
-    coverage = cost.coverages(np.array([a.sensitivity for a in plan.assignments]), np.array(kept))
+    sens = belief.at([a.seq_id for a in plan.assignments])[0]
+    kept = [cost.kept_fraction(Sequence(a.seq_id, a.length, s), a.budget.p) for a, s in zip(plan.assignments, sens)]
+    coverage = cost.coverages(sens, np.array(kept))
     weights = {"sequence": np.ones_like(lengths), "token": lengths, "attention": lengths**2}[weight]
     return float(np.average(coverage, weights=weights))
 
@@ -97,11 +106,13 @@ def test_attention_weighting_keeps_the_long_sequences_covered(world):
     long ones' budgets (the short ones' higher coverage pays for it), attention weighting does not."""
     cluster, cost = world
     layout = Layout(dp=2, micro_batches=2)
-    plan = plan_for([32768, 32768, 2048, 2048, 2048, 2048], [0.5] * 6, layout, cost)
-    tuned = {w: make_sparsity("dst", {"coverage_weight": w}).tune(plan, layout, cost) for w in ("sequence", "attention")}
+    plan, belief = plan_for([32768, 32768, 2048, 2048, 2048, 2048], [0.5] * 6, layout, cost)
+    tuned = {w: make_sparsity("dst", {"coverage_weight": w}).tune(plan, layout, cost, belief)
+             for w in ("sequence", "attention")}
     fixed = uniform_budget_plan(plan, Budget(p=0.9))
-    assert mean_coverage(tuned["sequence"], cost, "attention") < mean_coverage(fixed, cost, "attention")
-    assert mean_coverage(tuned["attention"], cost, "attention") >= mean_coverage(fixed, cost, "attention") - 1e-12
+    assert mean_coverage(tuned["sequence"], belief, cost, "attention") < mean_coverage(fixed, belief, cost, "attention")
+    assert mean_coverage(tuned["attention"], belief, cost, "attention") >= \
+        mean_coverage(fixed, belief, cost, "attention") - 1e-12
 
 
 @settings(max_examples=60)
@@ -117,51 +128,63 @@ def test_zero_heterogeneity_is_a_no_op(world, layout_dims, per_mb, length, sens,
     floor, p, cap = budget
     layout = Layout(dp=dp, pp=pp, micro_batches=m)
     n = dp * m * per_mb  # every micro-batch gets the same sequences
-    plan = plan_for([length] * n, [sens] * n, layout, cost)
+    plan, belief = plan_for([length] * n, [sens] * n, layout, cost)
     dst = make_sparsity("dst", {"p": p, "floor": floor, "cap": cap})
     # Where selection costs more than sparsity saves (short documents), a higher budget is also faster:
     # DST rightly takes that, so the no-op claim is about costs that grow with the budget.
-    rank_ms = LevelTable.build(plan, layout, cost, budget_grid(dst.params)).rank_ms[:, 0]
+    rank_ms = LevelTable.build(plan, layout, cost, level_budgets(dst.params, cost.block_size)[0], belief).rank_ms[:, 0]
     assume(np.all(np.diff(rank_ms) >= 0))
-    tuned, fixed = dst.tune(plan, layout, cost), uniform_budget_plan(plan, Budget(p=p))
+    tuned, fixed = dst.tune(plan, layout, cost, belief), uniform_budget_plan(plan, Budget(p=p))
     if pp == 1:
         assert tuned == fixed
-    assert barrier_ms(tuned, layout, cost, cluster) <= barrier_ms(fixed, layout, cost, cluster) * (1 + 1e-12)
-    assert mean_coverage(tuned, cost) >= mean_coverage(fixed, cost) - 1e-12
+    assert barrier_ms(tuned, belief, layout, cost, cluster) <= \
+        barrier_ms(fixed, belief, layout, cost, cluster) * (1 + 1e-12)
+    assert mean_coverage(tuned, belief, cost) >= mean_coverage(fixed, belief, cost) - 1e-12
 
 
 def test_straggler_gets_more_sparsity_and_idle_rank_less(world):
     cluster, cost = world
     layout = Layout(dp=2, micro_batches=2)
-    plan = plan_for([32768, 16384, 4096, 4096], [0.5] * 4, layout, cost)
+    plan, belief = plan_for([32768, 16384, 4096, 4096], [0.5] * 4, layout, cost)
     # The plain mean: by attention work the short rank's coverage could not pay for the straggler's sparsity.
-    tuned = make_sparsity("dst", {"p": 0.9, "floor": 0.8, "coverage_weight": "sequence"}).tune(plan, layout, cost)
+    tuned = make_sparsity("dst", {"p": 0.9, "floor": 0.8, "coverage_weight": "sequence"}).tune(plan, layout, cost,
+                                                                                               belief)
     by_rank = {a.dp_rank: a.budget.p for a in tuned.assignments}
     assert by_rank[0] < 0.9 < by_rank[1]
     fixed = uniform_budget_plan(plan, Budget(p=0.9))
-    assert barrier_ms(tuned, layout, cost, cluster) < barrier_ms(fixed, layout, cost, cluster)
+    assert barrier_ms(tuned, belief, layout, cost, cluster) < barrier_ms(fixed, belief, layout, cost, cluster)
 
 
 def test_floor_bounds_the_speedup(world):
     """A straggler that is still the slowest at the floor: it sits at the floor, the makespan is its time there."""
     cluster, cost = world
     layout = Layout(dp=2, micro_batches=1)
-    plan = plan_for([32768, 1024], [0.9, 0.9], layout, cost)
-    tuned = make_sparsity("dst", {"p": 0.9, "floor": 0.85, "coverage_weight": "sequence"}).tune(plan, layout, cost)
+    plan, belief = plan_for([32768, 1024], [0.9, 0.9], layout, cost)
+    tuned = make_sparsity("dst", {"p": 0.9, "floor": 0.85, "coverage_weight": "sequence"}).tune(plan, layout, cost,
+                                                                                                belief)
     budgets = {a.dp_rank: a.budget.p for a in tuned.assignments}
     assert budgets == {0: 0.85, 1: 1.0}
     at_floor = uniform_budget_plan(plan, Budget(p=0.85))
-    assert barrier_ms(tuned, layout, cost, cluster) == pytest.approx(barrier_ms(at_floor, layout, cost, cluster))
+    assert barrier_ms(tuned, belief, layout, cost, cluster) == pytest.approx(
+        barrier_ms(at_floor, belief, layout, cost, cluster))
 
 
-def test_unreachable_coverage_target_keeps_the_makespan(world):
+def test_coverage_target_sets_the_start_and_an_unreachable_one_gives_the_cap(world):
+    """With min_mean_coverage DST starts from the lowest uniform budget that meets it, not from p: here only dense
+    (p = 1) covers 0.999 of the attention, and no rank can go sparser without losing it, so DST keeps dense,
+    slower than p = 0.9 and at the target. A target that no budget up to the cap meets gives every sequence the
+    cap (the most coverage DST may give), at the cap's makespan."""
     cluster, cost = world
     layout = Layout(dp=2, micro_batches=1)
-    plan = plan_for([32768, 16384], [0.9, 0.9], layout, cost)
-    tuned = make_sparsity("dst", {"p": 0.9, "min_mean_coverage": 0.999}).tune(plan, layout, cost)
+    plan, belief = plan_for([32768, 16384], [0.9, 0.9], layout, cost)
+    tuned = make_sparsity("dst", {"p": 0.9, "min_mean_coverage": 0.999}).tune(plan, layout, cost, belief)
+    assert tuned == uniform_budget_plan(plan, Budget(p=1.0))
+    assert mean_coverage(tuned, belief, cost) >= 0.999
     fixed = uniform_budget_plan(plan, Budget(p=0.9))
-    assert barrier_ms(tuned, layout, cost, cluster) == pytest.approx(barrier_ms(fixed, layout, cost, cluster))
-    assert mean_coverage(tuned, cost) > mean_coverage(fixed, cost)  # the idle rank still fills its bubble
+    assert barrier_ms(tuned, belief, layout, cost, cluster) > barrier_ms(fixed, belief, layout, cost, cluster)
+    capped = make_sparsity("dst", {"p": 0.9, "cap": 0.95, "min_mean_coverage": 0.999}).tune(plan, layout, cost, belief)
+    assert capped == uniform_budget_plan(plan, Budget(p=0.95))
+    assert mean_coverage(capped, belief, cost) < 0.999
 
 
 @pytest.mark.parametrize("params", [{"p": 0.7, "floor": 0.8}, {"p": 0.9, "cap": 0.85}, {"levels": 1}, {"floor": 0.0}])
@@ -174,6 +197,6 @@ def test_same_plan_same_budgets(world):
     _, cost = world
     layout = Layout(dp=2, pp=4, micro_batches=4)
     rng = np.random.default_rng(7)
-    plan = plan_for(rng.integers(1024, 32768, 16), rng.uniform(0.05, 1, 16), layout, cost)
-    first = make_sparsity("dst", {}).tune(plan, layout, cost).to_json()
-    assert make_sparsity("dst", {}).tune(plan, layout, cost).to_json() == first
+    plan, belief = plan_for(rng.integers(1024, 32768, 16), rng.uniform(0.05, 1, 16), layout, cost)
+    first = make_sparsity("dst", {}).tune(plan, layout, cost, belief).to_json()
+    assert make_sparsity("dst", {}).tune(plan, layout, cost, belief).to_json() == first

@@ -14,7 +14,8 @@ from sim.core import ConfigError, compose_config
 from sim.cost import make_cost
 from sim.engine import Engine
 from sim.policy import BATCHING, make_batching
-from sim.workload import Sequence, Workload
+from sim.workload import Sequence, Workload, requests, truth_of
+from oracle import oracle
 from pinned import pinned
 
 # Long-tailed costs, as attention makes them: a few items worth many others.
@@ -132,8 +133,8 @@ def test_every_balancer_takes_the_pipeline_order(world, name, order):
     workload, cost, cluster = world
     layout = Layout(dp=2, pp=4, micro_batches=4)
     batch = workload.batch(3)
-    packed = make_batching(name, {"pipeline_order": "packed"}).plan(batch, layout, cost, 3)
-    ordered = make_batching(name, {"pipeline_order": order}).plan(batch, layout, cost, 3)
+    packed = make_batching(name, {"pipeline_order": "packed"}).plan(requests(batch), layout, cost, 3, oracle(batch))
+    ordered = make_batching(name, {"pipeline_order": order}).plan(requests(batch), layout, cost, 3, oracle(batch))
     assert sorted(a.seq_id for a in ordered.assignments) == sorted(s.id for s in batch)
     if order == "fit":
         assert np.bincount([a.dp_rank for a in ordered.assignments], minlength=2).tolist() == \
@@ -142,7 +143,7 @@ def test_every_balancer_takes_the_pipeline_order(world, name, order):
         assert micro_batch_sets(ordered) == micro_batch_sets(packed)
     if order == "search":
         engine = Engine(layout, cost, cluster)
-        finish = [engine.step(p).timeline.finish_ms.max(axis=1) for p in (packed, ordered)]
+        finish = [engine.step(p, truth_of(batch)).timeline.finish_ms.max(axis=1) for p in (packed, ordered)]
         assert (finish[1] <= finish[0] * (1 + 1e-12)).all()
 
 
@@ -167,7 +168,7 @@ def test_verl_balances_ranks_on_its_own_estimate(world):
     workload, cost, _ = world
     layout = Layout(dp=4, pp=1, micro_batches=2)
     batch = [s for step in range(4) for s in workload.batch(step)]  # 64 sequences
-    plan = make_batching("verl", {}).plan(batch, layout, cost, 0)
+    plan = make_batching("verl", {}).plan(requests(batch), layout, cost, 0, oracle(batch))
     ranks = np.array([a.dp_rank for a in plan.assignments])
     work = verl_workload(np.array([a.length for a in plan.assignments]))
     assert (np.bincount(ranks) == 16).all()  # equal counts over DP
@@ -181,7 +182,8 @@ def test_token_cap_count_follows_the_tokens(world):
     batch = [Sequence(i, 4096, 0.5) for i in range(16)]  # 32K tokens per rank
 
     def used(cap, **extra):
-        plan = make_batching("token_cap", {"max_tokens_per_rank": cap, **extra}).plan(batch, layout, cost, 0)
+        plan = make_batching("token_cap", {"max_tokens_per_rank": cap, **extra}).plan(requests(batch), layout, cost, 0,
+                                                                                      oracle(batch))
         return {len({a.micro_batch for a in plan.assignments if a.dp_rank == r}) for r in range(2)}
 
     assert used(8192) == {4}  # 32K tokens / 8K per micro-batch
@@ -195,7 +197,7 @@ def test_token_cap_counts_a_cp_group_as_cp_gpus(world):
     _, cost, _ = world
     batch = [Sequence(i, 4096, 0.5) for i in range(8)]
     plan = make_batching("token_cap", {"max_tokens_per_rank": 4096, "min_micro_batches": 1}).plan(
-        batch, Layout(dp=1, cp=2, micro_batches=8), cost, 0)
+        requests(batch), Layout(dp=1, cp=2, micro_batches=8), cost, 0, oracle(batch))
     assert len({a.micro_batch for a in plan.assignments}) == 4  # 8 x 4K tokens over 2 x 4K per micro-batch
 
 
@@ -212,9 +214,10 @@ def test_pipeline_fit_never_slows_the_step_and_keeps_rank_counts(world, step):
     layout = Layout(dp=2, pp=4, micro_batches=4)
     engine = Engine(layout, cost, cluster)
     batch = workload.batch(step)
-    searched, fitted = (make_batching("karmarkar_karp", {"pipeline_order": o}).plan(batch, layout, cost, step)
+    searched, fitted = (make_batching("karmarkar_karp", {"pipeline_order": o}).plan(requests(batch), layout, cost, step,
+                                                                                   oracle(batch))
                         for o in ("search", "fit"))
-    finish = [engine.step(p).timeline.finish_ms.max(axis=1) for p in (searched, fitted)]
+    finish = [engine.step(p, truth_of(batch)).timeline.finish_ms.max(axis=1) for p in (searched, fitted)]
     assert finish[1].max() <= finish[0].max() * (1 + 1e-9)
     counts = [np.bincount([a.dp_rank for a in p.assignments], minlength=2) for p in (searched, fitted)]
     assert (counts[0] == counts[1]).all()
@@ -227,9 +230,11 @@ def test_pipeline_fit_isolates_a_long_sequence(world):
     _, cost, cluster = world
     layout = Layout(dp=1, pp=4, micro_batches=4)
     batch = [Sequence(0, 16384, 0.5)] + [Sequence(i, 2048, 0.5) for i in range(1, 8)]
-    searched, fitted = (make_batching("karmarkar_karp", {"pipeline_order": o}).plan(batch, layout, cost, 0)
+    searched, fitted = (make_batching("karmarkar_karp", {"pipeline_order": o}).plan(requests(batch), layout, cost, 0,
+                                                                                   oracle(batch))
                         for o in ("search", "fit"))
     long_mb = next(a.micro_batch for a in fitted.assignments if a.seq_id == 0)
     assert [a.seq_id for a in fitted.assignments if a.micro_batch == long_mb] == [0]
     engine = Engine(layout, cost, cluster)
-    assert engine.step(fitted).record.step_ms < 0.95 * engine.step(searched).record.step_ms
+    truth = truth_of(batch)
+    assert engine.step(fitted, truth).record.step_ms < 0.95 * engine.step(searched, truth).record.step_ms

@@ -11,7 +11,9 @@ from sim.plan import Assignment, Budget, Plan
 from sim.cluster import Cluster, Layout
 from sim.core import ConfigError, compose_config
 from sim.cost import make_cost
-from sim.workload import Workload
+from sim.workload import Workload, requests
+
+from oracle import oracle
 
 costs_strategy = st.lists(st.floats(0.01, 1000.0, allow_nan=False), min_size=1, max_size=200)
 
@@ -38,7 +40,7 @@ def setup():
 def test_every_batching_policy_places_every_sequence_once(name, setup):
     workload, layout, cost = setup
     batch = workload.batch(0)
-    plan = make_batching(name, {}).plan(batch, layout, cost, step=0)
+    plan = make_batching(name, {}).plan(requests(batch), layout, cost, step=0, belief=oracle(batch))
     assert sorted(a.seq_id for a in plan.assignments) == sorted(s.id for s in batch)
     assert {a.dp_rank for a in plan.assignments} <= set(range(layout.dp))
     assert {a.micro_batch for a in plan.assignments} <= set(range(layout.micro_batches))
@@ -47,15 +49,18 @@ def test_every_batching_policy_places_every_sequence_once(name, setup):
 
 def test_equal_count_kk_gives_equal_counts(setup):
     workload, layout, cost = setup
-    plan = make_batching("karmarkar_karp", {"equal_count": True}).plan(workload.batch(0), layout, cost, 0)
+    batch = workload.batch(0)
+    plan = make_batching("karmarkar_karp", {"equal_count": True}).plan(requests(batch), layout, cost, 0, oracle(batch))
     counts = np.bincount([a.dp_rank for a in plan.assignments], minlength=layout.dp)
     assert (counts == counts[0]).all()
 
 
 def test_kk_balances_better_than_sequential(setup):
     workload, layout, cost = setup
+    batch = workload.batch(0)
+
     def max_load(name):
-        plan = make_batching(name, {}).plan(workload.batch(0), layout, cost, 0)
+        plan = make_batching(name, {}).plan(requests(batch), layout, cost, 0, oracle(batch))
         seqc = cost.sequence_costs([a.length for a in plan.assignments], np.ones(len(plan.assignments)), layout)
         return np.bincount([a.dp_rank for a in plan.assignments], weights=seqc).max()
     assert max_load("karmarkar_karp") < max_load("sequential")
@@ -63,8 +68,9 @@ def test_kk_balances_better_than_sequential(setup):
 
 def test_fixed_sets_every_budget(setup):
     workload, layout, cost = setup
-    plan = make_batching("sequential", {}).plan(workload.batch(0), layout, cost, 0)
-    tuned = make_sparsity("fixed", {"p": 0.8}).tune(plan, layout, cost)
+    batch = workload.batch(0)
+    plan = make_batching("sequential", {}).plan(requests(batch), layout, cost, 0, oracle(batch))
+    tuned = make_sparsity("fixed", {"p": 0.8}).tune(plan, layout, cost, oracle(batch))
     assert {a.budget.p for a in tuned.assignments} == {0.8}
 
 
@@ -88,22 +94,22 @@ def test_assignment_init_matches_its_fields():
     assert [p.default for p in params] == [
         inspect.Parameter.empty if f.default is MISSING else f.default for f in fields(Assignment)
     ]
-    a = Assignment(1, 2, 0.5, 3, 4, Budget(p=0.9))
-    assert (a.seq_id, a.length, a.sensitivity, a.dp_rank, a.micro_batch, a.budget) == (
-        1, 2, 0.5, 3, 4, Budget(p=0.9))
+    a = Assignment(1, 2, 3, 4, Budget(p=0.9))
+    assert (a.seq_id, a.length, a.dp_rank, a.micro_batch, a.budget) == (1, 2, 3, 4, Budget(p=0.9))
     with pytest.raises(FrozenInstanceError):
         a.budget = Budget()
 
 
-# A plans.jsonl line as sim.run wrote it while Assignment still had per-CP-shard budgets.
+# A plans.jsonl line as sim.run wrote it while Assignment still had per-CP-shard budgets and the sequence's
+# sensitivity (which plans no longer carry: it is dropped on reading).
 EARLIER_PLAN = ('{"assignments":[{"budget":{"kept_fraction":null,"p":0.9},"cp_budgets":[],"dp_rank":0,'
                 '"length":4096,"micro_batch":1,"sensitivity":0.5,"seq_id":7}],"dp":1,"micro_batches":2,"step":3}')
 
 
 def test_plans_of_earlier_versions_stay_readable():
     plan = Plan.from_json(EARLIER_PLAN)
-    assert plan == Plan(step=3, dp=1, micro_batches=2, assignments=(Assignment(7, 4096, 0.5, 0, 1, Budget(p=0.9)),))
-    assert plan.to_json() == EARLIER_PLAN.replace('"cp_budgets":[],', "")
+    assert plan == Plan(step=3, dp=1, micro_batches=2, assignments=(Assignment(7, 4096, 0, 1, Budget(p=0.9)),))
+    assert plan.to_json() == EARLIER_PLAN.replace('"cp_budgets":[],', "").replace('"sensitivity":0.5,', "")
     with pytest.raises(ValueError, match="^assignment of sequence 7 has cp_budgets="):
         Plan.from_json(EARLIER_PLAN.replace('"cp_budgets":[]', '"cp_budgets":[{"kept_fraction":null,"p":0.5}]'))
 

@@ -59,12 +59,18 @@ def hand_allreduce_ms(cfg, n):
 
 
 def two_rank_plan(lengths):
-    return Plan(0, 2, 1, tuple(Assignment(i, n, 0.5, i, 0) for i, n in enumerate(lengths)))
+    return Plan(0, 2, 1, tuple(Assignment(i, n, i, 0) for i, n in enumerate(lengths)))
+
+
+def half(plan):
+    """Every sequence's sensitivity 0.5 (the plans here are dense, which no sensitivity changes)."""
+    return {a.seq_id: 0.5 for a in plan.assignments}
 
 
 def test_dp2_step_time_matches_hand_computation():
     cfg, engine = engine_for(OVERRIDES)
-    outcome = engine.step(two_rank_plan([3000, 17000]))
+    plan = two_rank_plan([3000, 17000])
+    outcome = engine.step(plan, half(plan))
     expected = max(hand_seq_ms(3000, cfg), hand_seq_ms(17000, cfg)) + hand_allreduce_ms(cfg, 2)
     assert outcome.record.step_ms == pytest.approx(expected, rel=1e-9)
     idle = hand_seq_ms(17000, cfg) - hand_seq_ms(3000, cfg)
@@ -105,13 +111,14 @@ def test_buckets_hide_the_all_reduce_behind_the_last_backward():
     plan = two_rank_plan([3000, 17000])
     compute = max(hand_seq_ms(3000, cfg), hand_seq_ms(17000, cfg))
     t = bucketed.bucket_ms
-    assert bucketed.step(plan).record.step_ms == pytest.approx(compute + t, rel=1e-9)
-    assert t < hand_allreduce_ms(cfg, 2) / 100 < whole.step(plan).record.step_ms - compute
+    assert bucketed.step(plan, half(plan)).record.step_ms == pytest.approx(compute + t, rel=1e-9)
+    assert t < hand_allreduce_ms(cfg, 2) / 100 < whole.step(plan, half(plan)).record.step_ms - compute
 
 
 def test_balanced_batch_has_zero_bubble():
     _, engine = engine_for(OVERRIDES)
-    assert engine.step(two_rank_plan([8192, 8192])).record.bubble_fraction == 0.0
+    plan = two_rank_plan([8192, 8192])
+    assert engine.step(plan, half(plan)).record.bubble_fraction == 0.0
 
 
 def test_exact_event_trace_1f1b_two_stages():
@@ -153,12 +160,14 @@ def test_1f1b_bubble_is_textbook(pp, m):
 
 def test_pipeline_layout_runs_end_to_end():
     cfg, engine = engine_for(["cost=roofline", "layout.pp=4", "layout.micro_batches=8"])
+    from oracle import oracle
     from sim.policy import make_batching
-    from sim.workload import Workload
+    from sim.workload import Workload, requests, truth_of
 
     workload = Workload(cfg.workload, cfg.model.max_context, 0)
-    plan = make_batching("karmarkar_karp", {}).plan(workload.batch(0), engine.layout, engine.cost, 0)
-    outcome = engine.step(plan)
+    batch = workload.batch(0)
+    plan = make_batching("karmarkar_karp", {}).plan(requests(batch), engine.layout, engine.cost, 0, oracle(batch))
+    outcome = engine.step(plan, truth_of(batch))
     assert outcome.rows["stage"].max() == 3
     assert 0 < outcome.record.bubble_fraction < 1
     # Each stage runs every micro-batch once, forward and backward.

@@ -19,9 +19,12 @@ from sim.core import ConfigError, compose_config
 from sim.memory import (GB, MemoryLimitError, MemoryModel, first_principles_terms, load_profile_terms, repack,
                         static_bytes)
 from sim.plan import Assignment, Plan
-from sim.policy import make_batching, make_sparsity, plan_step
-from sim.run import prepare, simulate, summary_table
-from sim.workload import Sequence
+from sim.policy import make_batching, make_sparsity
+from sim.run import simulate, summary_table
+from sim.setup import prepare
+from sim.workload import Request, Sequence, requests
+
+from oracle import oracle_planner
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = ModelConfig(name="qwen2.5-3b", hidden=2048, layers=36, heads=16, kv_heads=2, head_dim=128, ffn=11008,
@@ -111,7 +114,7 @@ def test_peak_is_reported_in_steps_rows_and_summary():
 # ----------------------------------------------------------------------------- plans that fit
 def over_plan() -> Plan:
     """DP rank 0 of 2: one micro-batch of four 8K sequences, one empty; pp = 1, so one micro-batch in flight."""
-    a = [Assignment(i, 8192, 0.5, 0, 0) for i in range(4)] + [Assignment(4 + i, 1024, 0.5, 1, i % 2) for i in range(2)]
+    a = [Assignment(i, 8192, 0, 0) for i in range(4)] + [Assignment(4 + i, 1024, 1, i % 2) for i in range(2)]
     return Plan(step=0, dp=2, micro_batches=2, assignments=tuple(a))
 
 
@@ -169,24 +172,25 @@ def test_overfull_plan_is_rejected_in_one_line():
 def test_allow_only_reports():
     memory, cost = qwen_memory(Overflow.allow, [8192] * 2, [8192] * 3)
     assert memory.fitted(over_plan(), object(), cost) == over_plan()
-    memory.check_batch([Sequence(0, 32768, 0.5)])
+    memory.check_batch([Request(0, 32768)])
 
 
 def test_a_batch_too_big_for_every_plan_is_rejected_after_the_repair():
     memory, cost = qwen_memory(Overflow.repair, [8192] * 2, [8192] * 3)  # room for 2 x 2 x 2 of them, not 10
     batch = [Sequence(i, 8192, 0.5) for i in range(10)]
     with pytest.raises(MemoryLimitError, match=r"^step 4: the plan of 'sequential' after its repair needs "):
-        plan_step(make_batching("sequential", {}), make_sparsity("fixed", {}), batch, memory.layout, cost, 4, memory)
+        oracle_planner(make_batching("sequential", {}), make_sparsity("fixed", {}), batch, memory.layout, cost,
+                       memory).plan(requests(batch), 4)
 
 
-def test_plan_step_repairs_through_the_shared_planning_step():
+def test_the_planner_repairs_through_the_shared_planning_step():
     # a micro-batch holds one 8K sequence and two 1K ones, not two 8K ones: only moves to the other rank help
     memory, cost = qwen_memory(Overflow.repair, [8192, 1024, 1024], [8192] * 2)
     batch = [Sequence(i, 8192, 0.5) for i in range(4)] + [Sequence(4 + i, 1024, 0.5) for i in range(4)]
     batching, sparsity = make_batching("sorted", {}), make_sparsity("fixed", {"p": 0.9})
-    unchecked = plan_step(batching, sparsity, batch, memory.layout, cost, 0)
+    unchecked = oracle_planner(batching, sparsity, batch, memory.layout, cost).plan(requests(batch), 0)
     assert memory.overfull(memory.plan_bytes(unchecked, cost)) is not None  # sorted piles the long ones together
-    checked = plan_step(batching, sparsity, batch, memory.layout, cost, 0, memory)
+    checked = oracle_planner(batching, sparsity, batch, memory.layout, cost, memory).plan(requests(batch), 0)
     assert memory.overfull(memory.plan_bytes(checked, cost)) is None
     assert sorted(a.length for a in checked.assignments if a.dp_rank == 1) == [1024] * 4 + [8192] * 2
     assert all(a.budget.p == 0.9 for a in checked.assignments)  # tuned after the repair
@@ -196,8 +200,8 @@ def test_sequence_that_fits_under_no_plan_is_named():
     memory, _ = qwen_memory(Overflow.repair, [8192] * 2, [8192] * 3)
     with pytest.raises(MemoryLimitError, match=r"^sequence 7 \(length 32768 tokens\) needs [0-9.]+ GB on pipeline "
                                                r"stage 0 alone in its micro-batch, above the [0-9.]+ GB available"):
-        memory.check_batch([Sequence(3, 4096, 0.5), Sequence(7, 32768, 0.5)])
-    memory.check_batch([Sequence(3, 8192, 0.5)])
+        memory.check_batch([Request(3, 4096), Request(7, 32768)])
+    memory.check_batch([Request(3, 8192)])
 
 
 def run_cli(*args, cwd):
