@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from policies.pipeline_fit import fitted
 from sim.cluster import Layout
 from sim.cost import CostModel
 from sim.estimate import Belief
@@ -111,8 +112,6 @@ class PartitionPolicy(ABC):
         kept = self.expected_kept(ids, lengths, belief, cost)
         plan = reorder(plan, self.searched_orders(plan, layout, cost, kept))
         if order is PipelineOrder.fit:
-            from policies.pipeline_fit import fitted  # here: policies.pipeline_fit builds on this module
-
             ids, lengths = plan_ids_lengths(plan)
             plan = fitted(plan, layout, cost, self.expected_kept(ids, lengths, belief, cost))
         return plan
