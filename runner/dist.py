@@ -47,6 +47,7 @@ class World:
     rank: int
     size: int
     local_rank: int
+    local_size: int = 1  # the ranks on this host, which share its memory
 
     @classmethod
     def from_env(cls) -> World:
@@ -55,6 +56,7 @@ class World:
             rank=int(os.environ.get("RANK", 0)),
             size=int(os.environ.get("WORLD_SIZE", 1)),
             local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            local_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
         )
 
 
