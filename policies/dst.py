@@ -223,6 +223,8 @@ class LevelTable:
         costs = cost.micro_batch_costs(np.broadcast_to(lengths, shape).ravel(), kept.ravel(), group, g * s * dp * m,
                                        layout)
         share = weight.weights(lengths) / weight.weights(lengths).sum()
+        # a micro-batch the cost model runs on a dense backend (cost.attention_backend) keeps every block
+        kept = np.where(costs.dense[group].reshape(shape), 1.0, kept)
         expected = (share * cost.coverages(samples[None], kept)).mean(axis=1)  # [g, n]
         covered = np.bincount((np.arange(g)[:, None] * dp * m + rank * m + mb).ravel(), weights=expected.ravel(),
                               minlength=g * dp * m)

@@ -204,10 +204,12 @@ class Engine:
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
         arrays = PlanArrays.from_plan(plan, truth)
-        kept = arrays.kept(cost)
-        coverage = cost.coverages(arrays.sensitivity, kept)
         group = arrays.dp_rank * m + arrays.micro_batch
+        kept = arrays.kept(cost)
         mb_cost = cost.micro_batch_costs(arrays.length, kept, group, dp * m, layout)
+        # a micro-batch the cost model runs on a dense backend (cost.attention_backend) keeps every block
+        kept = np.where(mb_cost.dense[group], 1.0, kept)
+        coverage = cost.coverages(arrays.sensitivity, kept)
         p2p = cost.hand_off_ms(mb_cost.tokens, layout)
 
         fwd, bwd = busy_ms if busy_ms is not None else (mb_cost.fwd_ms.reshape(dp, m), mb_cost.bwd_ms.reshape(dp, m))
