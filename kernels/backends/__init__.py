@@ -10,13 +10,15 @@ Every backend computes causal attention within each document of a packed micro-b
 Registered: ``ours`` (:mod:`kernels.sparse_attention`, the only sparse one), ``cudnn`` (torch SDPA on cuDNN, one
 call per document), ``fa4`` (FlashAttention-4, ``flash_attn.cute``, dense varlen), ``fa3`` (FlashAttention-3,
 ``flash_attn_interface``). The peers come with the ``peers`` extra (GPU machines only) and are imported only
-by :func:`load`, so a machine without them imports this package as any other.
+by :func:`load`, so a machine without them imports this package as any other; nothing here imports torch
+before a backend is loaded (calibrate.run's dry run lists the backends on machines without it).
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class BackendAbsent(RuntimeError):
@@ -77,10 +79,14 @@ def load_all(names: Sequence[str] | None = None) -> tuple[dict[str, AttentionBac
 
 def cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
     """``[0, l0, l0 + l1, ...]`` as int32 on the host."""
+    import torch
+
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
 def require_cuda() -> None:
+    import torch
+
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU here")
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 import contextlib
 from typing import Sequence
 
-import torch
-import torch.nn.functional as F
-
 from . import register, require_cuda
 
 
-def per_document(q, k, v, spans: Sequence[int], sdpa_backend) -> torch.Tensor:
+def per_document(q, k, v, spans: Sequence[int], sdpa_backend):
     """Causal SDPA over each document ``q[s:e]`` (``spans`` = cumulative offsets on the host) on
     ``sdpa_backend`` (a torch.nn.attention.SDPBackend; a one-token document on torch's choice), concatenated."""
+    import torch
+    import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     gqa = q.shape[1] != k.shape[1]
@@ -36,11 +35,15 @@ class Cudnn:
     sparse = False
 
     def check(self) -> None:
+        import torch
+
         require_cuda()
         if not torch.backends.cudnn.is_available():
             raise RuntimeError("torch was built without cuDNN")
 
     def version(self) -> str:
+        import torch
+
         return f"torch {torch.__version__} SDPA on cuDNN {torch.backends.cudnn.version()}, a call per document"
 
     def documents(self, lengths: Sequence[int], device) -> list[int]:

@@ -10,8 +10,6 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Sequence
 
-import torch
-
 from . import cu_seqlens, register, require_cuda
 
 
@@ -30,10 +28,10 @@ class _Varlen:
     def version(self) -> str:
         return ", ".join(f"{p} {_installed(p)}" for p in self.packages)
 
-    def documents(self, lengths: Sequence[int], device) -> tuple[torch.Tensor, int]:
+    def documents(self, lengths: Sequence[int], device) -> tuple:
         return cu_seqlens(lengths).to(device), int(max(lengths))
 
-    def attention(self, q, k, v, docs: tuple[torch.Tensor, int]):
+    def attention(self, q, k, v, docs: tuple):
         cu, longest = docs
         out = self.varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
                           causal=True)

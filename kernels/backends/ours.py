@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
 from . import cu_seqlens, register
 
 
@@ -20,6 +18,7 @@ class Ours:
         from kernels import sparse_attention  # noqa: F401  (Triton and the kernels)
 
     def version(self) -> str:
+        import torch
         import triton
 
         return f"kernels.sparse_attention (triton {triton.__version__}, torch {torch.__version__})"
