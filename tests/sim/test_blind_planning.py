@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 import sim.run as sim_run
 from sim.core import ConfigError, compose_config
 from sim.cost import topk_kept_fraction
-from sim.engine import Engine
+from sim.engine import Engine, PlanArrays
 from sim.estimate import Belief, OnlineEstimator, Observation, make_estimator, observed_sensitivity
 from sim.plan import Assignment, Budget, Plan
 from sim.run import simulate
@@ -155,3 +155,24 @@ def test_top_k_keeps_min_k_blocks_of_every_causal_row(length, k, block):
     nb = -(-length // block)
     rows = np.arange(1, nb + 1)
     assert topk_kept_fraction(length, k, block) == pytest.approx(np.minimum(k, rows).sum() / rows.sum(), rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["dense_best", "hybrid"])
+def test_micro_batches_on_a_dense_backend_keep_every_block(backend):
+    """Where the cost model runs a micro-batch's attention dense, the engine reports kept 1 and coverage 1
+    (dense_best runs every micro-batch so); the others keep their budgets' blocks."""
+    fixture = "tests/fixtures/profile_h200_backends.json"
+    cfg = paper_cfg("policy=verl", f"cost.profile={fixture}", f"cost.attention_backend={backend}", "steps=2")
+    setup = prepare(cfg)
+    layout, cost = setup.layout, setup.cost
+    batch = setup.workload.batch(0)
+    plan = make_planner(cfg, setup).plan(requests(batch), 0)
+    outcome = Engine(layout, cost, setup.cluster).step(plan, truth_of(batch))
+    arrays = PlanArrays.from_plan(plan, truth_of(batch))
+    group = arrays.dp_rank * layout.micro_batches + arrays.micro_batch
+    dense = cost.micro_batch_costs(arrays.length, arrays.kept(cost), group, layout.dp * layout.micro_batches,
+                                   layout).dense[group]
+    assert dense.all() if backend == "dense_best" else dense.any() and not dense.all()
+    np.testing.assert_array_equal(outcome.kept[dense], 1.0)
+    np.testing.assert_array_equal(outcome.coverage[dense], 1.0)
+    np.testing.assert_array_equal(outcome.kept[~dense], arrays.kept(cost)[~dense])
