@@ -18,6 +18,10 @@ speedup, coverage and retrieval accuracy of each against the first. ``--out X.cs
 instead of into the run dirs: one CSV (per step, every run), ``X.json`` (per run) and ``X_memory.csv`` (every
 run's memory table), so that run dirs one only reads (committed results) stay as they are.
 
+No cost profile describes a CPU: a run on the CPU is refused (one line, exit code 2) unless ``--profile`` names a
+GPU's profile to price it with anyway, and then a note on stderr says that its errors measure the CPU against that
+GPU.
+
 A key that the config schema has made mandatory since a run wrote its ``.hydra/config.yaml`` (``cluster.hbm_gb``)
 is read from the run's own group option (``conf/cluster/<its cluster.name>.yaml``), with a note on stderr.
 """
@@ -130,13 +134,15 @@ def _summary(path: Path) -> dict:
     return summary
 
 
-def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
-    """(per-step table, memory table, summary) of one run dir."""
+def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """(per-step table, memory table, summary) of one run dir, priced by ``profile`` (None: ``DEFAULT_PROFILE``,
+    which a run on the CPU is refused)."""
     cfg, plans, steps, micro_batches, sequences, run_summary = load_run(run_dir)
     if cfg.runner.one_process:
         raise ConfigError(f"{run_dir} trained its layout's replicas one after another (runner.one_process=true): "
                           "its times are not a distributed step's; allowed: a run with one process per GPU "
                           "(python -m runner.replay times a Plan's replicas on one GPU)")
+    profile = profile_for(run_dir, str(run_summary.get("device", "")), profile)
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
     # the run's own cost model: its block size is the one the kernel selected blocks at
@@ -190,6 +196,21 @@ def replay(run_dir: Path, profile: str, skip: int) -> tuple[pd.DataFrame, pd.Dat
     return table.assign(policy=summary["policy"]), memory, summary
 
 
+def profile_for(run_dir: Path, device: str, profile: str | None) -> str:
+    """The profile that prices a run: the one named, else ``DEFAULT_PROFILE``. No profile describes a CPU, so a
+    CPU run is refused one by default and is priced by a named GPU profile only with a note that says so."""
+    if not device.startswith("cpu"):
+        return profile or DEFAULT_PROFILE
+    if profile is None:
+        raise ConfigError(f"{run_dir} ran on the CPU (summary.json device={device!r}), and no cost profile describes a "
+                          f"CPU: {DEFAULT_PROFILE} prices an H200, so its errors would measure the CPU against that GPU; "
+                          "allowed: a run on a GPU, or a GPU's profile named to price this one anyway (runner.compare "
+                          "--profile PATH: a check of the pipeline, not of the cost model)")
+    print(f"note: {run_dir} ran on the CPU, which no cost profile describes: priced by {profile}, its errors measure "
+          "the CPU against that profile's GPU, not the cost model", file=sys.stderr)
+    return profile
+
+
 def _compilations(path: Path, step: pd.Series) -> pd.Series:
     """Each step's Triton compilations from the runner's train.csv, missing (an empty cell) where the run
     recorded none (runs older than the count, or no train.csv)."""
@@ -223,7 +244,8 @@ def memory_table(memory: MemoryModel, cost, plans: list[Plan], micro_batches: pd
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m runner.compare", description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", type=Path, nargs="+", help="runner run dirs; the first is the baseline")
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="calibrated cost profile (JSON)")
+    parser.add_argument("--profile", default=None,
+                        help=f"calibrated cost profile (JSON; default {DEFAULT_PROFILE}, which no CPU run gets)")
     parser.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the error")
     parser.add_argument("--out", type=Path, help="write the combined per-step CSV here (its .json and _memory.csv "
                                                  "beside it) instead of into the run dirs")
@@ -270,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         _write_csv(pd.concat(tables), args.out)
         memories = [memory.assign(policy=summary["policy"]) for (_, memory, summary) in replayed]
         _write_csv(pd.concat(memories), memory_path(args.out))
-        write_json_atomic(args.out.with_suffix(".json"), {"profile": args.profile, "runs": summaries})
+        write_json_atomic(args.out.with_suffix(".json"), {"profile": summaries[0]["profile"], "runs": summaries})
     return 0
 
 

@@ -7,20 +7,21 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from runner.compare import DEFAULT_PROFILE, replay
+from runner.compare import replay
 from sim.core import ConfigError
 from viz.runs import PlotError, Run
 from viz.style import policy_colours
 
 
-def fidelity_frame(runs: list[Run], skip: int | None = None, profile: str = DEFAULT_PROFILE) -> pd.DataFrame:
+def fidelity_frame(runs: list[Run], skip: int | None = None, profile: str | None = None) -> pd.DataFrame:
     """Per step of each runner run: measured and simulator-predicted step time (runner.compare's table).
 
     ``predicted_ms`` replays the run's Plans with the kept fractions the kernel really selected (the time model
     alone); ``plan_ms`` with the Plans' own budgets (the coverage model decides what is kept, as in a policy
     sweep). The first ``skip`` steps of each run (kernel compilation) are left out: by default as many as
     runner.compare left out of its scores (``compare.json``), else 1. A run without runner.compare's table is
-    replayed here under ``profile`` (runner.compare's default: the committed H200 profile).
+    replayed here under ``profile`` (None: runner.compare's default, the committed H200 profile, which prices no
+    run on the CPU).
     """
     measured = [r for r in runs if r.summary.get("source") == "runner"]
     if not measured:
@@ -31,7 +32,7 @@ def fidelity_frame(runs: list[Run], skip: int | None = None, profile: str = DEFA
     return pd.concat([_compare_table(r, skip, profile) for r in measured], ignore_index=True)
 
 
-def _compare_table(run: Run, skip: int | None, profile: str) -> pd.DataFrame:
+def _compare_table(run: Run, skip: int | None, profile: str | None) -> pd.DataFrame:
     """runner.compare's compare.csv, computed now if the run has none."""
     if (run.path / "compare.csv").is_file():
         table = pd.read_csv(run.path / "compare.csv")

@@ -172,6 +172,14 @@ def test_fidelity_reads_runner_compare_output(sweep_copy):
     assert list(frame["measured_ms"] / frame["plan_ms"]) == pytest.approx([2.0, 2.0], rel=1e-5)  # 6-digit CSV
 
 
+def test_a_cpu_runner_run_has_no_profile_to_draw_its_fidelity_with(sweep_copy):
+    fake_runner_run(sweep_copy / "1")
+    summary = json.loads((sweep_copy / "1" / "summary.json").read_text())
+    (sweep_copy / "1" / "summary.json").write_text(json.dumps({**summary, "device": "cpu"}))
+    with pytest.raises(PlotError, match=r"ran on the CPU .*\(runner.compare --profile PATH"):
+        fidelity_frame(read_runs(sweep_copy))
+
+
 def test_fidelity_without_runner_runs_says_how_to_make_them(sweep):
     with pytest.raises(PlotError, match="no runner Results .*runner.compare"):
         fidelity_frame(read_runs(sweep))

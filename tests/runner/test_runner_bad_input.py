@@ -197,6 +197,25 @@ def test_a_good_run_dir_is_compared(run):
     assert len(pd.read_csv(run / "compare.csv")) == 3
 
 
+def as_cpu_run(run: Path) -> None:
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "device": "cpu"}))
+
+
+def test_a_cpu_run_is_refused_the_default_profile_which_prices_a_gpu(run, capsys):
+    as_cpu_run(run)
+    line = refused([str(run)], capsys)
+    assert "ran on the CPU (summary.json device='cpu'), and no cost profile describes a CPU" in line
+    assert line.endswith("(runner.compare --profile PATH: a check of the pipeline, not of the cost model)")
+    assert not (run / "compare.csv").exists()
+
+
+def test_a_cpu_run_priced_by_a_named_profile_says_what_its_errors_measure(run, capsys):
+    as_cpu_run(run)
+    assert compare.main([str(run), "--profile", str(PINNED_PROFILE)]) == 0
+    assert "ran on the CPU, which no cost profile describes: priced by" in capsys.readouterr().err
+
+
 def test_with_out_only_out_is_written(run, tmp_path):
     """The run dirs may be committed results: --out takes every table instead of them."""
     before = sorted(p.name for p in run.iterdir())
