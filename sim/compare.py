@@ -182,7 +182,7 @@ def seed_statistics(runs: pd.DataFrame, with_std: bool) -> pd.DataFrame:
         spread = grouped.std(ddof=1)
         for col in columns:
             table.insert(table.columns.get_loc(col) + 1, f"{col}_std", spread[col])
-        table["vs_best_min"] = grouped["vs_best"].min()  # the worst seed's
+        table["vs_best_min"] = runs.groupby("policy", sort=False)["vs_best"].min()  # the worst seed's
     return table.reset_index()
 
 

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from sim.compare import compare, hydra_overrides
+from sim.compare import compare
+from sim.core import preset_overrides
 from sim.results import coverage_fields
 from pinned import pinned
 
@@ -22,7 +23,7 @@ def test_long_coverage_takes_at_least_one_sequence():
 
 @pytest.fixture(scope="module")
 def two_seeds():
-    overrides = pinned(hydra_overrides(["experiment=paper", "steps=3"]))
+    overrides = pinned(preset_overrides(["experiment=paper", "steps=3"]))
     return compare(overrides, ("baseline", "verl", "sparsebalance"), seeds=2, bounds=("baseline",)).set_index("policy")
 
 
