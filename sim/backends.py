@@ -7,7 +7,8 @@ A profile may price, beside our kernel (its ``terms``), dense causal attention o
                          "fit": {...}}}
 
 A dense backend computes every causal block, so it needs no kept fraction: its two terms are linear in
-DENSE_FEATURES (a call, tokens, documents, the FLOPs of the causal blocks) and it has no selection. A profile
+DENSE_FEATURES (a call, tokens, tokens x heads, documents, documents x heads, the FLOPs of the causal blocks)
+and it has no selection. A profile
 without a backend's section simply has no such backend. ``cost.attention_backend`` says which the simulator
 prices: ``ours`` (the default), ``dense_best`` (every micro-batch dense on its fastest dense backend) or
 ``hybrid`` (each micro-batch on whichever the profile prices fastest at its budget, our kernel included).
@@ -20,24 +21,31 @@ import re
 import numpy as np
 
 DENSE_TERMS = ("attn_fwd", "attn_bwd")
-# const: one call per non-empty micro-batch; docs: documents (per-document launches and tile tails); flops: the
-# forward FLOPs of every causal block (the block size of the profile), as our kernel's ``flops`` at kept 1.
-DENSE_FEATURES = ("const", "tokens", "docs", "flops")
+# const: one call per non-empty micro-batch; tokens; head_tokens: tokens x (query + KV heads), what a kernel
+# reads and writes per token; docs: documents (a call per document: its launches); doc_heads: documents x query
+# heads (each document's partial last tile per head); flops: the forward FLOPs of every causal block (the block
+# size of the profile), as our kernel's ``flops`` at kept 1. On the H100's measurements the head-scaled
+# features carry FlashAttention-4 (its per-token and per-document costs grow with the heads) and the plain ones
+# cuDNN's call per document.
+DENSE_FEATURES = ("const", "tokens", "head_tokens", "docs", "doc_heads", "flops")
 BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]*")
 OURS = "ours"  # our kernel: the profile's ``terms``, never a ``backends`` entry
 
 
-def grouped_dense(per_seq: dict, group: np.ndarray, n_groups: int, pair_flops: float,
+def grouped_dense(per_seq: dict, group: np.ndarray, n_groups: int, pair_flops: float, heads: int, kv_heads: int,
                   cp: int = 1) -> dict[str, np.ndarray]:
     """DENSE_FEATURES of ``n_groups`` micro-batches from the cost model's per-sequence features (``tokens``,
     ``blocks``: causal block pairs x heads; ``pair_flops``: FLOPs of one block pair and head). On CP ranks the
     tokens and FLOPs are 1/cp (zigzag sharding balances dense causal work), a rank still holds a share of every
     document, and each micro-batch is one call."""
     docs = np.bincount(group, weights=np.ones(len(per_seq["tokens"])), minlength=n_groups)
+    tokens = np.bincount(group, weights=per_seq["tokens"], minlength=n_groups) / cp
     return {
         "const": np.minimum(docs, 1.0),
-        "tokens": np.bincount(group, weights=per_seq["tokens"], minlength=n_groups) / cp,
+        "tokens": tokens,
+        "head_tokens": tokens * (heads + kv_heads),
         "docs": docs,
+        "doc_heads": docs * heads,
         "flops": np.bincount(group, weights=per_seq["blocks"], minlength=n_groups) * pair_flops / cp,
     }
 

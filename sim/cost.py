@@ -208,7 +208,8 @@ def dense_features(lengths, model: ModelConfig, block_size: int) -> dict[str, fl
     sim.backends.DENSE_FEATURES, which a dense backend's terms are priced on."""
     lengths = np.asarray(lengths, dtype=np.float64)
     per_seq = _sequence_attention(lengths, np.ones(lengths.size), model, block_size)
-    feats = grouped_dense(per_seq, np.zeros(lengths.size, dtype=np.int64), 1, _head_pair_flops(model, block_size))
+    feats = grouped_dense(per_seq, np.zeros(lengths.size, dtype=np.int64), 1, _head_pair_flops(model, block_size),
+                          model.heads, model.kv_heads)
     return {k: float(feats[k][0]) for k in DENSE_FEATURES}
 
 
@@ -378,7 +379,8 @@ class CostModel(ABC):
     def _dense_options(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int) -> list[tuple]:
         """(attn_fwd, attn_bwd, select) per layer of each micro-batch on every dense backend: all its causal
         blocks, no selection."""
-        feats = grouped_dense(per_seq, group, n_groups, _head_pair_flops(self.model, self.block_size), cp)
+        feats = grouped_dense(per_seq, group, n_groups, _head_pair_flops(self.model, self.block_size), self.model.heads,
+                              self.model.kv_heads, cp)
         zero = np.zeros(n_groups)
         return [tuple(linear_ms(self.dense_terms[name][t], feats) for t in DENSE_TERMS) + (zero,)
                 for name in self.dense_backends()]

@@ -23,8 +23,10 @@ from sim.cost import dense_features, load_profile, make_cost
 from sim.shapes import ModelShape, load_shapes
 
 BLOCK = 128
-TRUE = {"attn_fwd": {"const": 0.02, "tokens": 3e-6, "docs": 0.004, "flops": 1 / 550e9},
-        "attn_bwd": {"const": 0.05, "tokens": 6e-6, "docs": 0.01, "flops": 2.6 / 550e9}}
+TRUE = {"attn_fwd": {"const": 0.02, "tokens": 3e-6, "head_tokens": 5e-8, "docs": 0.004, "doc_heads": 1e-4,
+                     "flops": 1 / 550e9},
+        "attn_bwd": {"const": 0.05, "tokens": 6e-6, "head_tokens": 1e-6, "docs": 0.01, "doc_heads": 0.0,
+                     "flops": 2.6 / 550e9}}
 OURS_TRUE = load_profile(str(PINNED_PROFILE))["terms"]
 
 

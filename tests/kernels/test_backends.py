@@ -94,3 +94,21 @@ def test_a_backend_whose_package_is_missing_reports_it(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "flash_attn_interface", missing)
     with pytest.raises(BackendAbsent, match=r"^fa3: absent \(ImportError: flash_attn_interface has no flash_attn_varl"):
         load("fa3")
+
+
+def test_cudnn_documents_share_one_gradient_concatenation():
+    """The documents come from one split, whose backward concatenates their gradients once; a slice per document
+    would write a whole-batch gradient per document (documents x tokens of memory traffic)."""
+    from torch.nn.attention import SDPBackend
+
+    q, k, v = (x.requires_grad_() for x in qkv())
+    out = per_document(q, k, v, Cudnn().documents(LENGTHS, "cpu"), SDPBackend.MATH)
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(next_fn for next_fn, _ in node.next_functions)
+    names = {type(node).__name__ for node in seen}
+    assert any(n.startswith("SplitWithSizesBackward") for n in names)
+    assert not any(n.startswith("SliceBackward") for n in names)

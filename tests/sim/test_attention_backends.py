@@ -116,7 +116,7 @@ def _with_backends(**change):
     ({"name": "ours"}, "backends.ours: not a dense backend's name"),
     ({"name": "FA 4"}, "backends.FA 4: not a dense backend's name"),
     ({"version": ""}, "backends.fa4.version='': must be a non-empty string"),
-    ({"drop_feature": "docs"}, "backends.fa4.terms.attn_fwd=.* must map exactly the features const, tokens, docs"),
+    ({"drop_feature": "docs"}, "backends.fa4.terms.attn_fwd=.* must map exactly the features const, tokens, head_tokens, docs, doc_heads"),
     ({"terms": {"attn_fwd": {}}}, "backends.fa4.terms=.*exactly attn_fwd, attn_bwd"),
 ])
 def test_profile_backends_section_is_checked(change, message):
