@@ -60,10 +60,10 @@ from runner.model import Block, packed_positions, rope_angles
 from runner.task import TaskConfig
 from runner.train import check_attention, device_type
 from sim.cluster import Layout
-from sim.compare import BASELINES, hydra_overrides, label, names, policy_variant
+from sim.compare import BASELINES, label, names, policy_variant
 from sim.config import PolicyConfig, RunConfig
 from sim.core import (ArgumentParser, ConfigError, check_writable, compose_config, group_options, one_line_errors,
-                      temporary_dir, write_json_atomic)
+                      preset_overrides, temporary_dir, write_json_atomic)
 from sim.engine import Engine, PlanArrays
 from sim.plan import Budget, Plan
 from sim.planner import Planner
@@ -367,7 +367,7 @@ def load_inputs(overrides: list[str], policies: str | None, baselines: str | Non
                 attention: str) -> Inputs:
     """Every check, before any model, device work or file exists."""
     try:
-        cfg = OmegaConf.to_object(compose_config(hydra_overrides(overrides)))
+        cfg = OmegaConf.to_object(compose_config(preset_overrides(overrides)))
     except (HydraException, OmegaConfBaseException) as exc:
         reason = str(exc).splitlines()[0]
         if exc.__cause__ is not None:

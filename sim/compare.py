@@ -236,6 +236,16 @@ def check_work(base: DictConfig, seeds: int, runs: int) -> None:
         print(note, file=sys.stderr)
 
 
+def finite(table: pd.DataFrame) -> pd.DataFrame:
+    """The table, once every step time in it is a finite number: an absurd but finite input (a peak rate) can
+    overflow a time to inf, and every other figure derives from the step times."""
+    bad = table.loc[~np.isfinite(table["step_ms"].astype(float)), "policy"]
+    if len(bad):
+        raise ConfigError(f"{bad.iloc[0]}: a step time is not a finite number (check the magnitudes of the cost "
+                          "profile's coefficients and the cluster's rates)")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m sim.compare", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="experiment=<name> and Hydra overrides")
@@ -257,7 +267,9 @@ def main() -> None:
         policies = names(args.policies) if args.policies is not None and not args.ablation else policies
         baselines = names(args.baselines) if args.baselines is not None else baselines
         check_work(base, args.seeds, len({*policies, *baselines, *names(args.bounds)}) + len(names(args.oracles)))
-        table = compare(overrides, policies, args.seeds, baselines, names(args.bounds), names(args.oracles))
+        with np.errstate(over="ignore", invalid="ignore"):  # reported once below, as a time that is not finite
+            table = finite(compare(overrides, policies, args.seeds, baselines, names(args.bounds),
+                                   names(args.oracles)))
     except ConfigError as exc:
         fail(str(exc))
     except (HydraException, OmegaConfBaseException) as exc:

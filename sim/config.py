@@ -183,6 +183,12 @@ class WorkloadConfig:
             )
         if self.distribution is LengthDistribution.trace and not self.trace_path:
             raise ConfigError(f"{prefix}distribution=trace needs {prefix}trace_path (a CSV or JSONL file)")
+        distribution = LengthDistribution(self.distribution)
+        if self.trace_path and distribution is not LengthDistribution.trace:
+            # Only a trace workload reads the file: the run would draw its lengths elsewhere without a word.
+            raise ConfigError(f"{prefix}trace_path={self.trace_path!r} is read only by the trace workload, but "
+                              f"{prefix}distribution={distribution.value}; allowed: workload=trace with "
+                              f"{prefix}trace_path, or no trace_path")
         if self.sensitivity_task is not None and not self.sensitivity_profile:
             raise ConfigError(f"{prefix}sensitivity_task={self.sensitivity_task!r} needs {prefix}sensitivity_profile "
                               "(a measured profile); the Beta prior has no tasks")
@@ -330,7 +336,7 @@ class RunConfig:
     force: bool = False  # run even when the size guard (MAX_GPUS, MAX_GPU_STEPS, MAX_SEQUENCES) says it is too big
 
     def check(self, prefix: str) -> None:
-        self._check_size(prefix)
+        self.check_size(prefix)
         self._check_layout(prefix)
         if self.plot and not self.write_plans:
             raise ConfigError(f"{prefix}plot=true needs {prefix}write_plans=true (the timeline replays the Plans)")
@@ -353,11 +359,14 @@ class RunConfig:
                 f"so some ranks would get no sequence; allowed: global_batch >= {dp}"
             )
 
-    def _check_size(self, prefix: str) -> None:
+    def check_size(self, prefix: str = "", runs: int = 1, across: str = "") -> None:
+        """The size guard (MAX_GPUS, MAX_GPU_STEPS, MAX_SEQUENCES) of ``runs`` runs of this config, unless
+        ``force``: sim.compare simulates each of its policies on each of its seeds (``across`` names them)."""
         if self.force:
             return
         gpus = self.cluster.nodes * self.cluster.gpus_per_node
-        gpu_steps, sequences = gpus * self.steps, self.workload.global_batch * self.steps
+        gpu_steps, sequences = gpus * self.steps * runs, self.workload.global_batch * self.steps * runs
+        times, fewer = (f" x {across}", f" or runs ({across})") if runs > 1 else ("", "")
         if gpus > MAX_GPUS:
             raise ConfigError(
                 f"cluster.nodes={self.cluster.nodes} x gpus_per_node={self.cluster.gpus_per_node} = {gpus:,} GPUs, "
@@ -365,15 +374,15 @@ class RunConfig:
             )
         if gpu_steps > MAX_GPU_STEPS:
             raise ConfigError(
-                f"{gpus:,} GPUs x {self.steps} steps = {gpu_steps:.3g} simulated GPU-steps, about "
+                f"{gpus:,} GPUs x {self.steps} steps{times} = {gpu_steps:.3g} simulated GPU-steps, about "
                 f"{gpu_steps / GPU_STEPS_PER_S / 60:,.0f} min at ~{GPU_STEPS_PER_S:,}/s, above the limit "
-                f"{MAX_GPU_STEPS:.0e}; allowed: fewer cluster.nodes or steps, or {prefix}force=true"
+                f"{MAX_GPU_STEPS:.0e}; allowed: fewer cluster.nodes or steps{fewer}, or {prefix}force=true"
             )
         if sequences > MAX_SEQUENCES:
             raise ConfigError(
-                f"{prefix}workload.global_batch={self.workload.global_batch:,} x {self.steps} steps = "
+                f"{prefix}workload.global_batch={self.workload.global_batch:,} x {self.steps} steps{times} = "
                 f"{sequences:.3g} sequences, above the limit {MAX_SEQUENCES:.0e}; allowed: a smaller "
-                f"global_batch or fewer steps, or {prefix}force=true"
+                f"global_batch or fewer steps{fewer}, or {prefix}force=true"
             )
 
 

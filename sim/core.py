@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import functools
 import json
 import os
+import re
+import shutil
+import signal
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Sequence
 
@@ -21,10 +26,17 @@ CONF_DIR = ROOT / "conf"
 GROUPS = ("policy", "cluster", "model", "workload", "cost")
 PRESETS = "experiment"  # the group of presets, chosen with +experiment=<name> (not in the default list)
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command ended by Ctrl-C
 
 
 class ConfigError(ValueError):
     """Bad user input; the entry point prints its message as one line and exits with EXIT_BAD_INPUT."""
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` naming the choice closest to a misspelt ``word``, or nothing when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def fail(message: str) -> NoReturn:
@@ -65,8 +77,17 @@ def number_list(kind: Callable[[str], object], valid: Callable[[object], bool] |
     return parse
 
 
+def interrupted(detail: str = "") -> NoReturn:
+    """End the process after Ctrl-C: one ``interrupted`` line on stderr (``detail`` appended), exit code 130. A
+    second Ctrl-C is ignored from here, so that what the caller cleaned up stays cleaned up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"interrupted{detail}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
 def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
-    """Wrap a command-line ``main`` so that a ConfigError ends it as one line and exit code 2, no traceback."""
+    """Wrap a command-line ``main`` so that a ConfigError ends it as one line and exit code 2, and Ctrl-C as one
+    line and exit code 130, never a traceback."""
 
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
@@ -74,6 +95,8 @@ def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None
             return main(*args, **kwargs)
         except ConfigError as exc:
             fail(str(exc))
+        except KeyboardInterrupt:
+            interrupted()
 
     return wrapped
 
@@ -87,12 +110,23 @@ def resolve_path(path: str | Path) -> Path:
     return ROOT / given
 
 
+def not_a_file(file: Path) -> str | None:
+    """Why ``file`` cannot be read as a file (``no such file``, ``is a directory``, ``is not a regular file``:
+    a device or a pipe), or None when it is a regular file."""
+    if file.is_file():
+        return None
+    if file.is_dir():
+        return "is a directory"
+    return "is not a regular file" if file.exists() else "no such file"
+
+
 def read_json_config_file(path: str, key: str, where: str):
     """The parsed JSON of a file a config key names; a missing, unreadable or malformed file is one ConfigError
     line naming ``key`` and the path (``where``: where such files come from)."""
     file = resolve_path(path)
-    if not file.is_file():
-        raise ConfigError(f"{key}={path!r}: no such file ({where})")
+    problem = not_a_file(file)
+    if problem:
+        raise ConfigError(f"{key}={path!r}: {problem}; allowed: a JSON file ({where})")
     try:
         return json.loads(file.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -123,15 +157,43 @@ def check_writable(path: str | Path, key: str, *, directory: bool = False) -> Pa
     return path
 
 
+# The temporaries of the atomic writers: hidden, named after what they become, with a random part and .tmp.
+TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
+
+
+def temporary_beside(path: Path, *, directory: bool = False) -> Path:
+    """A new hidden file (or directory) in ``path``'s directory, named after it. It gets the permissions of an
+    ordinary write (0666, or 0777 for a directory, less the umask), which its rename passes on to ``path``:
+    ``tempfile.mkstemp`` and ``mkdtemp`` make them 0600 and 0700, which teammates cannot read."""
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+    if directory:
+        tmp.mkdir()
+    else:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    return tmp
+
+
+@contextlib.contextmanager
+def temporary_dir(path: str | Path) -> Iterator[Path]:
+    """A directory beside ``path`` (``temporary_beside``) to build files in, removed with what is left in it
+    however the block ends (an error, Ctrl-C); a caller moves what it keeps out of it, or renames it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_beside(path, directory=True)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to; on success it is flushed to disk and renamed over
-    ``path`` (a reader sees the old file or the whole new one, also after a crash), on error removed."""
+    ``path`` (a reader sees the old file or the whole new one, also after a crash), on error removed. The file
+    gets the permissions of an ordinary write (``temporary_beside``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = temporary_beside(path)
     try:
         yield tmp
         with tmp.open("rb") as written:
@@ -179,17 +241,63 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def check_group_overrides(argv: Sequence[str]) -> None:
-    """Reject unknown config-group options in one line before Hydra prints its multi-line report."""
+def preset_options(config_name: str | None = None) -> list[str]:
+    """The presets a config composes: runner.train's own (those that set ``runner`` keys, which only its schema
+    has) only under its config ``runner``; every preset when ``config_name`` is None."""
+    from omegaconf import OmegaConf
+
+    return [name for name in group_options(PRESETS) if config_name in (None, "runner")
+            or "runner" not in OmegaConf.load(CONF_DIR / PRESETS / f"{name}.yaml")]
+
+
+def preset_overrides(args: Sequence[str]) -> list[str]:
+    """``experiment=x`` as Hydra needs it, ``+experiment=x`` (presets are not in the default list), so that the
+    commands accept both spellings."""
+    return [f"+{a}" if a.startswith(f"{PRESETS}=") else a for a in args]
+
+
+def check_group_overrides(argv: Sequence[str], config_name: str | None = None) -> None:
+    """Reject unknown config-group options in one line before Hydra prints its multi-line report; with
+    ``config_name``, also the presets that config cannot compose (``preset_options``)."""
     for arg in argv:
         key, sep, value = arg.partition("=")
         group = key.lstrip("+~").split("@")[0]
         if not sep or group not in (*GROUPS, PRESETS):
             continue
+        allowed = preset_options(config_name) if group == PRESETS else group_options(group)
         inner = value[value.find("(") + 1 : value.rfind(")")] if value.startswith("choice(") else value
         for option in filter(None, (v.strip() for v in inner.split(","))):
-            if option not in group_options(group):
-                raise ConfigError(f"unknown {group} {option!r}; allowed: {', '.join(group_options(group))}")
+            if option in allowed:
+                continue
+            if option in group_options(group):
+                raise ConfigError(f"{group} {option!r} is runner.train's preset (it sets runner keys); allowed "
+                                  f"here: {', '.join(allowed)}")
+            raise ConfigError(f"unknown {group} {option!r}{did_you_mean(option, allowed)}; allowed: "
+                              f"{', '.join(allowed)}")
+
+
+def hydra_reason(exc: Exception) -> str:
+    """Hydra's and OmegaConf's error as one line: its first line, its cause's, the options of a missing config,
+    and for an unknown key the closest known one (a misspelt ``polcy=kk``: did you mean 'policy'?)."""
+    from hydra.errors import MissingConfigException
+
+    reason = str(exc).splitlines()[0]
+    cause = exc.__cause__
+    if cause is not None:
+        reason += f" ({str(cause).splitlines()[0]}){_closest_key(cause)}"
+    if isinstance(exc, MissingConfigException) and exc.options:
+        reason += f"; allowed: {', '.join(exc.options)}"
+    return reason
+
+
+def _closest_key(exc: BaseException) -> str:
+    """``did_you_mean`` for an OmegaConf error about a key its parent node lacks; at the top, the presets group
+    is a choice too (it is not in the default list)."""
+    key, parent = getattr(exc, "key", None), getattr(exc, "parent_node", None)
+    if not isinstance(key, str) or parent is None or not hasattr(parent, "keys"):
+        return ""
+    keys = [str(k) for k in parent.keys() if k != "hydra"]
+    return did_you_mean(key, keys + [PRESETS] if parent._get_parent() is None else keys)
 
 
 def compose_config(overrides: Sequence[str] = (), config_name: str = "config"):
@@ -199,7 +307,7 @@ def compose_config(overrides: Sequence[str] = (), config_name: str = "config"):
     from sim.config import register  # the schema the YAML extends; imported here, config imports this module
 
     register()
-    check_group_overrides(overrides)
+    check_group_overrides(overrides, config_name)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=list(overrides))
     check_bool_overrides(cfg, overrides)

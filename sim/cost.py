@@ -574,6 +574,40 @@ def _terms_problem(terms) -> str | None:
                 return f"terms.{term}.{feat}={coef!r}: not a number; coefficients are finite numbers >= 0"
             if not math.isfinite(coef) or coef < 0:
                 return f"terms.{term}.{feat}={coef!r}: coefficients must be finite and >= 0 (no negative times)"
+    return _physical_problem(terms)
+
+
+# Physical bounds of the coefficients (ms per unit of a feature), from the GPUs of conf/cluster. Their fastest
+# dense bf16 peak is 989 TFLOP/s, and 2:4 sparsity doubles the datasheets' figure to 1,979 TFLOP/s, the most any
+# of them claims: a term that prices a FLOP below 1 / that executes FLOPs faster than these GPUs can. 1 GFLOP/s,
+# about a millionth of that peak, is slower than any of them (a CPU core computes more), and no launch, token,
+# block or program of one layer's kernel takes a second: above those a coefficient is a typo (1e300 makes times
+# inf).
+FASTEST_FLOPS_PER_MS = 1979e9
+SLOWEST_FLOPS_PER_MS = 1e6
+SLOWEST_MS_PER_UNIT = 1e3
+FLOP_FEATURES = ("flops", "fwd_path", "dq_path", "dkdv_path")  # FLOP counts; the other features count units
+WORK_TERMS = ("attn_fwd", "attn_bwd", "layer_fwd", "layer_bwd")  # the terms whose ``flops`` they execute
+
+
+def _physical_problem(terms: dict) -> str | None:
+    """A coefficient outside the physical bounds above, or a term that takes no time at all, as one line."""
+    for term, coefs in terms.items():
+        if not any(coefs.values()):
+            return f"terms.{term}: every coefficient is 0, so it takes no time; a kernel call takes some"
+        for feat, coef in coefs.items():
+            slowest = 1 / SLOWEST_FLOPS_PER_MS if feat in FLOP_FEATURES else SLOWEST_MS_PER_UNIT
+            if coef > slowest:
+                what = ("ms per FLOP, under 1 GFLOP/s" if feat in FLOP_FEATURES
+                        else "ms, a second or more per launch, token, block or program")
+                return f"terms.{term}.{feat}={coef!r} {what}: slower than any GPU; allowed: <= {slowest:g}"
+        # A large micro-batch's cost per FLOP; the backward's dK/dV path then grows with its FLOPs too
+        # (_launch_features). The features count forward FLOPs, so a backward's rate is underestimated: lenient.
+        per_flop = coefs["flops"] + (2 / DKDV_SLOTS * coefs["dkdv_path"] if term == "attn_bwd" else 0.0)
+        if term in WORK_TERMS and 0 < per_flop < 1 / FASTEST_FLOPS_PER_MS:
+            return (f"terms.{term}.flops={coefs['flops']!r}: {1 / per_flop / 1e9:,.0f} TFLOP/s, faster than any GPU "
+                    f"(the fastest peak in conf/cluster is 1,979 TFLOP/s with 2:4 sparsity); allowed: 0, or >= "
+                    f"{1 / FASTEST_FLOPS_PER_MS:.3g} ms per FLOP")
     return None
 
 

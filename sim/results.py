@@ -3,22 +3,23 @@
 Files in the run directory: ``micro_batches.csv`` (one MicroBatchRecord per row), ``steps.csv``
 (StepRecord), ``summary.json`` and ``plans.jsonl`` (one Plan per line). They are written into a
 temporary directory inside the run directory and moved into place with ``os.replace``, so a reader
-never sees a half-written file; ``summary.json`` moves last and marks a complete run.
+never sees a half-written file; ``summary.json`` moves last and marks a complete run. Results that are
+not finite are refused before anything is written.
 """
 from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from sim.core import json_text
+from sim.core import ConfigError, json_text, temporary_dir
 
 FLOAT_FORMAT = "%.9g"  # fixed formatting: same values -> same bytes
+FILES = ("micro_batches.csv", "steps.csv", "plans.jsonl", "summary.json")  # summary.json last: a complete run
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class StepRecord:
 
 
 COVERAGE_KEYS = ("token_coverage", "attention_coverage", "long_coverage")
+# Figures a writer may leave out, NaN by default: the runner models no memory and makes no prediction.
+OPTIONAL = tuple(dict.fromkeys(f.name for record in (MicroBatchRecord, StepRecord) for f in fields(record)
+                               if isinstance(f.default, float) and math.isnan(f.default)))
 
 
 def prediction_fields(steps) -> dict:
@@ -142,17 +146,38 @@ class Results:
         """Write all files atomically into run_dir; returns their final paths. ``plans.jsonl`` only where Plans
         were kept (``write_plans=true``); a run dir reused without them loses an earlier run's, which these
         results do not match."""
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".results-", dir=run_dir))
-        self.micro_batches().to_csv(tmp / "micro_batches.csv", index=False, float_format=FLOAT_FORMAT)
-        self.steps_frame().to_csv(tmp / "steps.csv", index=False, float_format=FLOAT_FORMAT)
-        if self.plans:
-            (tmp / "plans.jsonl").write_text("".join(p + "\n" for p in self.plans))
-        (tmp / "summary.json").write_text(json_text(summary))
-        names = ["micro_batches.csv", "steps.csv", *(["plans.jsonl"] if self.plans else []), "summary.json"]
-        for name in names:
-            os.replace(tmp / name, run_dir / name)
+        micro_batches, steps = self.micro_batches(), self.steps_frame()
+        check_finite(summary, micro_batches, steps)
+        names = [name for name in FILES if name != "plans.jsonl" or self.plans]
+        with temporary_dir(run_dir / ".results") as tmp:
+            micro_batches.to_csv(tmp / "micro_batches.csv", index=False, float_format=FLOAT_FORMAT)
+            steps.to_csv(tmp / "steps.csv", index=False, float_format=FLOAT_FORMAT)
+            if self.plans:
+                (tmp / "plans.jsonl").write_text("".join(p + "\n" for p in self.plans))
+            (tmp / "summary.json").write_text(json_text(summary))
+            for name in names:
+                os.replace(tmp / name, run_dir / name)
         if not self.plans:
             (run_dir / "plans.jsonl").unlink(missing_ok=True)
-        tmp.rmdir()
         return [run_dir / name for name in names]
+
+
+def check_finite(summary: dict, *frames: pd.DataFrame) -> None:
+    """Refuse results that are not finite numbers (one ConfigError line; nothing is written): an absurd but finite
+    input (a cost coefficient, a peak rate) can overflow a time to inf and a ratio of two to NaN, which is no
+    result and, in summary.json, not JSON. Checked: the records' columns and the summary's means of them, and
+    ``speedup_vs_baseline``; NaN stays allowed where the schema lets a writer leave a figure out (OPTIONAL). A
+    writer's own summary keys (the runner's measured loss) are its own."""
+    figures = [*(set(_columns(StepRecord)) - set(OPTIONAL)), "speedup_vs_baseline"]
+    for key, value in summary.items():
+        if key in figures and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"the run's {key} is {value}, not a finite number; nothing was written (check the "
+                              "magnitudes of the cost profile's coefficients and the cluster's rates)")
+    for frame in frames:
+        numbers = frame.select_dtypes("number").drop(columns=[c for c in OPTIONAL if c in frame], errors="ignore")
+        bad = ~np.isfinite(numbers.to_numpy(dtype=np.float64))
+        if bad.any():
+            row, col = np.argwhere(bad)[0]
+            raise ConfigError(f"the run's {numbers.columns[col]} is {numbers.iat[row, col]} in row {row + 1}, not a "
+                              "finite number; nothing was written (check the magnitudes of the cost profile's "
+                              "coefficients and the cluster's rates)")

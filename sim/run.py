@@ -9,32 +9,37 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import itertools
-import shutil
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import hydra
+import numpy as np
 import pandas as pd
 from hydra import compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.config import PolicyConfig, RunConfig, policy_cost, register
-from sim.core import CONF_DIR, ConfigError, check_group_overrides, check_writable, compose_config, fail, group_options
+from sim.config import LengthDistribution, PolicyConfig, RunConfig, policy_cost, register
+from sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable, compose_config, fail,
+                      group_options, hydra_reason, interrupted, preset_options, preset_overrides)
+from sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
 from sim.engine import Engine
 from sim.progress import with_progress
 from sim.results import Results
 from sim.setup import load_policy, make_planner, prepare
-from sim.workload import requests, truth_of
+from sim.workload import read_trace, requests, truth_of
 
 OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 # DST meets its coverage target in its own sums; the engine's sums of the same coverages differ by rounding.
 COVERAGE_TOLERANCE = 1e-9
 
@@ -120,25 +125,48 @@ def summary_table(rows: list[dict], baseline_ms: float | None) -> pd.DataFrame:
     return table
 
 
-def check_composition(argv: list[str]) -> None:
+def check_composition(argv: list[str]) -> list[str]:
     """Compose and validate every job up front (one for a run, each combination of a ``-m`` sweep, the corners
     of an Optuna search space), and the launcher and sweeper they run under, so that a bad value is one line
-    and no job runs or writes anything when any job of a sweep is bad."""
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    and no job runs or writes anything when any job of a sweep is bad. Returns the warnings to print once
+    (``trace_note``)."""
+    overrides = command_overrides(argv)
     job_overrides = [a for a in overrides if not a.startswith("hydra.")]
-    if not any(arg in ("-m", "--multirun") for arg in argv):
+    if not is_sweep(argv):
         if len(job_overrides) < len(overrides):  # hydra.* values: checked on the hydra node, not in the job
             hydra_config(overrides)
             check_output_dir(overrides, "run")
         return check_jobs([job_overrides], "")
-    fixed = [o.input_line for o in parse(overrides) if not o.is_sweep_override()]
-    sweeper = hydra_config(fixed).sweeper
+    fixed = fixed_overrides(overrides)
+    node = hydra_config(fixed)
+    check_launcher(node.launcher)
     check_output_dir(fixed, "sweep")
-    params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
-    if sweeper._target_ != OPTUNA_SWEEPER:
+    params = [f"{key}={value}" for key, value in (node.sweeper.get("params") or {}).items()]
+    if node.sweeper._target_ != OPTUNA_SWEEPER:
         return check_jobs(sweep_jobs(params + job_overrides), " (in the sweep job: {})")
-    check_optuna(sweeper)
-    check_search_space(params + job_overrides)
+    check_optuna(node.sweeper)
+    return check_search_space(params + job_overrides)
+
+
+def is_sweep(argv: list[str]) -> bool:
+    return any(arg in ("-m", "--multirun") for arg in argv)
+
+
+def command_overrides(argv: list[str]) -> list[str]:
+    """The overrides of a command line: ``key=value`` and the deletions ``~key``, not its ``--flags``."""
+    return [a for a in argv if ("=" in a or a.startswith("~")) and not a.startswith("-")]
+
+
+def fixed_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that every job of a sweep shares (no swept values)."""
+    return [o.input_line for o in parse(overrides) if not o.is_sweep_override()]
+
+
+def check_launcher(launcher: DictConfig) -> None:
+    """The joblib launcher's process count, which joblib reports with a traceback after the sweep has begun."""
+    if launcher._target_ == JOBLIB_LAUNCHER and launcher.get("n_jobs") == 0:
+        raise ConfigError("hydra.launcher.n_jobs=0 is out of range; allowed: a number of processes >= 1, or -1 for "
+                          "one per core (-2: all but one, and so on)")
 
 
 def check_output_dir(overrides: list[str], mode: str, config_name: str = "config") -> None:
@@ -148,37 +176,29 @@ def check_output_dir(overrides: list[str], mode: str, config_name: str = "config
     key = f"hydra.{mode}.dir"
     if not any(o.split("=", 1)[0].lstrip("+") == key for o in overrides):
         return
-    hydra = HydraConfig.instance()
-    previous = hydra.cfg
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            node = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
-        hydra.set_config(node)  # what ${hydra:...} in the path resolves against, as in the job
-        path = OmegaConf.select(node, key)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_reason(exc)) from None
-    finally:
-        hydra.cfg = previous
-    check_writable(path, key, directory=True)
+    check_writable(output_dir(overrides, mode, config_name)[0], key, directory=True)
 
 
-def check_jobs(jobs: list[list[str]], label: str) -> None:
-    """Compose and check each job's config; ``label`` names the job in the error (``{}``: its overrides)."""
+def check_jobs(jobs: list[list[str]], label: str) -> list[str]:
+    """Compose and check each job's config; ``label`` names the job in the error (``{}``: its overrides). Returns
+    the jobs' warnings, each once."""
+    notes = {}
     for job in jobs:
         where = label.format(" ".join(job))
-        check_composed(composed(job, where), where)
+        notes[check_composed(composed(job, where), where)] = None
+    return [note for note in notes if note]
 
 
 def composed(job: list[str], where: str) -> DictConfig:
     try:
         return compose_config(job)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_reason(exc) + where) from None
+        raise ConfigError(hydra_reason(exc) + where) from None
 
 
-def check_composed(cfg: DictConfig, where: str, trial: bool = False) -> None:
-    """``check_job`` on a composed config, ``where`` appended to its error. An Optuna trial also needs a
-    baseline: its value is the speedup over it."""
+def check_composed(cfg: DictConfig, where: str, trial: bool = False) -> str | None:
+    """``check_job`` on a composed config, ``where`` appended to its error; returns its ``trace_note``. An Optuna
+    trial also needs a baseline: its value is the speedup over it."""
     try:
         typed = OmegaConf.to_object(cfg)
         check_job(typed)
@@ -187,15 +207,30 @@ def check_composed(cfg: DictConfig, where: str, trial: bool = False) -> None:
     if trial and not typed.baseline:
         raise ConfigError(f"baseline=null: an Optuna trial's value is the speedup over the baseline; "
                           f"allowed: {', '.join(group_options('policy'))}{where}")
+    return trace_note(typed)
 
 
-def check_search_space(overrides: list[str]) -> None:
+def trace_note(cfg: RunConfig) -> str | None:
+    """The warning for a trace shorter than the run, which the workload replays from its start again whenever
+    it runs out (a user reading the trace's size may expect the run to stop there)."""
+    if LengthDistribution(cfg.workload.distribution) is not LengthDistribution.trace:
+        return None
+    size, needed = len(read_trace(cfg.workload.trace_path)), cfg.steps * cfg.workload.global_batch
+    if size >= needed:
+        return None
+    return (f"warning: workload.trace_path={cfg.workload.trace_path!r} holds {size:,} sequences, fewer than the "
+            f"{cfg.steps} steps x workload.global_batch={cfg.workload.global_batch} = {needed:,} of the run, which "
+            f"goes through it {needed / size:.3g} times, starting it over each time it ends")
+
+
+def check_search_space(overrides: list[str]) -> list[str]:
     """Check every corner of an Optuna search space (``search_corners``). Composing is the slow part, so each
     choice of config groups is composed once and each corner's values are applied to a copy of it, with
     Hydra's own override rules (composition applies the same after merging the groups)."""
     parsed = parse(overrides)
     values = [o for o in parsed if o.is_sweep_override() and not (CONF_DIR / o.key_or_group).is_dir()]
     fixed = [o.input_line for o in parsed if o not in values]
+    notes = {}
     for job in search_corners(fixed):
         groups = composed(job, f" (at a corner of the search space: {' '.join(job)})")
         for corner in itertools.product(*map(corner_values, values)):
@@ -204,29 +239,20 @@ def check_search_space(overrides: list[str]) -> None:
             try:
                 ConfigLoaderImpl._apply_overrides_to_config(parse(list(corner)), cfg)
             except (HydraException, OmegaConfBaseException) as exc:
-                raise ConfigError(_reason(exc) + where) from None
-            check_composed(cfg, where, trial=True)
-
-
-def _reason(exc: Exception) -> str:
-    """Hydra's and OmegaConf's error as one line: its first line, its cause's, the options of a missing one."""
-    reason = str(exc).splitlines()[0]
-    if exc.__cause__ is not None:
-        reason += f" ({str(exc.__cause__).splitlines()[0]})"
-    if isinstance(exc, MissingConfigException) and exc.options:
-        reason += f"; allowed: {', '.join(exc.options)}"
-    return reason
+                raise ConfigError(hydra_reason(exc) + where) from None
+            notes[check_composed(cfg, where, trial=True)] = None
+    return [note for note in notes if note]
 
 
 def hydra_config(overrides: list[str]) -> DictConfig:
     """The ``hydra`` node a run composes to (launcher, sweeper and their options), checked as the jobs are."""
     register()
-    check_group_overrides(overrides)
+    check_group_overrides(overrides, "config")
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_reason(exc)) from None
+        raise ConfigError(hydra_reason(exc)) from None
 
 
 def check_optuna(sweeper: DictConfig) -> None:
@@ -290,35 +316,51 @@ def parse(overrides: list[str]) -> list[Override]:
     return list({o.get_key_element(): o for o in parsed}.values())
 
 
-def _discard(run_dir: Path) -> None:
-    """Remove the run directory Hydra created for this job, unless it holds complete results."""
-    if run_dir.is_dir() and not (run_dir / "summary.json").exists():
-        shutil.rmtree(run_dir)
-        # The date (or sweep) directory too, if this run was its only one (rmdir fails on a non-empty one).
-        with contextlib.suppress(OSError):
-            run_dir.parent.rmdir()
-
-
 register()
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+# An absolute path: Hydra then reads files whether this module runs as __main__ or is imported by a wrapper.
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """One job; its value (``objective``) is what a sweeper such as hydra/sweeper=dst_optuna optimises."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        return run(cfg, run_dir)
+        # A time that overflows is reported once, as a result that is not finite (Results.write refuses it).
+        with np.errstate(over="ignore", invalid="ignore"):
+            return run(cfg, run_dir)
     except (ConfigError, OmegaConfBaseException) as exc:
-        _discard(run_dir)
+        discard_run(run_dir, HydraConfig.get().job.name)
         fail(str(exc).splitlines()[0])
 
 
 def cli() -> None:
+    """Check every job, then run them; Ctrl-C ends the command with one line, exit code 130, and removes what
+    never got its results (``sim.outputs``)."""
+    argv = preset_overrides(sys.argv[1:])  # experiment=<name> as well as +experiment=<name>
+    if "--help" in argv or "-h" in argv:
+        return print_help(argv)
     try:
-        check_composition(sys.argv[1:])  # each job's composition checks its group options first
+        for note in check_composition(argv):  # each job's composition checks its group options first
+            print(note, file=sys.stderr)
+        argv, outputs = pin_output_dir(argv, fixed_overrides(command_overrides(argv)), is_sweep(argv))
     except ConfigError as exc:
         fail(str(exc))
-    main()
+    sys.argv[1:] = argv
+    try:
+        main()
+    except KeyboardInterrupt:
+        interrupted(discard_outputs(outputs, "run"))
+
+
+def print_help(argv: list[str]) -> None:
+    """Hydra's ``--help``, with the presets line naming only the presets sim.run composes (runner.train's set
+    ``runner`` keys) and both of their spellings."""
+    sys.argv[1:] = argv
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
+        main()
+    presets = f"{PRESETS}: {', '.join(preset_options('config'))} ({PRESETS}=<name> or +{PRESETS}=<name>)"
+    print(re.sub(rf"^{PRESETS}: .*$", presets, text.getvalue(), flags=re.M), end="")
 
 
 if __name__ == "__main__":

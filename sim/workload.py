@@ -14,7 +14,7 @@ import pandas as pd
 from scipy import special
 
 from sim.config import LengthDistribution, WorkloadConfig, validate
-from sim.core import ConfigError, resolve_path
+from sim.core import ConfigError, not_a_file, resolve_path
 from sim.sensitivity import load_sensitivity_profile
 
 # Sensitivities are clipped away from 0: s -> 0 makes kept_fraction = p ** (1/s) underflow.
@@ -50,12 +50,16 @@ def truth_of(batch) -> dict[int, float]:
 def read_trace(path: str) -> np.ndarray:
     """Lengths from a CSV or JSONL trace with a ``length`` column (one sequence per row)."""
     file = resolve_path(path)
-    if not file.is_file():
-        raise ConfigError(f"workload.trace_path={path!r}: no such file (expected a CSV or JSONL trace)")
+    problem = not_a_file(file)
+    if problem:
+        raise ConfigError(f"workload.trace_path={path!r}: {problem}; allowed: a CSV or JSONL trace file")
     try:
         frame = _read_jsonl(file) if file.suffix == ".jsonl" else pd.read_csv(file, dtype=str)
     except ValueError as exc:
         raise ConfigError(f"workload.trace_path={path!r}: unreadable trace ({str(exc).splitlines()[0]})") from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"workload.trace_path={path!r}: cannot be read ({reason})") from None
     if "length" not in frame.columns or frame.empty:
         raise ConfigError(
             f"workload.trace_path={path!r}: needs a non-empty 'length' column, found {list(frame.columns)}"
@@ -72,13 +76,15 @@ def _read_jsonl(file: Path) -> pd.DataFrame:
 
 def trace_lengths(column: pd.Series, path: str, json_numbers: bool = False) -> np.ndarray:
     """The column as positive whole token counts; the first value that is not one is named with its row. A
-    JSONL trace's lengths are JSON numbers: a quoted one is a string, refused like any other text."""
+    JSONL trace's lengths are JSON numbers: a quoted one is a string, refused like any other text. Digits are
+    ASCII 0-9: ``str.isdigit`` also takes other scripts' digits ('٣') and superscripts ('²')."""
     lengths = []
     for row, raw in enumerate(column.tolist(), start=1):
         text = str(raw).strip()
         typed = not json_numbers or (isinstance(raw, int) and not isinstance(raw, bool))
-        if not typed or not text.isdigit() or int(text) < 1:
-            allowed = "a JSON whole number of tokens >= 1" if json_numbers else "a whole number of tokens >= 1"
+        if not typed or not (text.isascii() and text.isdigit()) or int(text) < 1:
+            allowed = ("a JSON whole number of tokens >= 1" if json_numbers
+                       else "a whole number of tokens >= 1 in the digits 0-9")
             raise ConfigError(f"workload.trace_path={path!r}: row {row} has length {raw!r}; allowed: {allowed}")
         lengths.append(int(text))
     return np.array(lengths, dtype=object)

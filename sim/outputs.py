@@ -1,0 +1,115 @@
+"""Where a Hydra command's jobs write, and what is left of it when a job fails or the command is interrupted.
+
+A run (or sweep job) directory without ``summary.json`` never got its results: what the job and Hydra wrote
+there is removed (``.hydra/``, the job's log, results files, the atomic writers' temporaries) and the
+directory too once empty, so that nothing half-written is left behind. Only those names go: a run directory
+may be one the user already keeps other files in (``hydra.run.dir=.``).
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra._internal.grammar.utils import escape_special_characters
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sim.core import CONF_DIR, TEMPORARY, ConfigError, hydra_reason
+from sim.results import FILES
+
+# Launchers whose jobs end with this process (joblib's workers are killed when it is interrupted; the basic
+# launcher runs them in it): only their directories are cleaned up after Ctrl-C. A Slurm job goes on running.
+LOCAL_LAUNCHERS = ("hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
+                   "hydra._internal.core_plugins.basic_launcher.BasicLauncher")
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where a command's jobs write: a run directory, or a ``-m`` sweep's (``sweep``), and whether its jobs end
+    with this process (``local``: LOCAL_LAUNCHERS)."""
+
+    path: Path
+    sweep: bool
+    local: bool = True
+
+
+def output_dir(overrides: list[str], mode: str, config_name: str = "config") -> tuple[str, str]:
+    """The run (``mode`` "run") or sweep directory that ``overrides`` (no swept values) give, resolved as in the
+    job (``${now:...}``, ``${hydra:...}``), and the launcher's target."""
+    hydra = HydraConfig.instance()
+    previous = hydra.cfg
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            node = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        hydra.set_config(node)  # what ${hydra:...} in the path resolves against, as in the job
+        return str(OmegaConf.select(node, f"hydra.{mode}.dir")), node.hydra.launcher._target_
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(hydra_reason(exc)) from None
+    finally:
+        hydra.cfg = previous
+
+
+def pin_output_dir(argv: list[str], fixed: list[str], sweep: bool, config_name: str = "config"
+                   ) -> tuple[list[str], Outputs]:
+    """``argv`` with ``hydra.run.dir`` (or ``hydra.sweep.dir``) set to the directory it resolves to now
+    (``fixed``: the overrides without swept values), so that this process knows where its jobs write when it is
+    interrupted: Hydra forgets a job's directory once the job ends, the joblib launcher runs them in other
+    processes, and ``${now:...}`` resolves anew in each."""
+    mode = "sweep" if sweep else "run"
+    path, launcher = output_dir(fixed, mode, config_name)
+    key = f"hydra.{mode}.dir"
+    kept = [a for a in argv if a.split("=", 1)[0].lstrip("+") != key]
+    return [*kept, f"{key}={escape_special_characters(path)}"], Outputs(Path(path), sweep, launcher in LOCAL_LAUNCHERS)
+
+
+def discard_outputs(outputs: Outputs, job_name: str, files: tuple[str, ...] = FILES) -> str:
+    """After Ctrl-C: ``discard_run`` of a run's directory, or ``discard_sweep``; what the one ``interrupted``
+    line adds."""
+    if outputs.sweep:
+        return discard_sweep(outputs, job_name, files)
+    discard_run(outputs.path, job_name, files)
+    return ""
+
+
+def discard_run(run_dir: Path, job_name: str, files: tuple[str, ...] = FILES) -> bool:
+    """Remove what the job wrote in ``run_dir`` (Hydra's ``.hydra/`` and ``<job_name>.log``, ``files``, the
+    atomic writers' temporaries) unless it holds complete results (``summary.json``), then the directory and
+    its parent (the date or sweep directory) where that leaves them empty. In a complete one, only
+    temporaries a write left when it was cut short go. Returns whether the run was incomplete."""
+    if not run_dir.is_dir():
+        return False
+    complete = (run_dir / "summary.json").exists()
+    for entry in run_dir.iterdir():
+        if TEMPORARY.match(entry.name) or not complete and entry.name in (".hydra", f"{job_name}.log", *files):
+            # another process of the job (a worker) may be removing the same entries
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    if complete:
+        return False
+    for directory in (run_dir, run_dir.parent):
+        with contextlib.suppress(OSError):  # not empty: it holds what is not this run's
+            directory.rmdir()
+    return True
+
+
+def discard_sweep(sweep: Outputs, job_name: str, files: tuple[str, ...] = FILES) -> str:
+    """After Ctrl-C: ``discard_run`` of each job directory (those with a ``.hydra/``) and, when no job finished,
+    of the sweep's ``multirun.yaml``; the sweep directory goes once empty. Returns what the one ``interrupted``
+    line adds: the finished jobs kept, or that the launcher's jobs may still run."""
+    if not sweep.local:
+        return f"; the launcher's jobs may still be running (their directory: {sweep.path})"
+    if not sweep.path.is_dir():
+        return ""
+    jobs = [d for d in sweep.path.iterdir() if (d / ".hydra").is_dir()]
+    kept = [d for d in jobs if not discard_run(d, job_name, files)]
+    if kept:
+        return f"; {len(kept)} finished job{'s' * (len(kept) > 1)} kept in {sweep.path}"
+    (sweep.path / "multirun.yaml").unlink(missing_ok=True)
+    for directory in (sweep.path, sweep.path.parent):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+    return ""
