@@ -63,6 +63,17 @@ def fit_backends(measurements: list, models: dict[str, dict], block_size: int, v
     return section
 
 
+def with_backends(profile: dict, section: dict, runs: list[dict], fit_command: str) -> dict:
+    """``profile`` with ``section`` as its dense backends (none: an error) and, in its meta, the commands that
+    timed and fitted them; its own terms and fit unchanged."""
+    if not section:
+        raise ConfigError("--backends-only: the CSV holds no dense backend's measurements; allowed: a CSV that "
+                          "calibrate.run timed a dense backend into")
+    timed = [run["command"] for run in runs if run.get("backends")]
+    meta = profile["meta"] | {"backends_command": " && ".join([*timed, fit_command])}
+    return profile | {"meta": meta, "backends": section}
+
+
 def _errors(points: list, terms: dict, feats: dict, split: str) -> dict[str, list[float]]:
     """Absolute % errors per term and of forward plus backward, on one split."""
     errors: dict[str, list[float]] = defaultdict(list)

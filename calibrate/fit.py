@@ -28,7 +28,7 @@ import numpy as np
 
 from calibrate import store
 from calibrate.backends import (HELDOUT_MAX_PCT, HELDOUT_MEDIAN_PCT, backend_checks, fit_backends, print_backends,
-                                recorded_versions)
+                                recorded_versions, with_backends)
 from calibrate.grid import TERMS as GRID_TERMS
 from calibrate.grid import GridPoint
 from calibrate.linear import COLLINEAR, TermFit, ape, fit_term, predict, summarise
@@ -447,6 +447,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"error targets: held-out attention fwd+bwd of every backend median <= "
                          f"{HELDOUT_MEDIAN_PCT:g}%%, max <= {HELDOUT_MAX_PCT:g}%%; whole layers median <= "
                          f"{HELDOUT_TARGET_PCT:g}%%; every validation point within {VALIDATION_TARGET_PCT:g}%%")
+    ap.add_argument("--backends-only", action="store_true",
+                    help="fit only the dense backends' terms and write them into the profile at --out, whose own "
+                         "terms and fit stay as they are (a peer timed later, beside a committed profile)")
     return ap.parse_args(argv)
 
 
@@ -499,11 +502,17 @@ def main(argv: list[str] | None = None) -> int:
     measured = load_measurements(args.csv)
     measurements = [m for m in measured if m.backend == OURS]  # our kernel's and the layer's
     features = FeatureSource(grid["models"], grid["block_size"])
+    fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])
     try:
-        trained, stepped = as_trained(measurements)
-        fitted = fit_all(trained, features)
         backends = fit_backends([m for m in measured if m.backend != OURS], grid["models"], grid["block_size"],
                                 recorded_versions(runs))
+        if args.backends_only:
+            write_profile(out, with_backends(load_profile(str(out), key="--out"), backends, runs, fit_command))
+            print_backends(backends)
+            print(f"wrote the backends of {out}")
+            return 0
+        trained, stepped = as_trained(measurements)
+        fitted = fit_all(trained, features)
     except ConfigError as exc:
         raise ConfigError(f"--csv {args.csv}: {exc}") from None
     coefs = fitted.coefs
@@ -517,7 +526,6 @@ def main(argv: list[str] | None = None) -> int:
         "composition_pct": composition(measurements),
         "points": {s: sum(m.split == s for m in measurements) for s in ("fit", "heldout", "validate")},
     }
-    fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])
     profile = build_profile(gpu, runs, coefs, report, fit_command, args.csv)
     write_profile(out, profile | ({"backends": backends} if backends else {}))
     print_report(report)

@@ -161,3 +161,27 @@ def test_calibrate_run_names_the_backends_it_leaves_out(tmp_path, capsys):
         assert loaded == {} and [line.split(":")[0] for line in absent] == ["cudnn", "fa4", "fa3"]
         with pytest.raises(ConfigError, match=r"^--backends fa4: fa4: absent \("):
             run.peer_backends(["fa4"], dry_run=False)
+
+
+def test_backends_only_adds_the_dense_backends_to_a_profile_and_leaves_its_own_fit(tmp_path, shapes, capsys):
+    """A peer timed later beside a committed profile: its terms join the profile, ours stay byte for byte."""
+    ours_only = [r for r in rows_of(shapes) if "@" not in r["key"]]
+    out = tmp_path / "h100.json"
+    assert fit.main(["--csv", str(write_run(tmp_path, shapes, ours_only, ())), "--out", str(out)]) == 0
+    before = json.loads(out.read_text())
+    later = tmp_path / "later"
+    later.mkdir()
+    csv = write_run(later, shapes, rows_of(shapes, noise=0.02, seed=1))  # ours re-timed too: not refitted
+    assert fit.main(["--csv", str(csv), "--out", str(out), "--backends-only"]) == 0
+    after = load_profile(str(out))
+    assert {k: v for k, v in after.items() if k not in ("backends", "meta")} == \
+        {k: v for k, v in before.items() if k != "meta"}
+    assert after["meta"]["backends_command"].startswith("python -m calibrate.run && python -m calibrate.fit --csv ")
+    assert after["backends"]["fa4"]["terms"]["attn_fwd"]["flops"] == pytest.approx(TRUE["attn_fwd"]["flops"], rel=0.1)
+    capsys.readouterr()
+    (tmp_path / "none").mkdir()
+    csv = write_run(tmp_path / "none", shapes, ours_only, ())
+    with pytest.raises(SystemExit) as done:
+        fit.main(["--csv", str(csv), "--out", str(out), "--backends-only"])
+    assert done.value.code == 2 and "--backends-only: the CSV holds no dense backend's measurements" in \
+        capsys.readouterr().err
