@@ -8,10 +8,14 @@ layout, twice:
 * ``sim_plan_ms``: with the Plan's own budgets, so the simulator's coverage model also decides how much
   is kept (what a policy comparison in the simulator sees).
 
+Both price each sequence with its sensitivity as the run's data generator drew it (``sequences.csv``): the data's
+truth, which Plans do not carry.
+
 Prints per-step predicted vs measured step time and the median absolute % error (warm-up steps, which
 compile kernels, skipped; each step's Triton compilations beside it), and writes ``compare.csv`` and
 ``compare.json`` into the run dir. Then the peak memory per (DP rank, pipeline stage) over the compared steps:
-``sim.memory`` for the same Plans, layout, block size and memory config as the run's, against what the runner
+``sim.memory`` for the same Plans (at the coverage model's kept fractions of each sequence's sensitivity), layout,
+block size and memory config as the run's, against what the runner
 measured on CUDA (``peak_memory_gb`` of ``micro_batches.csv``; empty for a CPU run), with the relative error,
 printed and written to ``memory.csv``. Given several run dirs (the first is the baseline), also the measured
 speedup, coverage and retrieval accuracy of each against the first. ``--out X.csv`` writes all of it there
@@ -44,13 +48,13 @@ from sim.config import validate
 from sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, compose_config, group_options,
                       one_line_errors, write_json_atomic)
 from sim.cost import make_cost
-from sim.engine import Engine
+from sim.engine import Engine, PlanArrays
 from sim.memory import GB, MemoryModel
 from sim.plan import Budget, Plan
 
 DEFAULT_PROFILE = "calibrate/profiles/h200.json"
 # What the replay reads of each file, beyond its existence.
-COLUMNS = {"steps.csv": ("step", "step_ms"), "sequences.csv": ("step", "seq_id", "kept_fraction"),
+COLUMNS = {"steps.csv": ("step", "step_ms"), "sequences.csv": ("step", "seq_id", "sensitivity", "kept_fraction"),
            "micro_batches.csv": ("step", "dp_rank", "micro_batch", "stage")}
 MEASURED_PEAK = "peak_memory_gb"  # micro_batches.csv; absent from runs older than the measurement, empty on CPU
 SUMMARY_KEYS = ("mean_coverage", "final_loss", "final_accuracy")
@@ -150,20 +154,22 @@ def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame,
     cfg.cost.name, cfg.cost.profile = "calibrated", profile
     cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
     engine = Engine(layout, cost, cluster)
-    kept = sequences.set_index(["step", "seq_id"])["kept_fraction"]
+    by_sequence = sequences.set_index(["step", "seq_id"])
+    kept, sensitivity = by_sequence["kept_fraction"], by_sequence["sensitivity"]
 
-    rows = []
+    rows, truths = [], {}
     for plan in plans:
         absent = [a.seq_id for a in plan.assignments if (plan.step, a.seq_id) not in kept.index]
         if absent:
             raise ConfigError(f"{run_dir / 'sequences.csv'} has no row for step {plan.step}, seq_id {absent[0]} "
                               "of plans.jsonl; allowed: the files of one run")
+        truth = truths[plan.step] = {a.seq_id: float(sensitivity[(plan.step, a.seq_id)]) for a in plan.assignments}
         measured_kf = {a.seq_id: Budget(p=a.budget.p, kept_fraction=float(kept[(plan.step, a.seq_id)]))
                        for a in plan.assignments}
         rows.append({
             "step": plan.step,
-            "sim_ms": engine.step(plan.with_budgets(measured_kf)).record.step_ms,
-            "sim_plan_ms": engine.step(plan).record.step_ms,
+            "sim_ms": engine.step(plan.with_budgets(measured_kf), truth).record.step_ms,
+            "sim_plan_ms": engine.step(plan, truth).record.step_ms,
         })
     table = steps[["step", "step_ms"]].rename(columns={"step_ms": "measured_ms"}).merge(pd.DataFrame(rows), on="step")
     table["compilations"] = _compilations(run_dir / "train.csv", table["step"])
@@ -173,7 +179,7 @@ def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame,
     if scored.empty:
         raise ConfigError(f"--skip {skip} leaves none of the run's {len(table)} steps to compare")
     memory = memory_table(MemoryModel.from_config(cfg, layout, run_cost.block_size), run_cost,
-                          [p for p in plans if p.step in set(scored["step"])], micro_batches)
+                          [p for p in plans if p.step in set(scored["step"])], truths, micro_batches)
     errors = memory["error_pct"].dropna().abs()
     summary = {
         "run_dir": str(run_dir),
@@ -222,12 +228,14 @@ def _compilations(path: Path, step: pd.Series) -> pd.Series:
     return pd.Series(pd.NA, index=step.index, dtype="Int64")
 
 
-def memory_table(memory: MemoryModel, cost, plans: list[Plan], micro_batches: pd.DataFrame) -> pd.DataFrame:
-    """Per (DP rank, stage), the most bytes sim.memory predicts over the Plans' micro-batches and the most the
+def memory_table(memory: MemoryModel, cost, plans: list[Plan], truths: dict[int, dict[int, float]],
+                 micro_batches: pd.DataFrame) -> pd.DataFrame:
+    """Per (DP rank, stage), the most bytes sim.memory predicts over the Plans' micro-batches (at the kept
+    fractions the coverage model gives each sequence's sensitivity, ``truths``: step -> {id: s}) and the most the
     runner measured over the same steps' rows, and the relative error; measured and error are missing (an
     empty cell) where the run measured nothing."""
     layout = memory.layout
-    predicted = np.max([memory.plan_bytes(plan, cost) for plan in plans], axis=(0, 2))  # [dp, pp]
+    predicted = np.max([truth_bytes(memory, cost, plan, truths[plan.step]) for plan in plans], axis=(0, 2))  # [dp, pp]
     rows = micro_batches[micro_batches["step"].isin([p.step for p in plans])]
     if MEASURED_PEAK in rows.columns:
         measured = pd.to_numeric(rows[MEASURED_PEAK], errors="coerce").groupby(
@@ -239,6 +247,14 @@ def memory_table(memory: MemoryModel, cost, plans: list[Plan], micro_batches: pd
     want = pd.Series(predicted.reshape(-1), index=index).round().astype("Int64")
     error = (100 * (want - got) / got).astype("Float64")
     return pd.DataFrame({"predicted_bytes": want, "measured_bytes": got, "error_pct": error}).reset_index()
+
+
+def truth_bytes(memory: MemoryModel, cost, plan: Plan, truth: dict[int, float]) -> np.ndarray:
+    """[dp, m, pp] bytes of a plan run on sequences of these sensitivities (``MemoryModel.plan_bytes`` prices
+    the most its budgets can keep, as a planner must)."""
+    arrays = PlanArrays.from_plan(plan, truth)
+    return memory.bytes_of(arrays.dp_rank, arrays.micro_batch, arrays.length, arrays.kept(cost),
+                           arrays.budgets.fixes_blocks)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""The per-rank timeline of one step: replayed through the engine from a run's saved config and Plan."""
+"""The per-rank timeline of one step: replayed through the engine from a run's saved config and Plan, on the
+sequences its workload drew (their sensitivities, the data's truth, which Plans do not carry)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ from sim.core import ConfigError
 from sim.cost import make_cost
 from sim.engine import Engine
 from sim.plan import Plan
+from sim.workload import Workload, truth_of
 from viz.runs import PlotError, Run, settings
 from viz.style import BACKWARD, COMM, FORWARD, IDLE
 
@@ -47,7 +49,9 @@ def _plan_line(run: Run, step: int) -> str:
 
 
 def replay_step(run: Run, step: int = 0, label: str | None = None) -> StepTrace:
-    """Re-simulate one step of a sim.run run from its saved config and Plan, with the engine's trace.
+    """Re-simulate one step of a sim.run run from its saved config and Plan, with the engine's trace. The
+    engine prices the Plan with the sensitivities of the step's sequences, drawn again from the config's
+    workload and seed.
 
     Results keep per-micro-batch totals, not start times; the replay recovers them exactly, and is checked
     against the run's own step time so a changed profile or engine cannot draw a different step silently.
@@ -61,9 +65,10 @@ def replay_step(run: Run, step: int = 0, label: str | None = None) -> StepTrace:
         layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
         cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
         engine = Engine(layout, cost, cluster)
+        workload = Workload(OmegaConf.to_object(cfg.workload), cfg.model.max_context, cfg.seed)
     except (ConfigError, OmegaConfBaseException) as exc:
         raise PlotError(f"{config}: cannot rebuild the run ({str(exc).splitlines()[0]})") from None
-    outcome = engine.step(Plan.from_json(_plan_line(run, step)), trace=True)
+    outcome = engine.step(Plan.from_json(_plan_line(run, step)), truth_of(workload.batch(step)), trace=True)
     recorded = run.steps.loc[run.steps["step"] == step, "step_ms"]
     if recorded.empty or not math.isclose(outcome.record.step_ms, recorded.iloc[0], rel_tol=1e-6):
         raise PlotError(

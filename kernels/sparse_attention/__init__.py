@@ -10,6 +10,7 @@ Shapes (as ``flash_attn_varlen_func``)::
 Usage::
 
     sel = select_blocks(q, k, cu, p=0.9)                    # or kept_fraction=0.1, or a [n] tensor each
+    sel = select_blocks(q, k, cu, top_k=8, p=0.5)           # 8 blocks per query block, top-p 0.5 floor (optional)
     o = sparse_attention(q, k, v, cu, selection=sel)        # reuse a selection (calibration, tests)
     o, sel = sparse_attention(q, k, v, cu, p=p_per_seq, return_selection=True)
     sel.kept_fraction, sel.coverage                         # [n] per-sequence stats
@@ -25,7 +26,8 @@ compiled kernels, the selection path.
 
 Modules: :mod:`.interface` (these entry points and their input checks), :mod:`.batch` (a micro-batch's
 checked documents), :mod:`.compilation` (compile counts), :mod:`.selection` (block selection),
-:mod:`.layout` (per-document blocks), :mod:`.naive` (PyTorch reference), and the Triton side,
+:mod:`.rules` (what a row keeps under each budget), :mod:`.layout` (per-document blocks), :mod:`.naive`
+(PyTorch reference), and the Triton side,
 :mod:`.forward`, :mod:`.backward`, :mod:`.select_kernels` (kernels and launchers), :mod:`.launch` (tile tables
 and launch rules), :mod:`.tiles` (the program -> tile mapping), :mod:`.function` (the autograd Function),
 imported only when used: ``TRITON_INTERPRET`` must be set before Triton is.

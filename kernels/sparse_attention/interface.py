@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -42,7 +43,21 @@ def _check_budget(name, value):
             raise ValueError(f"{name} must be in (0, 1], got {value!r}")
 
 
-def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=64, check_cu_values=True):
+def _check_top_k(value):
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.dim() > 1:
+            raise ValueError(f"top_k must be an int or a 1-D integer tensor, got {value.dtype} {tuple(value.shape)}")
+        vals = value.detach().cpu()
+        if bool((vals < 1).any()):
+            raise ValueError(f"top_k must be a whole number of blocks >= 1, got {vals[vals < 1][0].item()!r}")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"top_k must be a whole number of blocks >= 1, got {value!r}")
+
+
+def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=64, check_cu_values=True,
+                    top_k=None):
     """Raise a one-line ValueError naming the first bad input; return the documents as a
     :class:`VarlenBatch`. ``cu_seqlens`` may be one already (checked when it was built: no offsets are read
     here). ``check_cu_values=False`` skips the device->host copy of a ``cu_seqlens`` tensor's values and
@@ -73,6 +88,8 @@ def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=
                          f"{v.device if v is not None else None}")
     if p is not None and kept_fraction is not None:
         raise ValueError("give p or kept_fraction, not both")
+    if top_k is not None and kept_fraction is not None:
+        raise ValueError("give top_k or kept_fraction, not both")
     if isinstance(cu_seqlens, VarlenBatch):
         docs = cu_seqlens
     elif check_cu_values:
@@ -85,8 +102,9 @@ def validate_inputs(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size=
         return docs
     _check_budget("p", p)
     _check_budget("kept_fraction", kept_fraction)
+    _check_top_k(top_k)
     n = docs.num_docs
-    for name, val in (("p", p), ("kept_fraction", kept_fraction)):
+    for name, val in (("p", p), ("kept_fraction", kept_fraction), ("top_k", top_k)):
         if isinstance(val, torch.Tensor) and val.numel() not in (1, n):
             raise ValueError(f"{name} has {val.numel()} entries, expected one per sequence ({n})")
     return docs
@@ -98,22 +116,24 @@ def _checked(options) -> KernelOptions:
     return options
 
 
-def select_blocks(q, k, cu_seqlens, p=None, kept_fraction=None, block_size: int = 64,
+def select_blocks(q, k, cu_seqlens, p=None, kept_fraction=None, top_k=None, block_size: int = 64,
                   softmax_scale=None, *, options: KernelOptions = DEFAULT_OPTIONS) -> BlockSelection:
-    """Validated block selection; see :mod:`.selection`. Neither ``p`` nor ``kept_fraction``: dense."""
-    docs = validate_inputs(q, k, None, cu_seqlens, p, kept_fraction, block_size)
-    return _select_blocks(q, k, docs, p=p, kept_fraction=kept_fraction, block_size=block_size,
+    """Validated block selection; see :mod:`.selection`. No budget: dense. ``top_k`` (blocks per query
+    block, int or ``[n]`` integer tensor) takes ``p`` as its optional coverage floor."""
+    docs = validate_inputs(q, k, None, cu_seqlens, p, kept_fraction, block_size, top_k=top_k)
+    return _select_blocks(q, k, docs, p=p, kept_fraction=kept_fraction, top_k=top_k, block_size=block_size,
                           softmax_scale=softmax_scale, options=_checked(options))
 
 
-def sparse_attention(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size: int = 64, selection=None,
-                     *, return_selection: bool = False, softmax_scale=None, backend: str = "auto",
+def sparse_attention(q, k, v, cu_seqlens, p=None, kept_fraction=None, top_k=None, block_size: int = 64,
+                     selection=None, *, return_selection: bool = False, softmax_scale=None, backend: str = "auto",
                      options: KernelOptions = DEFAULT_OPTIONS):
     """Block-sparse causal varlen attention. Returns ``o [T, Hq, D]`` (and the selection if asked).
 
-    Give a ``selection`` (from :func:`select_blocks` or :func:`selection_from_mask`) or a budget (``p`` or
-    ``kept_fraction``; neither means dense). Gradients flow to q, k, v; the selection is not differentiated.
-    ``options`` (:class:`KernelOptions`) reach the selection and the Triton launchers.
+    Give a ``selection`` (from :func:`select_blocks` or :func:`selection_from_mask`) or a budget (``p``,
+    ``kept_fraction``, or ``top_k`` with ``p`` as its optional floor; none means dense). Gradients flow to q,
+    k, v; the selection is not differentiated. ``options`` (:class:`KernelOptions`) reach the selection and
+    the Triton launchers.
     """
     options = _checked(options)
     if selection is not None and not isinstance(selection, BlockSelection):
@@ -121,21 +141,21 @@ def sparse_attention(q, k, v, cu_seqlens, p=None, kept_fraction=None, block_size
     # with a prebuilt selection the documents come from its layout: no device->host copy of cu_seqlens here
     docs = validate_inputs(q, k, v, cu_seqlens, p, kept_fraction,
                            block_size if selection is None else selection.block_size,
-                           check_cu_values=selection is None)
+                           check_cu_values=selection is None, top_k=top_k)
     if selection is None:
-        selection = _select_blocks(q, k, docs, p=p, kept_fraction=kept_fraction, block_size=block_size,
-                                   softmax_scale=softmax_scale, options=options)
+        selection = _select_blocks(q, k, docs, p=p, kept_fraction=kept_fraction, top_k=top_k,
+                                   block_size=block_size, softmax_scale=softmax_scale, options=options)
     else:
-        _check_selection(selection, q, k, cu_seqlens, p, kept_fraction)
+        _check_selection(selection, q, k, cu_seqlens, p, kept_fraction, top_k)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     o = _attend(q, k, v, cu_seqlens, selection, scale, backend, options)
     return (o, selection) if return_selection else o
 
 
-def _check_selection(selection: BlockSelection, q, k, cu_seqlens, p, kept_fraction):
+def _check_selection(selection: BlockSelection, q, k, cu_seqlens, p, kept_fraction, top_k):
     """A prebuilt selection must fit the inputs, and comes instead of a budget."""
-    if p is not None or kept_fraction is not None:
-        raise ValueError("give a selection or a budget (p / kept_fraction), not both")
+    if p is not None or kept_fraction is not None or top_k is not None:
+        raise ValueError("give a selection or a budget (p / kept_fraction / top_k), not both")
     lay = selection.layout
     n = cu_seqlens.num_docs if isinstance(cu_seqlens, VarlenBatch) else cu_seqlens.numel() - 1
     if lay.total_tokens != q.shape[0] or lay.num_docs != n:

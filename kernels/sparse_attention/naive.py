@@ -76,9 +76,10 @@ def dense_causal_varlen(q, k, v, cu_seqlens, softmax_scale=None) -> torch.Tensor
     return torch.cat(outs, 0).to(q.dtype)
 
 
-def select_blocks_naive(q, k, cu_seqlens, p=None, kept_fraction=None, block_size=64):
+def select_blocks_naive(q, k, cu_seqlens, p=None, kept_fraction=None, top_k=None, block_size=64):
     """Loop-per-row reference of the selection rule: ``{(h, g): set of kept global blocks}`` plus the
-    per-row kept routing mass. Slow; tests only."""
+    per-row kept routing mass. ``top_k`` (int or ``[n]``) keeps min(k, n) blocks of a row of n causal blocks,
+    the diagonal first, and with ``p`` also the row's top-p blocks. Slow; tests only."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -90,6 +91,7 @@ def select_blocks_naive(q, k, cu_seqlens, p=None, kept_fraction=None, block_size
     for d in range(n):
         s, e = cu[d], cu[d + 1]
         nb = (e - s + B - 1) // B
+        pp = _doc_value(p, d)
         for h in range(Hkv):
             qb = [q[s + b * B:min(e, s + (b + 1) * B), h * G:(h + 1) * G].float().mean((0, 1)) for b in range(nb)]
             kb = [k[s + b * B:min(e, s + (b + 1) * B), h].float().mean(0) for b in range(nb)]
@@ -97,21 +99,36 @@ def select_blocks_naive(q, k, cu_seqlens, p=None, kept_fraction=None, block_size
                 sc = torch.stack([qb[b] @ kb[c] for c in range(b + 1)]) / math.sqrt(D)
                 pr = torch.softmax(sc, 0)
                 order = sorted(range(b + 1), key=lambda c: (-float(pr[c]), c))
-                if kept_fraction is None:
-                    pp = float(p[d]) if isinstance(p, torch.Tensor) else (1.0 if p is None else p)
-                    keep, acc = set(), 0.0
-                    for c in order:
-                        if acc >= pp and pp < 1.0:
-                            break
-                        keep.add(c)
-                        acc += float(pr[c])
+                diag_first = [b] + [c for c in order if c != b]
+                if top_k is not None:
+                    keep = set(diag_first[:min(b + 1, int(_doc_value(top_k, d)))])
+                    if pp is not None:
+                        keep |= _top_p(order, pr, pp)
+                elif kept_fraction is None:
+                    keep = _top_p(order, pr, 1.0 if pp is None else pp)
                 else:
-                    kf = float(kept_fraction[d]) if isinstance(kept_fraction, torch.Tensor) else kept_fraction
-                    kk = min(b + 1, max(1, math.floor(kf * (b + 1) + 0.5)))
-                    order = [b] + [c for c in order if c != b]
-                    keep = set(order[:kk])
+                    kf = _doc_value(kept_fraction, d)
+                    keep = set(diag_first[:min(b + 1, max(1, math.floor(kf * (b + 1) + 0.5)))])
                 keep.add(b)
                 res[(h, gbase + b)] = {gbase + c for c in keep}
                 mass[(h, gbase + b)] = float(sum(pr[c] for c in keep))
         gbase += nb
     return res, mass
+
+
+def _doc_value(value, d: int):
+    """Document ``d``'s entry of a budget (a number, a one-entry or an ``[n]`` tensor, or None)."""
+    if isinstance(value, torch.Tensor):
+        return float(value.reshape(-1)[d if value.numel() > 1 else 0])
+    return value
+
+
+def _top_p(order: list[int], pr, p: float) -> set[int]:
+    """The fewest blocks of ``order`` (descending probability) whose mass reaches ``p``; all of them at 1."""
+    keep, acc = set(), 0.0
+    for c in order:
+        if acc >= p and p < 1.0:
+            break
+        keep.add(c)
+        acc += float(pr[c])
+    return keep

@@ -56,7 +56,9 @@ def _select_kernel(QB, KB, block_doc, doc_first, blk_start, row_offset, budget, 
                    HKV: tl.constexpr, TOPP: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, WP2: tl.constexpr):
     """One program per (query block g, KV head h): routing scores over the causal blocks of g's document,
     softmax, then the kept set by an exact binary search over the float bit patterns (top-k: the k-th
-    largest key; top-p: the smallest prefix of the descending order reaching mass p), diagonal forced.
+    largest key, k = round(budget * n) for a kept fraction and min(-budget, n) for a negative budget, a
+    top-k count; top-p: the smallest prefix of the descending order reaching mass p), diagonal forced. A
+    top-k count with a top-p floor is not selected here: selection.py runs the torch selection for it.
     Also counts, per (h, KV block), the rows that keep it, and the widest row (integer atomics: order-free,
     deterministic)."""
     g = tl.program_id(0)
@@ -86,7 +88,9 @@ def _select_kernel(QB, KB, block_doc, doc_first, blk_start, row_offset, budget, 
     else:
         key = tl.where(isdiag, 2.0, prob)
     bits = tl.where(valid, key.to(tl.int32, bitcast=True), -1)
-    kk = tl.minimum(tl.maximum(tl.floor(bud * n.to(tl.float32) + 0.5), 1.0), n.to(tl.float32))
+    # a negative budget is a top-k count (selection.py negates it): min(k, n) blocks; else a kept fraction
+    kk = tl.where(bud < 0.0, tl.minimum(-bud, n.to(tl.float32)),
+                  tl.minimum(tl.maximum(tl.floor(bud * n.to(tl.float32) + 0.5), 1.0), n.to(tl.float32)))
     lo = tl.zeros([], tl.int32)
     hi = tl.full([], 0x7F800000, tl.int32)
     for _ in range(31):

@@ -8,8 +8,12 @@ the causal blocks ``c <= g`` of the same document, softmax-normalised per query 
   probability mass reaches ``p``; ``p = 1`` keeps every causal block (dense).
 * ``kept_fraction`` mode: per (KV head, query block) keep the ``round(kf * n_causal)`` highest-scoring blocks
   (at least one).
+* ``top_k`` mode: per (KV head, query block) keep ``min(k, n_causal)`` blocks, the diagonal and the
+  highest-scoring others; ``p`` beside it is a coverage floor: the row also keeps its top-p blocks (the union).
+  The fused Triton selection has no floor: a floor runs the torch selection (on every device).
 
-In both modes the diagonal block is always kept. Budgets are per document (float or ``[n]`` tensor).
+In every mode the diagonal block is always kept. Budgets are per document (float / int or ``[n]`` tensor); the
+rows' rules are :mod:`.rules`.
 
 Storage (all plain tensors, never O(T^2)):
   ``q2k_idx [Hkv, NB, W]`` int32 selected KV blocks of each query block, ascending (the diagonal is last;
@@ -25,7 +29,6 @@ The score matrix is built per bucket of similar-length documents and in row chun
 """
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ import torch
 from .batch import VarlenBatch
 from .layout import BlockLayout, block_layout
 from .options import DEFAULT_OPTIONS, KernelOptions
+from .rules import RowRule, keeps_every_block, row_rule
 
 __all__ = ["BlockSelection", "SelectionFallbackWarning", "select_blocks", "selection_from_mask", "pool_blocks"]
 
@@ -142,29 +146,6 @@ def pool_blocks(x: torch.Tensor, lay: BlockLayout, num_kv_heads: int, fused: boo
     return out / cnt[:, None, None]
 
 
-def _per_doc(value, n: int, name: str, device) -> torch.Tensor:
-    """Budget as a float32 [n] device tensor. Range checks of tensors are done (once, on the host) by the
-    public functions' validate_inputs; floats are checked here without touching the device."""
-    if isinstance(value, torch.Tensor):
-        # non-blocking: a host budget is staged at once, and a blocking copy would sync the stream
-        t = value.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(-1)
-        if t.numel() == 1:
-            t = t.expand(n)
-        if t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} entries, expected one per sequence ({n})")
-        return t.contiguous()
-    v = float(value)
-    if not 0.0 < v <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-    return _uniform_budget(v, n, torch.device(device))
-
-
-@functools.lru_cache(maxsize=16)
-def _uniform_budget(v: float, n: int, device: torch.device) -> torch.Tensor:
-    # cached: read-only downstream, and a fill launch per call is host time the selection is bound by
-    return torch.full((n,), v, dtype=torch.float32, device=device)
-
-
 def _finalize(lay: BlockLayout, Hkv: int, q2k_idx, q2k_cnt, kept_fraction, coverage,
               q2k_start=None) -> BlockSelection:
     """Build the reverse (KV block -> query blocks) CSR lists with one sort; no host sync."""
@@ -198,28 +179,43 @@ def _doc_buckets(lay: BlockLayout):
     return sorted(buckets.items(), reverse=True)
 
 
+def _row_keeps(kf: float, nb: int) -> int:
+    """Blocks the last row of an ``nb``-block document keeps under a host budget: a kept fraction, or a
+    top-k count negated."""
+    return min(nb, int(-kf)) if kf < 0 else min(nb, max(1, math.floor(kf * nb + 0.5)))
+
+
+def _topk_kept(kf: float, nb: int) -> int:
+    """Kept (query block, KV block) pairs of an ``nb``-block document: a top-k count (negated) keeps
+    min(k, r + 1) in row r, exactly; a kept fraction about round(kf * causal blocks), one per row at least."""
+    if kf < 0:
+        k = min(nb, int(-kf))
+        return k * (k + 1) // 2 + (nb - k) * k
+    return max(nb, round(kf * nb * (nb + 1) / 2))
+
+
 def _topk_host_bounds(lay: BlockLayout, kfs: list[float]) -> tuple[int, int, int, int]:
-    """From host budgets alone: (most blocks a top-k row keeps, list width, kept-entry bound per KV head, kept
-    entries per KV head estimated as round(kf * causal blocks) per document, at least one per row). A row of
-    n causal blocks keeps round(kf * n) of them, more only on exact score ties, and the kernel never stores
-    more than the width; the bound sums min(n, width) over every row."""
-    kmax = max(min(nb, max(1, math.floor(kf * nb + 0.5))) for kf, nb in zip(kfs, lay.doc_nblocks))
+    """From host budgets alone (kept fractions, or top-k counts negated): (most blocks a top-k row keeps,
+    list width, kept-entry bound per KV head, kept entries per KV head, exact for counts and estimated for
+    kept fractions). A row of n causal blocks keeps round(kf * n) or min(k, n) of them, more only on exact
+    score ties, and the kernel never stores more than the width; the bound sums min(n, width) over every row."""
+    kmax = max(_row_keeps(kf, nb) for kf, nb in zip(kfs, lay.doc_nblocks))
     # 16 slots of slack for ties (the kernel keeps the diagonal last if a row overflows anyway)
     wout = min(lay.max_doc_blocks, kmax + 16)
     bound = est = 0
     for kf, nb in zip(kfs, lay.doc_nblocks):
         m = min(nb, wout)
         bound += m * (m + 1) // 2 + (nb - m) * wout
-        est += max(nb, round(kf * nb * (nb + 1) / 2))
+        est += _topk_kept(kf, nb)
     return kmax, wout, bound, est
 
 
 def _select_triton(lay: BlockLayout, Hkv: int, qbar, kbar, budget, topp: bool, scale: float, kf_host,
                    options: KernelOptions):
     """Fused selection: four Triton launches, never waiting for the GPU. Top-k with host budgets
-    (``kf_host``: one float per document) sizes its lists from those; top-p (and top-k with budgets only on
-    the device) sizes them for the longest document's rows and every causal block, the host's bounds, and
-    leaves the widest row on the device (``row_class_end``)."""
+    (``kf_host``: one float per document, a kept fraction or a count negated) sizes its lists from those;
+    top-p (and top-k with budgets only on the device) sizes them for the longest document's rows and every
+    causal block, the host's bounds, and leaves the widest row on the device (``row_class_end``)."""
     from .select_kernels import doc_stats_triton, reverse_lists_triton, select_rows_triton
 
     if kf_host is None:
@@ -255,13 +251,6 @@ def _host_budgets(value, n: int) -> list[float] | None:
     return vals * n if len(vals) == 1 else vals
 
 
-def _all_dense(value, budget: torch.Tensor) -> bool:
-    """Whether every sequence keeps all its causal blocks (a float or host budget needs no device sync)."""
-    if value is None or not isinstance(value, torch.Tensor):
-        return value is None or float(value) >= 1.0
-    return bool(((value if value.device.type == "cpu" else budget) >= 1.0).all())
-
-
 _LAST_DENSE: list = []  # [(layout, Hkv, selection)]: the last dense selection built
 
 
@@ -287,33 +276,40 @@ def _dense_selection(lay: BlockLayout, Hkv: int) -> BlockSelection:
 
 @torch.no_grad()
 def select_blocks(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, p=None, kept_fraction=None,
-                  block_size: int = 64, softmax_scale: float | None = None,
+                  top_k=None, block_size: int = 64, softmax_scale: float | None = None,
                   options: KernelOptions = DEFAULT_OPTIONS) -> BlockSelection:
     """Select KV blocks per (KV head, query block). See the module docstring.
 
     q ``[T, Hq, D]``, k ``[T, Hkv, D]``, cu_seqlens int32 ``[n+1]`` (on any device: only its values are
     used, through the cached block layout; a host tensor saves a device->host copy) or a
-    :class:`VarlenBatch`. Exactly one of ``p`` (top-p coverage target) and ``kept_fraction`` may be given
-    (float or ``[n]`` tensor, in (0, 1]); neither means dense. ``options.selection`` picks the fused Triton
-    or the torch path (see :class:`KernelOptions`).
+    :class:`VarlenBatch`. At most one of ``p`` (top-p coverage target) and ``kept_fraction`` may be given
+    (float or ``[n]`` tensor, in (0, 1]), or ``top_k`` (int or ``[n]`` integer tensor, >= 1) with ``p`` as
+    its optional coverage floor; none means dense. ``options.selection`` picks the fused Triton or the torch
+    path (see :class:`KernelOptions`); a top-k floor always takes the torch path.
     """
     if p is not None and kept_fraction is not None:
         raise ValueError("give p or kept_fraction, not both")
+    if top_k is not None and kept_fraction is not None:
+        raise ValueError("give top_k or kept_fraction, not both")
     Hkv = k.shape[1]
     lay = layout_of(cu_seqlens, block_size, q.device)
-    topp = kept_fraction is None
-    value = p if topp else kept_fraction
-    budget = _per_doc(1.0 if value is None else value, lay.num_docs, "p" if topp else "kept_fraction", q.device)
-    if _all_dense(value, budget):
+    rule = row_rule(lay.num_docs, q.device, p, kept_fraction, top_k)
+    if keeps_every_block(lay.doc_nblocks, p, kept_fraction, top_k):
         return _dense_selection(lay, Hkv)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if options.selection == "torch" or (options.selection == "auto" and not q.is_cuda):
-        return _select_torch(q, k, lay, budget, topp, scale)
-    kf_host = None if topp else _host_budgets(kept_fraction, lay.num_docs)
+    if rule.floor is not None and options.selection == "triton":
+        raise ValueError("options.selection='triton' cannot select top_k with a floor p (the fused selection has "
+                         "no floor); allowed: selection 'auto' or 'torch', or top_k without p")
+    if options.selection == "torch" or (options.selection == "auto" and not q.is_cuda) or rule.floor is not None:
+        return _select_torch(q, k, lay, rule, scale)
+    topp = rule.mode == "p"
+    kf_host = None if topp else _host_budgets(kept_fraction if top_k is None else top_k, lay.num_docs)
+    if kf_host is not None and top_k is not None:
+        kf_host = [-float(x) for x in kf_host]  # counts negated, as the kernel reads them
     if options.selection == "triton":
-        return _select_fused(q, k, lay, budget, topp, scale, kf_host, options)
-    sel = _select_fused_where_it_builds(q, k, lay, budget, topp, scale, kf_host, options)
-    return sel if sel is not None else _select_torch(q, k, lay, budget, topp, scale, fused_pool=False)
+        return _select_fused(q, k, lay, rule.budget, topp, scale, kf_host, options)
+    sel = _select_fused_where_it_builds(q, k, lay, rule.budget, topp, scale, kf_host, options)
+    return sel if sel is not None else _select_torch(q, k, lay, rule, scale, fused_pool=False)
 
 
 def _select_fused(q, k, lay: BlockLayout, budget, topp: bool, scale: float, kf_host,
@@ -342,7 +338,7 @@ def _select_fused_where_it_builds(q, k, lay: BlockLayout, budget, topp: bool, sc
         return None
 
 
-def _select_torch(q, k, lay: BlockLayout, budget, topp: bool, scale: float, fused_pool: bool | None = None):
+def _select_torch(q, k, lay: BlockLayout, rule: RowRule, scale: float, fused_pool: bool | None = None):
     """The vectorised torch selection: per bucket of similar-length documents, in row chunks of at most
     ``_CHUNK_ELEMS`` scores; then the forward lists and (one sort) the reverse lists. ``fused_pool``: see
     :func:`pool_blocks`."""
@@ -353,13 +349,13 @@ def _select_torch(q, k, lay: BlockLayout, budget, topp: bool, scale: float, fuse
     cov_sum = torch.zeros(lay.num_docs, dtype=torch.float32, device=q.device)
     pieces = []  # (global rows [nd, R], idx [nd, Hkv, R, w], cnt [nd, Hkv, R], rowvalid [nd, R])
     for W, docs in _doc_buckets(lay):
-        pieces += _select_bucket(qbar, kbar, lay, docs, W, budget, topp, scale, kept_sum, cov_sum)
+        pieces += _select_bucket(qbar, kbar, lay, docs, W, rule, scale, kept_sum, cov_sum)
     q2k_idx, q2k_cnt = _forward_lists(pieces, Hkv, lay.num_blocks, q.device)
     return _finalize(lay, Hkv, q2k_idx, q2k_cnt, kept_sum / (lay.doc_causal_t * Hkv),
                      cov_sum / (lay.doc_nblocks_t * Hkv))
 
 
-def _select_bucket(qbar, kbar, lay: BlockLayout, docs: list[int], W: int, budget, topp: bool, scale: float,
+def _select_bucket(qbar, kbar, lay: BlockLayout, docs: list[int], W: int, rule: RowRule, scale: float,
                    kept_sum, cov_sum) -> list:
     """The kept lists of the documents ``docs`` (at most ``W`` blocks each, padded to ``W``), one piece per
     row chunk (see :func:`_select_torch`); adds their kept counts and coverages to ``kept_sum`` / ``cov_sum``."""
@@ -375,7 +371,7 @@ def _select_bucket(qbar, kbar, lay: BlockLayout, docs: list[int], W: int, budget
     gidx_c = torch.where(colvalid, gidx, 0)
     Qp = qbar[gidx_c].permute(0, 2, 1, 3)  # [nd, Hkv, W, D]
     Kp = kbar[gidx_c].permute(0, 2, 1, 3)
-    bud = budget[docs_t]
+    rule = rule.at(docs_t)
     pieces = []
     rows_per_chunk = max(1, _CHUNK_ELEMS // max(1, nd * Hkv * W))
     for r0 in range(0, W, rows_per_chunk):
@@ -389,7 +385,7 @@ def _select_bucket(qbar, kbar, lay: BlockLayout, docs: list[int], W: int, budget
         prob = torch.softmax(s, dim=-1)
         isdiag = (j[None, :] == r[:, None])[None, None]  # [1, 1, R, W]
         validh = valid[:, None].expand_as(prob)
-        keep = _keep_topp(prob, r, bud) if topp else _keep_topk(prob, r, j, bud, isdiag, validh)
+        keep = rule.keep(prob, r, j, isdiag, validh)
         keep = (keep | isdiag) & validh & rowvalid[:, None, :, None]
         cnt = keep.sum(-1)  # [nd, Hkv, R]
         cov = (prob * keep).sum(-1)
@@ -397,29 +393,6 @@ def _select_bucket(qbar, kbar, lay: BlockLayout, docs: list[int], W: int, budget
         cov_sum.index_add_(0, docs_t, torch.where(rowvalid[:, None], cov, 0).sum((1, 2)))
         pieces.append((first[:, None] + r[None, :], _compact(keep, gidx, cnt), cnt, rowvalid))
     return pieces
-
-
-def _keep_topp(prob, r, bud):
-    """Top-p: per row, the fewest blocks in descending probability order whose mass reaches the document's
-    ``bud`` (every causal block where it is 1); ``r`` are the chunk's row indices (causal bound)."""
-    vals, order = torch.sort(prob, dim=-1, descending=True, stable=True)
-    excl = torch.cumsum(vals, -1) - vals
-    keep_sorted = excl < bud[:, None, None, None]
-    keep_sorted = keep_sorted | (bud >= 1.0)[:, None, None, None]
-    keep_sorted = keep_sorted & (order <= r[None, None, :, None])
-    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-
-
-def _keep_topk(prob, r, j, bud, isdiag, validh):
-    """Top-k: per row of n = r + 1 causal blocks, the diagonal and the highest-probability others,
-    ``round(bud * n)`` in all (at least one)."""
-    ncaus = (r + 1).to(torch.float32)
-    kk = torch.floor(bud[:, None] * ncaus[None, :] + 0.5).clamp(min=1)
-    kk = torch.minimum(kk, ncaus[None, :]).to(torch.int64)  # [nd, R]
-    key = torch.where(isdiag, 2.0, prob).masked_fill(~validh, -1.0)
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    keep_sorted = (j[None, None, None, :] < kk[:, None, :, None]).expand_as(key)
-    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
 def _compact(keep, gidx, cnt):

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 
 from pinned import PINNED_OVERRIDES, PINNED_PROFILE
+from sim.config import RunConfig
+from sim.workload import Workload, truth_of
 from viz.calibration import (benchmark_vs_profile, calibration_frame, plot_calibration, plot_residuals,
                              read_profile)
 from viz.cli import main
@@ -139,7 +142,8 @@ def test_cli_writes_every_results_figure(sweep, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- fidelity
 def fake_runner_run(job_dir, slower=1.1):
-    """A sim job dressed as a runner run: 'measured' 10% slower than simulated, every kernel keeping half."""
+    """A sim job dressed as a runner run: 'measured' 10% slower than simulated, every kernel keeping half, each
+    sequence's sensitivity the one the job's workload drew (what the runner's data generator records)."""
     summary = json.loads((job_dir / "summary.json").read_text())
     runner_keys = {"source": "runner", "final_loss": 1.0, "final_accuracy": 0.5}
     (job_dir / "summary.json").write_text(json.dumps({**summary, **runner_keys}))
@@ -147,7 +151,12 @@ def fake_runner_run(job_dir, slower=1.1):
     steps["step_ms"] *= slower
     steps.to_csv(job_dir / "steps.csv", index=False)
     plans = [json.loads(line) for line in (job_dir / "plans.jsonl").read_text().splitlines()]
-    pd.DataFrame([{"step": p["step"], "seq_id": a["seq_id"], "kept_fraction": 0.5}
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig),
+                                              OmegaConf.load(job_dir / ".hydra" / "config.yaml")))
+    workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
+    truth = {p["step"]: truth_of(workload.batch(p["step"])) for p in plans}
+    pd.DataFrame([{"step": p["step"], "seq_id": a["seq_id"], "sensitivity": truth[p["step"]][a["seq_id"]],
+                   "kept_fraction": 0.5}
                   for p in plans for a in p["assignments"]]).to_csv(job_dir / "sequences.csv", index=False)
 
 
