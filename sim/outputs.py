@@ -64,7 +64,11 @@ def pin_output_dir(argv: list[str], fixed: list[str], sweep: bool, config_name: 
     path, launcher = output_dir(fixed, mode, config_name)
     key = f"hydra.{mode}.dir"
     kept = [a for a in argv if a.split("=", 1)[0].lstrip("+") != key]
-    return [*kept, f"{key}={escape_special_characters(path)}"], Outputs(Path(path), sweep, launcher in LOCAL_LAUNCHERS)
+    # Among the other overrides, which Hydra's parser takes as one run of arguments; never last, where a flag
+    # with an optional value (--info) would take it as its own.
+    at = next((i for i, a in enumerate(kept) if "=" in a and not a.startswith("-")), 0)
+    pinned = [*kept[:at], f"{key}={escape_special_characters(path)}", *kept[at:]]
+    return pinned, Outputs(Path(path), sweep, launcher in LOCAL_LAUNCHERS)
 
 
 def discard_outputs(outputs: Outputs, job_name: str, files: tuple[str, ...] = FILES) -> str:
