@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from runner.records import SequenceRecord, TrainRecord
-from sim.core import ConfigError, atomic_path
+from sim.core import ConfigError, atomic_path, not_a_file
 from sim.results import MicroBatchRecord, StepRecord
 
 FORMAT = "sparsebalance-runner-checkpoint"
@@ -144,8 +144,9 @@ def naming(path: Path):
 def read(path: Path):
     if path.is_dir():
         raise Invalid("a directory; allowed: a checkpoint file (<run dir>/checkpoint.pt)")
-    if not path.is_file():
-        raise Invalid("no such file")
+    problem = not_a_file(path)
+    if problem:
+        raise Invalid(f"{problem}; allowed: a checkpoint file (<run dir>/checkpoint.pt)")
     try:
         with zipfile.ZipFile(path) as archive:
             corrupt = archive.testzip()

@@ -121,6 +121,15 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, files, tmp_path,
     assert sorted(tmp_path.iterdir()) == before  # no run or sweep directory, nothing half-written
 
 
+@pytest.mark.parametrize("path, what", [("/dev/null", "is not a regular file"), ("/", "a directory")])
+def test_a_checkpoint_that_is_no_file_says_what_it_is(path, what):
+    pytest.importorskip("torch")
+    from runner.checkpoint import Invalid, read
+
+    with pytest.raises(Invalid, match=f"^{what}; allowed: a checkpoint file"):
+        read(Path(path))
+
+
 # (command, arguments, stderr lines expected)
 GOOD_INPUT = {
     "run-preset-without-plus": (RUN, ["experiment=paper", "steps=1"], []),
