@@ -22,7 +22,7 @@ Same checkpoint and options give the same files on the same device.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,7 @@ from sim.config import ModelConfig, validate
 from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, number_list, one_line_errors
 from sim.plan import Assignment, Budget
 from sim.results import FLOAT_FORMAT
+from sim.workload import Sequence, truth_of
 
 # Held out by default; refused only when it is the checkpoint's own training seed (then pass --seed).
 HELD_OUT_SEED = 1_000_003
@@ -145,11 +146,10 @@ def pick_device(name: str) -> torch.device:
 
 
 # ---------------------------------------------------------------------- held-out data
-def held_out(lengths: list[int], count: int, seed: int, beta: tuple[float, float]) -> list[Assignment]:
+def held_out(lengths: list[int], count: int, seed: int, beta: tuple[float, float]) -> list[Sequence]:
     """``count`` sequences per length; ids unique across lengths, sensitivities from the workload's Beta."""
     sensitivity = np.random.default_rng(seed).beta(*beta, size=(len(lengths), count))
-    return [Assignment(seq_id=i * count + j, length=length, sensitivity=float(sensitivity[i, j]), dp_rank=0,
-                       micro_batch=0)
+    return [Sequence(i * count + j, length, float(sensitivity[i, j]))
             for i, length in enumerate(lengths) for j in range(count)]
 
 
@@ -163,28 +163,30 @@ def check_lengths(lengths: list[int], model_cfg: ModelConfig, task: TaskConfig) 
 
 # ---------------------------------------------------------------------- the forwards
 @torch.no_grad()
-def evaluate(model: TinyLlama, task: TaskConfig, sequences: list[Assignment], ps: list[float], seed: int,
+def evaluate(model: TinyLlama, task: TaskConfig, sequences: list[Sequence], ps: list[float], seed: int,
              block_size: int, backend: str, batch_tokens: int, device: torch.device) -> pd.DataFrame:
     attention = make_attention(backend, block_size)
+    truth = truth_of(sequences)  # the data generator builds each sequence from its sensitivity
     rows = []
     for p in ps:
         budget = Budget(p=p)
         for batch in batches(sequences, batch_tokens):
-            packed = pack(tuple(replace(a, budget=budget) for a in batch), task, model.shape.vocab, seed, device)
+            assignments = tuple(Assignment(s.id, s.length, 0, 0, budget) for s in batch)
+            packed = pack(assignments, truth, task, model.shape.vocab, seed, device)
             out = model(packed.tokens, packed.cu_seqlens, (packed.p, None), packed.target_positions, attention)
             right = (out.logits.argmax(-1) == packed.targets).cpu().numpy()
-            answers = [task.queries(a.sensitivity) for a in batch]
+            answers = [task.queries(s.sensitivity) for s in batch]
             per_seq = np.split(right, np.cumsum(answers)[:-1])
-            for a, n, r, kept, cov in zip(batch, answers, per_seq, out.kept_fraction.cpu().tolist(),
+            for s, n, r, kept, cov in zip(batch, answers, per_seq, out.kept_fraction.cpu().tolist(),
                                           out.coverage.cpu().tolist()):
-                rows.append({"length": a.length, "p": p, "seq_id": a.seq_id, "sensitivity": a.sensitivity,
-                             "items": task.n_pairs(a.sensitivity), "answers": n, "correct": int(r.sum()),
+                rows.append({"length": s.length, "p": p, "seq_id": s.id, "sensitivity": s.sensitivity,
+                             "items": task.n_pairs(s.sensitivity), "answers": n, "correct": int(r.sum()),
                              "accuracy": float(r.mean()),
                              "kept_fraction": kept, "coverage": cov})
     return pd.DataFrame(rows)
 
 
-def batches(sequences: list[Assignment], batch_tokens: int):
+def batches(sequences: list[Sequence], batch_tokens: int):
     """Consecutive runs of sequences of at most ``batch_tokens`` tokens, at least one sequence each."""
     batch, tokens = [], 0
     for a in sequences:

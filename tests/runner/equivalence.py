@@ -20,16 +20,18 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from pinned import PINNED_PROFILE
 from runner.attention import make_attention
-from runner.config import register
+from runner.config import TrainConfig, register
 from runner.data import n_answers, pack
 from runner.model import ModelShape, TinyLlama
 from runner.task import TaskConfig
 from sim.core import compose_config
 from sim.plan import Plan
 from sim.run import simulate
+from sim.workload import Workload, truth_of
 
 ROOT = Path(__file__).resolve().parents[2]
 # A tiny model (2 layers: one per stage at pp=2) with tied embeddings, as Qwen2.5-3B has them.
@@ -90,10 +92,10 @@ def one_step_run(name: str, tmp_path_factory) -> tuple[str, Path]:
     return name, run_dir
 
 
-def one_process(plans: list[Plan]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def one_process(plans: list[Plan], truth: dict[int, float]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The Plans' steps on one whole model, every micro-batch of every replica, loss summed over the global
     batch's scored tokens and divided by their count, AdamW between steps: each step's loss and the first
-    step's gradients."""
+    step's gradients. ``truth``: each sequence's sensitivity, which its data is generated from."""
     register()
     cfg = compose_config([*SHARED, *RUNNER, "cluster.gpus_per_node=1", f"runner.lr={LR}"], config_name="runner")
     task = TaskConfig(**cfg.runner.task)
@@ -102,13 +104,13 @@ def one_process(plans: list[Plan]) -> tuple[list[float], dict[str, torch.Tensor]
     attend = make_attention("kernel", cfg.cost.block_size)
     losses, first = [], None
     for plan in plans:
-        n = n_answers(plan.assignments, task)
+        n = n_answers(plan.assignments, task, truth)
         total = 0.0
         for rank in range(plan.dp):
             for mb in range(plan.micro_batches):
                 if not plan.micro_batch(rank, mb):
                     continue
-                b = pack(plan.micro_batch(rank, mb), task, cfg.model.vocab, cfg.seed, torch.device("cpu"))
+                b = pack(plan.micro_batch(rank, mb), truth, task, cfg.model.vocab, cfg.seed, torch.device("cpu"))
                 out = model(b.tokens, b.cu_seqlens, (b.p, b.kept_fraction), b.target_positions, attend)
                 loss = F.cross_entropy(out.logits, b.targets, reduction="sum")
                 (loss / n).backward()
@@ -122,7 +124,7 @@ def one_process(plans: list[Plan]) -> tuple[list[float], dict[str, torch.Tensor]
 
 
 @torch.no_grad()
-def first_step_selection(plan: Plan) -> dict[int, tuple[float, float]]:
+def first_step_selection(plan: Plan, truth: dict[int, float]) -> dict[int, tuple[float, float]]:
     """Per sequence of the Plan, the kept fraction and coverage (means over the layers) that one process's whole
     model selects from the initial weights, which the first step's forwards use."""
     register()
@@ -136,7 +138,7 @@ def first_step_selection(plan: Plan) -> dict[int, tuple[float, float]]:
             assigned = plan.micro_batch(rank, mb)
             if not assigned:
                 continue
-            b = pack(assigned, task, cfg.model.vocab, cfg.seed, torch.device("cpu"))
+            b = pack(assigned, truth, task, cfg.model.vocab, cfg.seed, torch.device("cpu"))
             out = model(b.tokens, b.cu_seqlens, (b.p, b.kept_fraction), b.target_positions, attend)
             for a, kept, coverage in zip(assigned, out.kept_fraction.tolist(), out.coverage.tolist()):
                 stats[a.seq_id] = (kept, coverage)
@@ -147,9 +149,18 @@ def plans_of(run_dir: Path) -> list[Plan]:
     return [Plan.from_json(line) for line in (run_dir / "plans.jsonl").read_text().splitlines()]
 
 
+def truth_of_run(run_dir: Path) -> dict[int, float]:
+    """Sequence id -> sensitivity of every sequence the run planned: what its workload drew (and its data
+    generator built each sequence from), from the run's saved config."""
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig),
+                                              OmegaConf.load(run_dir / ".hydra" / "config.yaml")))
+    workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
+    return {i: s for plan in plans_of(run_dir) for i, s in truth_of(workload.batch(plan.step)).items()}
+
+
 # ---------------------------------------------------------------------- checks of one run
 def check_loss_and_gradients(run_dir: Path) -> None:
-    losses, grads = one_process(plans_of(run_dir)[:1])
+    losses, grads = one_process(plans_of(run_dir)[:1], truth_of_run(run_dir))
     assert pd.read_csv(run_dir / "train.csv")["loss"].iloc[0] == pytest.approx(losses[0], rel=1e-6)
     saved = {}
     for path in sorted(run_dir.glob("rank*.pt")):

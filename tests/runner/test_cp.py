@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from equivalence import (
     ALL_LAYOUTS, CP_LAYOUTS, ROOT, check_compare, check_loss_and_gradients, check_plans, check_rows,
-    first_step_selection, launch, layout_overrides, one_process, plans_of, RUNNER,
+    first_step_selection, launch, layout_overrides, one_process, plans_of, RUNNER, truth_of_run,
 )
 from kernels.sparse_attention import sparse_attention
 from runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
@@ -183,7 +183,7 @@ def test_cp_records_the_whole_sequences_selection(run):
     plan = plans_of(run_dir)[0]
     recorded = pd.read_csv(run_dir / "sequences.csv").set_index("seq_id")
     assert sorted(recorded.index) == sorted(a.seq_id for a in plan.assignments)
-    expected = first_step_selection(plan)
+    expected = first_step_selection(plan, truth_of_run(run_dir))
     assert min(kept for kept, _ in expected.values()) < 1.0  # the baseline's p = 0.9 drops blocks
     for seq_id, (kept, coverage) in expected.items():
         assert recorded.loc[seq_id, "kept_fraction"] == pytest.approx(kept, abs=1e-6), seq_id
@@ -197,7 +197,7 @@ def test_a_resumed_cp_run_continues_the_single_process_loss_curve(run, tmp_path)
     name, half = run
     resumed = tmp_path / "resumed"
     launch(name, resumed, "steps=3", f"runner.resume={half / 'checkpoint.pt'}")
-    losses, _ = one_process(plans_of(resumed))
+    losses, _ = one_process(plans_of(resumed), truth_of_run(resumed))
     assert list(pd.read_csv(resumed / "train.csv")["loss"]) == pytest.approx(losses, rel=1e-5)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from equivalence import (
     LAYOUTS, check_compare, check_loss_and_gradients, check_plans, check_rows, launch, one_process, plans_of,
+    truth_of_run,
 )
 
 
@@ -44,5 +45,5 @@ def test_a_resumed_run_continues_the_single_process_loss_curve(run, tmp_path):
     name, half = run
     resumed = tmp_path / "resumed"
     launch(name, resumed, "steps=3", f"runner.resume={half / 'checkpoint.pt'}")
-    losses, _ = one_process(plans_of(resumed))
+    losses, _ = one_process(plans_of(resumed), truth_of_run(resumed))
     assert list(pd.read_csv(resumed / "train.csv")["loss"]) == pytest.approx(losses, rel=1e-5)

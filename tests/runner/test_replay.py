@@ -3,6 +3,10 @@
 With the cost model's own times the replayed steps are sim.run's steps to the last digit; with other
 per-stage times they are the engine's 1F1B schedule plus the modelled all-reduce; the Plans are sim.run's
 byte for byte; the host clock and the deadline work end to end; bad input is one line and writes nothing.
+
+The replay's planners observe what the kernel measured, sim.run's what the cost model prices, so their Plans
+agree past step 0 where the planner learns nothing from observations: sparsebalance runs here with the prior
+estimator (its belief the workload's population, whatever a step reported).
 """
 from __future__ import annotations
 
@@ -16,13 +20,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from runner.replay import load_inputs, main, plans_of, run_replay
+from runner.replay import dir_name, load_inputs, main, run_replay
 from sim.cluster import Cluster, Layout
 from sim.compare import policy_variant
 from sim.core import compose_config
-from sim.engine import Engine, PlanArrays, last_micro_batches, run_pipeline
+from sim.engine import Engine, PlanArrays, run_pipeline
+from sim.pipeline import last_micro_batches
+from sim.plan import Plan
 from sim.results import FLOAT_FORMAT
-from sim.run import prepare, simulate
+from sim.run import simulate
+from sim.setup import prepare
+from sim.workload import truth_of
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -32,7 +40,7 @@ TINY = [
     "workload.global_batch=8", "workload.min_len=64", "workload.max_len=256", "workload.median=160",
     "seed=5", "steps=2",
 ]
-POLICIES = ("baseline", "sparsebalance")
+POLICIES = ("baseline", "sparsebalance:estimator=prior")
 
 
 class FakeClock:
@@ -60,9 +68,9 @@ def cost_model_times(overrides):
     m = setup.layout.micro_batches
     times = {}
     for name in POLICIES:
-        for plan in plans_of(compose_typed(overrides), to_object(policy_variant(name))):
-            arrays = PlanArrays.from_plan(plan)
-            kept = setup.cost.kept_fractions(arrays.length, arrays.sensitivity, arrays.p, arrays.fixed_kf)
+        for plan, truth in simulated_plans(overrides, name):
+            arrays = PlanArrays.from_plan(plan, truth)
+            kept = arrays.kept(setup.cost)
             group = arrays.dp_rank * m + arrays.micro_batch
             costs = setup.cost.micro_batch_costs(arrays.length, kept, group, plan.dp * m, setup.layout)
             for g in set(group.tolist()):
@@ -74,6 +82,13 @@ def cost_model_times(overrides):
 
 def compose_typed(overrides):
     return to_object(compose_config(overrides))
+
+
+def simulated_plans(overrides, name) -> list[tuple[Plan, dict[int, float]]]:
+    """sim.run's Plans of one policy, each with the sensitivities of its step's sequences (the data's truth)."""
+    workload = prepare(compose_typed(overrides)).workload
+    plans = simulate(compose_config(overrides), policy_variant(name)).results.plans
+    return [(plan, truth_of(workload.batch(plan.step))) for plan in map(Plan.from_json, plans)]
 
 
 def to_object(node):
@@ -105,14 +120,15 @@ def sim_results(tmp_path, overrides, name):
 @pytest.mark.parametrize("name", POLICIES)
 def test_cost_model_times_reproduce_the_simulators_steps(cost_timed, tmp_path, name):
     run, sim_dir = sim_results(tmp_path, TINY, name)
-    replay_steps, sim_steps = pd.read_csv(cost_timed / name / "steps.csv"), pd.read_csv(sim_dir / "steps.csv")
+    replayed_dir = cost_timed / dir_name(name)
+    replay_steps, sim_steps = pd.read_csv(replayed_dir / "steps.csv"), pd.read_csv(sim_dir / "steps.csv")
     for col in ("step", "step_ms", "bubble_fraction", "tokens_per_s"):
         assert replay_steps[col].tolist() == sim_steps[col].tolist(), col
-    replay_mb, sim_mb = pd.read_csv(cost_timed / name / "micro_batches.csv"), pd.read_csv(sim_dir / "micro_batches.csv")
+    replay_mb, sim_mb = pd.read_csv(replayed_dir / "micro_batches.csv"), pd.read_csv(sim_dir / "micro_batches.csv")
     for col in ("dp_rank", "micro_batch", "stage", "compute_ms", "comm_ms", "idle_ms", "tokens"):
         assert replay_mb[col].tolist() == sim_mb[col].tolist(), col
     # The predicted column at the Plan's budgets is what the fake clock returned: no error at all.
-    rows = pd.read_csv(cost_timed / name / "replay.csv")
+    rows = pd.read_csv(replayed_dir / "replay.csv")
     assert np.allclose(rows["plan_error_pct"], 0.0, atol=1e-6)
     comparison = json.loads((cost_timed / "comparison.json").read_text())
     assert [s["sim_ms"] for s in comparison["steps"][name]] == [s.step_ms for s in run.results.steps]
@@ -123,7 +139,7 @@ def test_cost_model_times_reproduce_the_simulators_steps(cost_timed, tmp_path, n
 @pytest.mark.parametrize("name", POLICIES)
 def test_plans_are_the_simulators_byte_for_byte(cost_timed, name):
     expected = "".join(p + "\n" for p in simulate(compose_config(TINY), policy_variant(name)).results.plans)
-    assert (cost_timed / name / "plans.jsonl").read_bytes() == expected.encode()
+    assert (cost_timed / dir_name(name) / "plans.jsonl").read_bytes() == expected.encode()
 
 
 @pytest.mark.parametrize("layout", [["layout.pp=2"], ["layout.pp=1", "layout.micro_batches=3"]], ids=["pp2", "pp1"])
@@ -145,8 +161,8 @@ def test_per_stage_times_compose_through_the_engines_schedule(tmp_path, layout):
     engine = Engine(layout_, setup.cost, cluster)
     dp, m, pp = layout_.dp, layout_.micro_batches, layout_.pp
     step_ms = pd.read_csv(out / "lbb" / "steps.csv")["step_ms"].tolist()
-    for plan in plans_of(cfg, to_object(policy_variant("lbb"))):
-        arrays = PlanArrays.from_plan(plan)
+    for plan, truth in simulated_plans(overrides, "lbb"):
+        arrays = PlanArrays.from_plan(plan, truth)
         group = arrays.dp_rank * m + arrays.micro_batch
         tokens = np.bincount(group, weights=arrays.length, minlength=dp * m)
         filled = (tokens > 0).reshape(dp, m, 1)
@@ -185,8 +201,8 @@ def test_stages_and_recomputation_do_the_whole_models_work():
     from sim.shapes import ModelShape
 
     cfg = compose_typed(TINY)
-    plan = plans_of(cfg, to_object(policy_variant("sparsebalance")))[0]
-    batch = pack(plan.micro_batch(0, 0), TaskConfig(), cfg.model.vocab, cfg.seed, torch.device("cpu"))
+    plan, truth = simulated_plans(TINY, "sparsebalance")[0]
+    batch = pack(plan.micro_batch(0, 0), truth, TaskConfig(), cfg.model.vocab, cfg.seed, torch.device("cpu"))
     runs = []
     for pp, recompute in ((1, False), (2, True)):
         staged = StagedModel(ModelShape.from_config(cfg.model), pp, cfg.seed, torch.device("cpu"), "kernel",

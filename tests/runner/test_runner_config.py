@@ -16,6 +16,7 @@ from runner.dist import World
 from runner.train import build_planner, compose
 from sim.config import RunConfig, register
 from sim.core import CONF_DIR, ConfigError, compose_config
+from sim.engine import Engine
 from sim.run import simulate
 
 # What runner.yaml states differently from config.yaml, as sim.run overrides.
@@ -77,7 +78,16 @@ def test_plot_is_refused_in_one_line():
 
 
 def test_the_runners_planner_plans_what_sim_run_simulates():
+    """Shown what sim.run's planner is shown of each step (the engine's kept fractions, coverages and step time,
+    where a runner shows the kernel's), the runner's planner makes sim.run's Plans."""
     overrides = pinned(["+experiment=paper", "policy=sparsebalance", "steps=3"])
-    planner, _ = build_planner(compose(overrides), World(rank=0, size=8, local_rank=0))
+    planner, cluster = build_planner(compose(overrides), World(rank=0, size=8, local_rank=0))
+    engine = Engine(planner.layout, planner.cost, cluster)
     plans = simulate(compose_config([*overrides, *RUNNER_DIFFERENCES])).results.plans
-    assert [planner.plan(step).to_json() for step in range(3)] == plans
+    planned = []
+    for step in range(3):
+        plan, truth = planner.plan(step)
+        outcome = engine.step(plan, truth)
+        planner.observe(plan, outcome.kept, outcome.coverage, outcome.record.step_ms)
+        planned.append(plan.to_json())
+    assert planned == plans
