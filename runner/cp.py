@@ -15,11 +15,12 @@ Attention (``make_cp_attention``), per layer:
 1. Selection, without gradients: each rank sums its tokens' queries and keys per block of the whole
    micro-batch; one all-reduce over the cp group gives every rank the pooled query and key of every block
    (``[2, blocks, kv heads, head dim]`` floats, small next to a K/V shard). Each rank scores the rows of the
-   query blocks it holds tokens of, with the kernel's own rule (``kernels.sparse_attention.selection``: top-p or
-   top-k over softmax-normalised block scores, the diagonal always kept), so it attends under the sequence's
-   selection. The rank holding a block's first token counts its row in the per-sequence kept fraction and
-   coverage, and a second all-reduce sums those: the stats are the whole sequence's, as a cp = 1 run records
-   them. A micro-batch whose budgets are all dense keeps every causal block without scoring (as the kernel).
+   query blocks it holds tokens of, with the kernel's own rule (``kernels.sparse_attention.rules``: top-p, kept
+   fraction or top-k, with its floor, over softmax-normalised block scores, the diagonal always kept), so it
+   attends under the sequence's selection. The rank holding a block's first token counts its row in the
+   per-sequence kept fraction and coverage, and a second all-reduce sums those: the stats are the whole
+   sequence's, as a cp = 1 run records them. A micro-batch whose budgets are all dense keeps every causal
+   block without scoring (as the kernel).
 2. Ring: the rank's K and V (one stacked tensor) travel ``cp - 1`` hops around the cp group (``isend`` to the
    next rank, ``irecv`` from the previous one). For each arriving shard the rank computes the attention
    piece of its own queries over that shard's keys, restricted to the same sequence, the selected blocks and
@@ -48,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from kernels.sparse_attention import VarlenBatch
-from kernels.sparse_attention.selection import _keep_topk, _keep_topp
+from kernels.sparse_attention.rules import keeps_every_block, row_rule
+from runner.attention import budget_keywords
 
 __all__ = ["Ring", "Shards", "attention_piece", "make_cp_attention", "merge_pieces", "shard_bounds"]
 
@@ -167,6 +169,7 @@ def shard_micro_batch(batch, cp: int, rank: int):
         p=batch.p,
         kept_fraction=batch.kept_fraction,
         shards=shards,
+        top_k=batch.top_k,
     )
 
 
@@ -262,22 +265,17 @@ class RowSelection:
     coverage: torch.Tensor
 
 
-def _dense(value) -> bool:
-    return value is None or bool((torch.as_tensor(value) >= 1.0).all())
-
-
 @torch.no_grad()
 def select_rows(q, k, shards: Shards, geo: Geometry, budgets, ring: Ring, scale: float) -> RowSelection:
-    """The kernel's selection rule over pooled blocks of the whole micro-batch, for this rank's query blocks."""
-    p, kept_fraction = budgets
-    topp = kept_fraction is None
-    value = p if topp else kept_fraction
+    """The kernel's selection rule over pooled blocks of the whole micro-batch, for this rank's query blocks;
+    ``budgets`` as ``runner.attention.budget_keywords`` takes them."""
     lay, n, hkv = geo.layout, shards.num_docs, k.shape[1]
-    if _dense(value):
+    budgets = budget_keywords(budgets)
+    if keeps_every_block(lay.doc_nblocks, **budgets):
         ones = torch.ones(n, dtype=torch.float32, device=q.device)
         return RowSelection((None,) * n, ones, ones)
     qbar, kbar = _pooled(q, k, shards, lay, ring)
-    budget = torch.as_tensor(value, dtype=torch.float32).reshape(-1).expand(n).to(q.device)
+    rule = row_rule(n, q.device, **budgets)
     stats = torch.zeros(2, n, dtype=torch.float32, device=q.device)  # kept blocks, kept mass of owned rows
     masks = []
     for d in range(n):
@@ -289,8 +287,7 @@ def select_rows(q, k, shards: Shards, geo: Geometry, budgets, ring: Ring, scale:
         prob = torch.softmax(scores.masked_fill(~valid, -math.inf), dim=-1)[None]  # [1, Hkv, R, nb]
         diag = (cols[None, :] == rows[:, None])[None, None]
         validh = valid[None, None].expand_as(prob)
-        bud = budget[d:d + 1]
-        keep = _keep_topp(prob, rows, bud) if topp else _keep_topk(prob, rows, cols, bud, diag, validh)
+        keep = rule.at(slice(d, d + 1)).keep(prob, rows, cols, diag, validh)
         keep = (keep | diag) & validh
         owned = geo.owned[d]
         stats[0, d] = keep[0][:, owned].sum()
@@ -316,7 +313,7 @@ def _pooled(q, k, shards: Shards, lay, ring: Ring):
 
 # ---------------------------------------------------------------------- the attention
 def make_cp_attention(block_size: int, ring: Ring):
-    """``attend(q, k, v, shards, (p, kept_fraction)) -> (o, kept [n], coverage [n])`` over this rank's tokens
+    """``attend(q, k, v, shards, budgets) -> (o, kept [n], coverage [n])`` over this rank's tokens
     (``runner.model.AttentionFn``), ``shards`` the micro-batch's ``Shards``."""
 
     def attend(q, k, v, shards: Shards, budgets):

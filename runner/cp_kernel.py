@@ -25,22 +25,22 @@ from __future__ import annotations
 import torch
 
 from kernels.sparse_attention import restrict_rows, select_blocks, sparse_attention
+from runner.attention import budget_keywords
 from runner.cp import Ring, RingShift, Shards
 
 __all__ = ["make_cp_kernel_attention", "own_rows"]
 
 
 def make_cp_kernel_attention(block_size: int, ring: Ring, backend: str):
-    """``attend(q, k, v, shards, (p, kept_fraction)) -> (o, kept [n], coverage [n])`` over this rank's tokens;
+    """``attend(q, k, v, shards, budgets) -> (o, kept [n], coverage [n])`` over this rank's tokens (``budgets``
+    as ``runner.attention.budget_keywords`` takes them);
     ``backend`` is the kernel's (``auto``: Triton on CUDA tensors, the PyTorch reference on the CPU)."""
 
     def attend(q, k, v, shards: Shards, budgets):
-        p, kept_fraction = budgets
         index = [i.to(q.device) for i in shards.index]
         kv = gather(torch.stack((k, v)), shards, ring, index, dim=1)
         queries = gather(q.detach(), shards, ring, index, dim=0)
-        selection = select_blocks(queries, kv[0].detach(), shards.docs,
-                                  p=None if kept_fraction is not None else p, kept_fraction=kept_fraction,
+        selection = select_blocks(queries, kv[0].detach(), shards.docs, **budget_keywords(budgets),
                                   block_size=block_size)
         mine = index[ring.rank]
         placed = q.new_zeros(queries.shape).index_copy(0, mine, q)

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from runner.task import BOS, PAD, TaskConfig, make_example
-from sim.core import ConfigError
 from sim.plan import Assignment
 
 
@@ -24,11 +23,17 @@ class MicroBatch:
     cu_seqlens: torch.Tensor  # [n+1] int32, on the host
     target_positions: torch.Tensor  # [n_answers] indices into the packed stream
     targets: torch.Tensor  # [n_answers]
-    p: torch.Tensor  # [n] coverage targets, on the host
+    p: torch.Tensor | None  # [n] coverage targets; with top_k the coverage floors (None: no floor); on the host
     kept_fraction: torch.Tensor | None  # [n] fixed kept fractions, when the policy set them, on the host
     # Under context parallelism (runner.cp.shard_micro_batch): which tokens of the packed micro-batch this
     # rank holds; tokens and target positions are then this rank's, cu_seqlens and budgets the micro-batch's
     shards: object = None
+    top_k: torch.Tensor | None = None  # [n] int64 KV blocks per query block, when the policy set them, on the host
+
+    @property
+    def budgets(self) -> tuple:
+        """``(p, kept_fraction, top_k)``: what the model hands its attention (``runner.attention.budget_keywords``)."""
+        return self.p, self.kept_fraction, self.top_k
 
     @property
     def n_tokens(self) -> int:
@@ -49,13 +54,16 @@ def pack(assignments: tuple[Assignment, ...], truth: Mapping[int, float], task: 
     tokens = np.concatenate([e.tokens for e in examples])
     positions = np.concatenate([o + e.answer_positions for o, e in zip(offsets, examples)])
     answers = np.concatenate([e.answers for e in examples])
-    if any(a.budget.top_k is not None for a in assignments):
-        raise ConfigError("a Plan gives top-k budgets (budget.top_k), which the simulator prices but the runner's "
-                          "kernel cannot select yet; allowed in the runner: coverage-target (p) and kept-fraction "
-                          "budgets (dst family=topp, fixed without top_k)")
     fixed = [a.budget.kept_fraction for a in assignments]
-    if any(f is None for f in fixed) and any(f is not None for f in fixed):
-        raise ValueError("a micro-batch mixes coverage-target and fixed-kept-fraction budgets")
+    top_k = [a.budget.top_k for a in assignments]
+    floors = [a.budget.p_floor for a in assignments]
+    families = {"kept_fraction" if f is not None else "top_k" if k is not None else "p" for f, k in zip(fixed, top_k)}
+    if len(families) > 1:
+        raise ValueError(f"a micro-batch mixes budget families ({', '.join(sorted(families))}); the kernel takes "
+                         "one per call")
+    if top_k[0] is not None and len({f is None for f in floors}) > 1:
+        raise ValueError("a micro-batch mixes top-k budgets with and without a coverage floor (p_floor)")
+    p = [a.budget.p for a in assignments] if top_k[0] is None else floors  # top-k: p is the floor
 
     def host(x, dtype):
         return torch.as_tensor(np.asarray(x), dtype=dtype)
@@ -70,8 +78,9 @@ def pack(assignments: tuple[Assignment, ...], truth: Mapping[int, float], task: 
         cu_seqlens=host(offsets, torch.int32),
         target_positions=tensor(positions, torch.long),
         targets=tensor(answers, torch.long),
-        p=host([a.budget.p for a in assignments], torch.float32),
+        p=None if p[0] is None else host(p, torch.float32),
         kept_fraction=None if fixed[0] is None else host(fixed, torch.float32),
+        top_k=None if top_k[0] is None else host(top_k, torch.int64),
     )
 
 

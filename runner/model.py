@@ -27,7 +27,8 @@ from sim.shapes import ModelShape
 
 # attention(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], docs, budgets) -> (o [T,Hq,D], kept [n], coverage [n]);
 # docs: a kernels.sparse_attention.VarlenBatch (TinyLlama's), a cu_seqlens [n+1] tensor, or under context
-# parallelism the micro-batch's runner.cp.Shards (T: this rank's tokens)
+# parallelism the micro-batch's runner.cp.Shards (T: this rank's tokens); budgets: (p, kept_fraction[, top_k]),
+# [n] host tensors or None (runner.data.MicroBatch.budgets, read by runner.attention.budget_keywords)
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 

@@ -151,7 +151,7 @@ class StageDriver:
             dist.recv(inputs, self.comm.prev)
             inputs.requires_grad_()
         received = self.clock.mark()
-        result = self.model(inputs, b.docs, (b.p, b.kept_fraction), b.target_positions, self.attention)
+        result = self.model(inputs, b.docs, b.budgets, b.target_positions, self.attention)
         stats = (result.kept_fraction.detach(), result.coverage.detach())
         if self.span.last:
             loss_sum = F.cross_entropy(result.logits, b.targets, reduction="sum")

@@ -54,7 +54,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels.sparse_attention import sparse_attention
-from runner.attention import BACKENDS
+from runner.attention import BACKENDS, budget_keywords
 from runner.data import MicroBatch, pack
 from runner.model import Block, packed_positions, rope_angles
 from runner.task import TaskConfig
@@ -154,11 +154,9 @@ class KeptSelection:
 
     def __call__(self, q, k, v, cu_seqlens, budgets):
         if self.selection is None:
-            p, kept_fraction = budgets
-            o, self.selection = sparse_attention(
-                q, k, v, cu_seqlens, p=None if kept_fraction is not None else p, kept_fraction=kept_fraction,
-                block_size=self.block_size, return_selection=True, backend=self.backend,
-            )
+            o, self.selection = sparse_attention(q, k, v, cu_seqlens, **budget_keywords(budgets),
+                                                 block_size=self.block_size, return_selection=True,
+                                                 backend=self.backend)
         else:
             o = sparse_attention(q, k, v, cu_seqlens, selection=self.selection, backend=self.backend)
         return o, self.selection.kept_fraction, self.selection.coverage
@@ -235,7 +233,7 @@ class StagedModel:
 
     def _layer(self, block, x, rotary, batch: MicroBatch):
         attention = KeptSelection(self.backend, self.block_size)
-        budgets = (batch.p, batch.kept_fraction)
+        budgets = batch.budgets
         if self.recompute:
             return checkpoint(block, x, rotary, batch.cu_seqlens, budgets, attention, use_reentrant=False)
         return block(x, rotary, batch.cu_seqlens, budgets, attention)
@@ -277,7 +275,8 @@ def replay_step(staged: StagedModel, name: str, plan: Plan, pp: int, clock: Cloc
 
 # ----------------------------------------------------------------------------- composition
 def kernel_budgets(plan: Plan, measured: Measured) -> Plan:
-    """The Plan with the kept fraction each sequence's kernel selection reached as its budget."""
+    """The Plan with the kept fraction each sequence's kernel selection reached as its budget, whatever the
+    Plan's budget was (coverage target, kept fraction, top-k with or without its floor): what ran."""
     return plan.with_budgets({a.seq_id: Budget(p=a.budget.p, kept_fraction=min(1.0, measured.kept[a.seq_id]))
                               for a in plan.assignments})
 
