@@ -9,6 +9,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from calibrate.fit import FeatureSource, Measurement, load_measurements, predict, term_prediction
+from sim.backends import OURS
 from calibrate.grid import GridPoint
 from calibrate.run import meta_path
 from sim.core import ConfigError
@@ -73,6 +74,8 @@ def calibration_frame(profile_path: str | Path) -> pd.DataFrame:
     coefs = profile["terms"]
     rows = []
     for m in load_measurements(csv):
+        if m.backend != OURS:  # a dense backend's point: the profile's `backends` price it, not these terms
+            continue
         feats = features(m)
         pred = term_prediction(m.term, coefs, feats)
         lengths = np.array(m.lengths, dtype=float)

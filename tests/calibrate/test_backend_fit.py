@@ -185,3 +185,15 @@ def test_backends_only_adds_the_dense_backends_to_a_profile_and_leaves_its_own_f
         fit.main(["--csv", str(csv), "--out", str(out), "--backends-only"])
     assert done.value.code == 2 and "--backends-only: the CSV holds no dense backend's measurements" in \
         capsys.readouterr().err
+
+
+def test_the_calibration_figures_leave_the_dense_backends_rows_to_their_own_terms(tmp_path, shapes):
+    from viz.calibration import calibration_frame
+
+    rows = rows_of(shapes)
+    csv = write_run(tmp_path, shapes, rows)
+    assert fit.main(["--csv", str(csv), "--out", str(tmp_path / "h100.json")]) == 0
+    frame = calibration_frame(tmp_path / "h100.json")
+    assert len(frame) == sum("@" not in r["key"] for r in rows) < len(rows)
+    priced = frame[frame.predicted_ms > 0]  # an all-dense batch's selection is timed but priced at 0
+    assert priced["residual_pct"].abs().max() < 1e-3  # ours' rows, priced by ours' terms
