@@ -223,7 +223,8 @@ class Trainer:
                 for a, k, c in zip(assigned[mb] if self.comm.cp_rank == 0 else (), kept, cov):
                     sequences.append(asdict(SequenceRecord(
                         step=step, seq_id=a.seq_id, dp_rank=dp_rank, micro_batch=mb, length=a.length,
-                        sensitivity=truth[a.seq_id], p=a.budget.p, budget_kept_fraction=a.budget.kept_fraction,
+                        sensitivity=truth[a.seq_id], p=a.budget.p if a.budget.p_floor is None else a.budget.p_floor,
+                        budget_kept_fraction=a.budget.kept_fraction, budget_top_k=a.budget.top_k,
                         kept_fraction=k, coverage=c,
                     )))
             peak = outcome.peaks[mb]

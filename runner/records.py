@@ -40,5 +40,6 @@ class SequenceRecord:
     sensitivity: float
     p: float
     budget_kept_fraction: Optional[float]
+    budget_top_k: Optional[int]  # top-k budgets: blocks per query block (``p`` is then the floor, 1.0: none)
     kept_fraction: float
     coverage: float
