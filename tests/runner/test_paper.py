@@ -1,7 +1,8 @@
 """The paper's layout as users launch it, on the CPU: ``torchrun --nproc_per_node=8 -m runner.train
 +experiment=paper policy=sparsebalance`` (DP2 x PP4, 4 micro-batches of the longqa workload) with the
 overrides of TINY, which make the model and the sequences small enough for 8 gloo ranks on a few cores.
-Its Plans are sim.run's, its Results hold every (replica, micro-batch, stage), and runner.compare reads it.
+Its first Plan is sim.run's and each later one its planner's after what the kernel reported, its Results hold
+every (replica, micro-batch, stage), and runner.compare reads it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pandas as pd
 import pytest
 
 from pinned import PINNED_PROFILE
+from runner.dist import World
+from runner.train import build_planner, compose
 from sim.core import compose_config
 from sim.run import simulate
 
@@ -42,10 +45,20 @@ def run_dir(once) -> Path:
 
 
 def test_plans_are_the_simulators(run_dir):
+    """Step 0's Plan is sim.run's; step 1's is what the same planner makes when shown what the kernel reported of
+    step 0 (sequences.csv, steps.csv), where sim.run's planner is shown the cost model's."""
     # The runner keeps its activations (conf/runner.yaml), so sim.run plans the same step without recompute.
     sim_cfg = compose_config([*PAPER, *TINY, "memory.activation_checkpointing=false"])
-    expected = "".join(line + "\n" for line in simulate(sim_cfg).results.plans)
-    assert (run_dir / "plans.jsonl").read_bytes() == expected.encode()
+    recorded = (run_dir / "plans.jsonl").read_text().splitlines()
+    assert len(recorded) == 2 and recorded[0] == simulate(sim_cfg).results.plans[0]
+    planner, _ = build_planner(compose([*PAPER, *TINY, *RUNNER]), World(rank=0, size=8, local_rank=0))
+    sequences = pd.read_csv(run_dir / "sequences.csv").set_index(["step", "seq_id"])
+    steps = pd.read_csv(run_dir / "steps.csv").set_index("step")
+    for step, line in enumerate(recorded):
+        plan, _ = planner.plan(step)
+        assert plan.to_json() == line, step
+        reported = sequences.loc[[(step, a.seq_id) for a in plan.assignments]]
+        planner.observe(plan, reported["kept_fraction"], reported["coverage"], steps.loc[step, "step_ms"])
 
 
 def test_every_replica_micro_batch_and_stage_has_its_row(run_dir):

@@ -73,14 +73,27 @@ def test_training_writes_results_and_loss_decreases(full_run):
 
 
 def test_plans_are_the_simulators_and_ranks_train_their_share(full_run):
+    """Step 0's Plan is sim.run's; each later one is what the same planner makes when shown what the kernel
+    reported of the steps before (sequences.csv, steps.csv), where sim.run's planner is shown the cost model's."""
+    from runner.dist import World
+    from runner.train import build_planner, compose
     from sim.run import simulate
     from sim.core import compose_config
 
     # The runner keeps its activations (conf/runner.yaml), so sim.run plans the same step without recompute.
     cfg = compose_config([*SHARED, f"steps={STEPS}", "memory.activation_checkpointing=false"])
-    expected = "".join(p + "\n" for p in simulate(cfg).results.plans)
-    assert (full_run / "plans.jsonl").read_bytes() == expected.encode()
-    # The runner checked every step that all ranks held a Plan with one digest: the simulator's.
+    recorded = (full_run / "plans.jsonl").read_text().splitlines()
+    assert len(recorded) == STEPS and recorded[0] == simulate(cfg).results.plans[0]
+    planner, _ = build_planner(compose([*SHARED, *RUNNER, f"steps={STEPS}"]), World(rank=0, size=2, local_rank=0))
+    sequences = pd.read_csv(full_run / "sequences.csv").set_index(["step", "seq_id"])
+    steps = pd.read_csv(full_run / "steps.csv").set_index("step")
+    for step, line in enumerate(recorded):
+        plan, _ = planner.plan(step)
+        assert plan.to_json() == line, step
+        reported = sequences.loc[[(step, a.seq_id) for a in plan.assignments]]
+        planner.observe(plan, reported["kept_fraction"], reported["coverage"], steps.loc[step, "step_ms"])
+    expected = "".join(line + "\n" for line in recorded)
+    # The runner checked every step that all ranks held a Plan with one digest: the planner's.
     digests = pd.read_csv(full_run / "train.csv")["plan_sha256"]
     assert list(digests) == [hashlib.sha256(line.encode()).hexdigest() for line in expected.splitlines()]
 

@@ -22,6 +22,7 @@ from runner import compare
 from runner.train import check_inputs
 from sim.core import ConfigError, compose_config
 from sim.run import simulate
+from sim.workload import Workload, truth_of
 from tiny import ONE_RANK, TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +114,8 @@ def test_the_cli_answers_a_bad_runner_value_in_one_line_and_makes_no_run_dir(tmp
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """The files ``runner.train`` writes, made without training: the simulator's Results for the same config,
-    a kept fraction per planned sequence and the summary keys of a training run."""
+    per planned sequence its sensitivity (the workload's draw) and a kept fraction, and the summary keys of a
+    training run."""
     import runner.config
 
     runner.config.register()
@@ -124,7 +126,10 @@ def run_dir(tmp_path_factory) -> Path:
     (path / ".hydra").mkdir()
     OmegaConf.save(cfg, path / ".hydra" / "config.yaml")
     plans = [json.loads(line) for line in (path / "plans.jsonl").read_text().splitlines()]
-    rows = [{"step": p["step"], "seq_id": a["seq_id"], "kept_fraction": 0.5} for p in plans for a in p["assignments"]]
+    workload = Workload(OmegaConf.to_object(cfg.workload), cfg.model.max_context, cfg.seed)
+    truth = {p["step"]: truth_of(workload.batch(p["step"])) for p in plans}
+    rows = [{"step": p["step"], "seq_id": a["seq_id"], "sensitivity": truth[p["step"]][a["seq_id"]],
+             "kept_fraction": 0.5} for p in plans for a in p["assignments"]]
     pd.DataFrame(rows).to_csv(path / "sequences.csv", index=False)
     return path
 
@@ -170,8 +175,9 @@ BAD_RUNS = {
     "an empty steps.csv": (rewrite("steps.csv", ""), "steps.csv is not a CSV table"),
     "steps.csv without step_ms": (drop_column("steps.csv", "step_ms"), "missing ['step_ms']"),
     "a step that is not a number": (rewrite("steps.csv", "step,step_ms\nx,1.0\n"), "needs the numeric columns step"),
-    "sequences.csv of another run": (rewrite("sequences.csv", "step,seq_id,kept_fraction\n9,9,0.5\n"),
+    "sequences.csv of another run": (rewrite("sequences.csv", "step,seq_id,sensitivity,kept_fraction\n9,9,0.5,0.5\n"),
                                      "has no row for step 0"),
+    "sequences.csv without the data's truth": (drop_column("sequences.csv", "sensitivity"), "missing ['sensitivity']"),
     "a config that is not YAML": (rewrite(".hydra/config.yaml", ": : :\n"), "is not a runner config"),
     "a config that is a list": (rewrite(".hydra/config.yaml", "[1, 2]\n"), "is not a runner config"),
     "a config value of the wrong type": (set_config("model.hidden", "wide"), "could not be converted to Integer"),

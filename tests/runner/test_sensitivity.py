@@ -16,11 +16,15 @@ import pandas as pd
 import pytest
 import torch
 
+from omegaconf import OmegaConf
+
 from calibrate import sensitivity as calibrate_sensitivity
 from runner import sensitivity
 from runner.attention import make_attention
 from runner.task import make_example
+from sim.config import RunConfig
 from sim.sensitivity import RAW_COLUMNS, load_sensitivity_profile, raw_meta_path
+from sim.workload import Workload
 from pinned import PINNED_OVERRIDES
 from tiny import TINY_ONE_RANK
 
@@ -216,9 +220,16 @@ def test_checkpoint_to_simulator(checkpoint_dir, tmp_path, capsys):
                           "workload.global_batch=16", f"workload.sensitivity_profile={profile}", "baseline=null"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr
-    plans = [json.loads(line) for line in (run_dir / "plans.jsonl").read_text().splitlines()]
-    s = np.array([a["sensitivity"] for plan in plans for a in plan["assignments"]])
-    lengths = np.array([a["length"] for plan in plans for a in plan["assignments"]])
+    # the sequences the run simulated: its workload's draws (Plans carry lengths, not sensitivities)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig),
+                                              OmegaConf.load(run_dir / ".hydra" / "config.yaml")))
+    workload = Workload(cfg.workload, cfg.model.max_context, cfg.seed)
+    batches = [workload.batch(step) for step in range(cfg.steps)]
+    planned = [(a["seq_id"], a["length"]) for line in (run_dir / "plans.jsonl").read_text().splitlines()
+               for a in json.loads(line)["assignments"]]
+    assert sorted(planned) == sorted((q.id, q.length) for batch in batches for q in batch)
+    s = np.array([q.sensitivity for batch in batches for q in batch])
+    lengths = np.array([q.length for batch in batches for q in batch])
     # every draw inside the profile's spread: within 6 standard deviations of its mean in logit space
     z = np.log(s / (1 - s))
     assert np.all(np.abs(z - model.mean(lengths)) <= 6 * model.std(lengths) + 1e-6)
