@@ -14,7 +14,7 @@ from sim.core import ConfigError, compose_config
 from sim.cost import make_cost
 from sim.engine import Engine, run_pipeline
 from sim.pipeline import pipeline_ms
-from sim.workload import Sequence, requests, truth_of
+from sim.workload import Sequence, requests
 from oracle import oracle
 from pinned import pinned
 
