@@ -201,7 +201,7 @@ def main(cfg: DictConfig) -> None:
     try:
         run_dir = Path(comm.broadcast(HydraConfig.get().runtime.output_dir))
         try:
-            # A checkpoint that changed since check_inputs read it, or a batch no Plan fits (plan_step).
+            # A checkpoint that changed since check_inputs read it, or a batch no Plan fits (the planner).
             summary = Trainer(cfg, planner, cluster, comm, device, run_dir).train()
         except ConfigError as exc:
             fail(str(exc))

@@ -36,7 +36,8 @@ from sim.cost import make_cost
 from sim.engine import Engine, run_pipeline
 from sim.plan import Plan
 from sim.progress import with_progress
-from sim.run import load_policy, simulate, trace_note
+from sim.run import simulate, trace_note
+from sim.setup import load_policy
 
 # Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9; verl_topk: one top-k budget per step
 # at the coverage sparsebalance_topk keeps), then ours and the cross; verl_dense is what a user who does not

@@ -17,7 +17,8 @@ from sim.compare import default_lists
 from sim.config import AttentionBackend, policy_cost
 from sim.core import ConfigError, compose_config
 from sim.cost import _head_pair_flops, dense_features, load_profile, make_cost, profile_problem
-from sim.run import load_policy, simulate
+from sim.run import simulate
+from sim.setup import load_policy
 
 LENGTHS = np.array([1024, 8192, 32768, 32768, 4096, 4096, 2048])
 KEPT = np.array([1.0, 0.5, 0.9, 0.1, 0.3, 1.0, 0.05])
