@@ -162,6 +162,9 @@ class Results:
         return [run_dir / name for name in names]
 
 
+EMPTY_NAN = ("kept_fraction", "coverage")  # MicroBatchRecord figures that an empty micro-batch has none of
+
+
 def check_finite(summary: dict, *frames: pd.DataFrame) -> None:
     """Refuse results that are not finite numbers (one ConfigError line; nothing is written): an absurd but finite
     input (a cost coefficient, a peak rate) can overflow a time to inf and a ratio of two to NaN, which is no
@@ -176,6 +179,11 @@ def check_finite(summary: dict, *frames: pd.DataFrame) -> None:
     for frame in frames:
         numbers = frame.select_dtypes("number").drop(columns=[c for c in OPTIONAL if c in frame], errors="ignore")
         bad = ~np.isfinite(numbers.to_numpy(dtype=np.float64))
+        if "tokens" in numbers:  # an empty micro-batch has no kept fraction or coverage (NaN, an empty cell)
+            empty = numbers["tokens"].to_numpy() == 0
+            for col in EMPTY_NAN:
+                if col in numbers:
+                    bad[empty, numbers.columns.get_loc(col)] = False
         if bad.any():
             row, col = np.argwhere(bad)[0]
             raise ConfigError(f"the run's {numbers.columns[col]} is {numbers.iat[row, col]} in row {row + 1}, not a "

@@ -28,7 +28,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.config import LengthDistribution, PolicyConfig, RunConfig, policy_cost, register
+from sim.config import LengthDistribution, PolicyConfig, RunConfig, policy_cost, register, validate
 from sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable, compose_config, fail,
                       group_options, hydra_reason, interrupted, preset_options, preset_overrides)
 from sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
@@ -267,6 +267,7 @@ def check_optuna(sweeper: DictConfig) -> None:
 
 
 def check_job(cfg: RunConfig) -> None:
+    validate(cfg)  # before the copy below, which keeps the schema's fields only: an added +key is reported here
     setup = prepare(replace(cfg, cost=policy_cost(cfg.cost, cfg.policy)))
     make_planner(cfg, setup, truth=dict)  # the policies and the estimator (the simulator may give truth)
     if cfg.baseline and cfg.baseline != cfg.policy.name:

@@ -142,9 +142,11 @@ def test_a_run_cut_short_keeps_the_lengths_it_finished(checkpoint_dir, tmp_path,
 
     monkeypatch.setattr(sensitivity, "measure_sequence", stop_at_256)
     out = tmp_path / "raw.csv"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:
         sensitivity.main([str(checkpoint_dir), "--lengths", "128,256", "--p", "0.9", "--sequences", "2",
                           "--out", str(out)])
+    assert stopped.value.code == 130  # Ctrl-C: one line, no traceback
+    assert capsys.readouterr().err.splitlines()[-1] == "interrupted"  # progress lines, then one line, no traceback
     raw = pd.read_csv(out)
     assert raw["length"].unique().tolist() == [128] and len(raw) == 2 * LAYERS
     assert json.loads(raw_meta_path(out).read_text())["lengths"] == [128, 256]
