@@ -100,7 +100,7 @@ class DynamicSparsityTuning:
         levels: int = 11  # budget levels between floor and cap (steps of 0.02 by default)
         k: int = 64  # top-k: starting blocks per query block (with min_mean_coverage: the level that meets it)
         k_floor: int = 16  # top-k: fewest blocks per query block
-        k_cap: Optional[int] = None  # top-k: most blocks per query block; None: 4 k
+        k_cap: Optional[int] = None  # top-k: most blocks per query block; None: 4 k, or the longest sequence's
         p_floor: Optional[float] = bounded(None, FRACTION)  # top-k: the rows' runtime coverage floor; None: none
         # None: the start's mean coverage (as weighted below); set: DST starts from the lowest level that meets it
         min_mean_coverage: Optional[float] = bounded(None, FRACTION)
@@ -132,7 +132,8 @@ class DynamicSparsityTuning:
 def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost: CostModel, belief: Belief) -> Plan:
     if not plan.assignments:
         return plan
-    budgets, start_level = level_budgets(params, cost.block_size)
+    longest = max(a.length for a in plan.assignments)
+    budgets, start_level = level_budgets(params, cost.block_size, longest)
     table = LevelTable.build(plan, layout, cost, budgets, belief, CoverageWeight(params.coverage_weight),
                              params.quantile)
     if params.min_mean_coverage is not None:
@@ -158,17 +159,20 @@ def meeting_level(table: LevelTable, target: float) -> int:
     return next((level for level in levels if table.mean_coverage(np.full((dp, m), level)) >= target), levels[-1])
 
 
-def level_budgets(params: DynamicSparsityTuning.Params, block_size: int) -> tuple[list[Budget], int]:
-    """The budgets DST chooses from, cheapest first, and the index of the starting one."""
+def level_budgets(params: DynamicSparsityTuning.Params, block_size: int, longest: int = 0) -> tuple[list[Budget], int]:
+    """The budgets DST chooses from, cheapest first, and the index of the starting one (``longest``: the step's
+    longest sequence, whose every block the top-k levels reach where ``k_cap`` is None)."""
     if Family(params.family) is Family.topp:
         grid = budget_grid(params)
         return [Budget(p=float(p)) for p in grid], int(np.searchsorted(grid, params.p))
-    return topk_budgets(params)
+    return topk_budgets(params, -(-longest // block_size))
 
 
-def topk_budgets(params: DynamicSparsityTuning.Params) -> tuple[list[Budget], int]:
-    """``levels`` block counts spaced evenly in log from k_floor to k_cap (4 k where it is None), plus k."""
-    top = params.k_cap if params.k_cap is not None else 4 * params.k
+def topk_budgets(params: DynamicSparsityTuning.Params, blocks: int = 0) -> tuple[list[Budget], int]:
+    """``levels`` block counts spaced evenly in log from k_floor to k_cap, plus k. Where k_cap is None the top is
+    the larger of 4 k and ``blocks`` (the step's longest sequence's): every sequence runs dense at the top
+    level, so a coverage target is always within reach."""
+    top = params.k_cap if params.k_cap is not None else max(4 * params.k, blocks)
     ks = np.unique(np.append(np.rint(np.geomspace(params.k_floor, top, params.levels)).astype(np.int64), params.k))
     return [Budget(top_k=int(k), p_floor=params.p_floor) for k in ks.tolist()], int(np.searchsorted(ks, params.k))
 

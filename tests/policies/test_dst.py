@@ -132,7 +132,7 @@ def test_zero_heterogeneity_is_a_no_op(world, layout_dims, per_mb, length, sens,
     dst = make_sparsity("dst", {"p": p, "floor": floor, "cap": cap})
     # Where selection costs more than sparsity saves (short documents), a higher budget is also faster:
     # DST rightly takes that, so the no-op claim is about costs that grow with the budget.
-    rank_ms = LevelTable.build(plan, layout, cost, level_budgets(dst.params, cost.block_size)[0], belief).rank_ms[:, 0]
+    rank_ms = LevelTable.build(plan, layout, cost, level_budgets(dst.params, cost.block_size, max(a.length for a in plan.assignments))[0], belief).rank_ms[:, 0]
     assume(np.all(np.diff(rank_ms) >= 0))
     tuned, fixed = dst.tune(plan, layout, cost, belief), uniform_budget_plan(plan, Budget(p=p))
     if pp == 1:
