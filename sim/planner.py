@@ -3,7 +3,7 @@
 ``Planner`` is the one planning loop of the simulator (``sim.run``) and the runner (``runner.train``,
 ``runner.replay``), and what another trainer calls::
 
-    planner = Planner.from_config("sparsebalance", layout=Layout(dp=2, pp=4, micro_batches=4))
+    planner = sim.setup.build_planner("sparsebalance", ["+experiment=paper"])   # or Planner(...) from parts
     for step, batch in enumerate(loader):
         plan = planner.plan(batch.lengths, step)           # Plan: (rank, micro-batch, budget) per sequence
         ... run it; per sequence the kernel reports kept_fraction and coverage ...
@@ -17,7 +17,7 @@ predicts (``predicted_ms``), to be held against the time the step then took.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from sim.plan import BudgetArrays, Plan
 from sim.workload import Request
 
 
-class StepTimer:
+class StepTimer(Protocol):
     """What ``Planner.predicted_ms`` needs of the engine (sim.engine.Engine has it)."""
 
     def expected_step_ms(self, plan: Plan, kept: np.ndarray) -> float: ...

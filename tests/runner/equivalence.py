@@ -198,3 +198,16 @@ def check_compare(run_dir: Path) -> None:
     assert main([str(run_dir), "--profile", str(PINNED_PROFILE), "--skip", "0"]) == 0
     table = pd.read_csv(run_dir / "compare.csv")
     assert len(table) == len(plans_of(run_dir)) and (table["sim_ms"] > 0).all()
+
+
+def check_replanned(run_dir: Path, planner) -> None:
+    """Every Plan a runner run recorded is what ``planner`` (a fresh runner.train.StepPlanner of the same config)
+    makes when shown, step by step, what the run's kernel reported (sequences.csv, steps.csv)."""
+    recorded = (run_dir / "plans.jsonl").read_text().splitlines()
+    sequences = pd.read_csv(run_dir / "sequences.csv").set_index(["step", "seq_id"])
+    steps = pd.read_csv(run_dir / "steps.csv").set_index("step")
+    for step, line in enumerate(recorded):
+        plan, _ = planner.plan(step)
+        assert plan.to_json() == line, step
+        reported = sequences.loc[[(step, a.seq_id) for a in plan.assignments]]
+        planner.observe(plan, reported["kept_fraction"], reported["coverage"], steps.loc[step, "step_ms"])

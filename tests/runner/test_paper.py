@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from equivalence import check_replanned
 from pinned import PINNED_PROFILE
 from runner.dist import World
 from runner.train import build_planner, compose
@@ -52,13 +53,7 @@ def test_plans_are_the_simulators(run_dir):
     recorded = (run_dir / "plans.jsonl").read_text().splitlines()
     assert len(recorded) == 2 and recorded[0] == simulate(sim_cfg).results.plans[0]
     planner, _ = build_planner(compose([*PAPER, *TINY, *RUNNER]), World(rank=0, size=8, local_rank=0))
-    sequences = pd.read_csv(run_dir / "sequences.csv").set_index(["step", "seq_id"])
-    steps = pd.read_csv(run_dir / "steps.csv").set_index("step")
-    for step, line in enumerate(recorded):
-        plan, _ = planner.plan(step)
-        assert plan.to_json() == line, step
-        reported = sequences.loc[[(step, a.seq_id) for a in plan.assignments]]
-        planner.observe(plan, reported["kept_fraction"], reported["coverage"], steps.loc[step, "step_ms"])
+    check_replanned(run_dir, planner)
 
 
 def test_every_replica_micro_batch_and_stage_has_its_row(run_dir):

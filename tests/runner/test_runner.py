@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from equivalence import check_replanned
 from pinned import PINNED_PROFILE
 from runner.dist import DIAGNOSIS_TIMEOUTS
 from sim.plan import Plan
@@ -85,13 +86,7 @@ def test_plans_are_the_simulators_and_ranks_train_their_share(full_run):
     recorded = (full_run / "plans.jsonl").read_text().splitlines()
     assert len(recorded) == STEPS and recorded[0] == simulate(cfg).results.plans[0]
     planner, _ = build_planner(compose([*SHARED, *RUNNER, f"steps={STEPS}"]), World(rank=0, size=2, local_rank=0))
-    sequences = pd.read_csv(full_run / "sequences.csv").set_index(["step", "seq_id"])
-    steps = pd.read_csv(full_run / "steps.csv").set_index("step")
-    for step, line in enumerate(recorded):
-        plan, _ = planner.plan(step)
-        assert plan.to_json() == line, step
-        reported = sequences.loc[[(step, a.seq_id) for a in plan.assignments]]
-        planner.observe(plan, reported["kept_fraction"], reported["coverage"], steps.loc[step, "step_ms"])
+    check_replanned(full_run, planner)
     expected = "".join(line + "\n" for line in recorded)
     # The runner checked every step that all ranks held a Plan with one digest: the planner's.
     digests = pd.read_csv(full_run / "train.csv")["plan_sha256"]
