@@ -53,8 +53,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """One layer, built like ``calibrate.layer.Layer`` (fused QKV and gate/up projections, torch's
-    RMSNorm) so that the calibrated layer times describe this model's layers."""
+    """One layer (fused QKV and gate/up projections, torch's RMSNorm); calibration times this class
+    (calibrate.measure), so the calibrated layer times describe this model's layers."""
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()

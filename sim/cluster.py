@@ -103,12 +103,6 @@ class Cluster:
             return 1
         return max(1, math.ceil(params_per_stage * self.grad_bytes / (self.grad_bucket_mb * 2**20)))
 
-    def cp_ring_ms(self, shard_bytes: float, cp: int) -> float:
-        """CP ring exchange: each rank passes a KV shard on cp - 1 times."""
-        if cp == 1:
-            return 0.0
-        return (cp - 1) * self.tier(cp).transfer_ms(shard_bytes)
-
     def p2p_ms(self, nbytes: float, layout: Layout) -> float:
         """Activation hand-off between neighbouring pipeline stages (stride dp x cp ranks)."""
         return self.tier(2 * layout.dp * layout.cp).transfer_ms(nbytes)

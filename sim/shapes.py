@@ -28,7 +28,7 @@ class ModelShape:
     ffn: int
     vocab: int
     max_context: int
-    rope_theta: float = 500000.0  # not in conf/model/: RoPE base of the runner's model and calibrate.layer
+    rope_theta: float = 500000.0  # not in conf/model/: RoPE base of the runner's model, which calibration times
     tie_embeddings: bool = False  # the LM head shares the input embedding's matrix
 
     def __post_init__(self) -> None:

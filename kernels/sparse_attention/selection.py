@@ -95,9 +95,6 @@ class BlockSelection:
     def num_blocks(self) -> int:
         return self.layout.num_blocks
 
-    def kept_blocks(self) -> int:
-        return int(self.q2k_cnt.sum())
-
     def to_dense_mask(self) -> torch.Tensor:
         """``[Hkv, NB, NB]`` bool block mask (tests, FlexAttention; O(NB^2), small inputs only)."""
         H, NB, W = self.q2k_idx.shape
