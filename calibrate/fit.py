@@ -37,7 +37,8 @@ from sim.cluster import Layout
 from sim.config import ModelConfig
 from sim.core import ArgumentParser, ConfigError, check_writable, one_line_errors, write_checked_json
 from sim.backends import BACKEND_NAME, DENSE_TERMS, OURS
-from sim.cost import PROFILE_SCHEMA_VERSION, TERMS, CostModel, load_profile, profile_problem
+from sim.cost import CostModel
+from sim.profile import PROFILE_SCHEMA_VERSION, TERMS, load_profile, profile_problem
 
 DEFAULT_OUT = DEFAULT_CSV.with_name("h200.json")
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,39 +16,19 @@ since the diagonal block of every query block is always kept.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import shlex
-import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from datetime import date
-from pathlib import Path
 
 import numpy as np
 
-from sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, backends_problem, fastest, grouped_dense, linear_ms
+from sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, fastest, grouped_dense, linear_ms
 from sim.cluster import Cluster, Layout
 from sim.config import CostConfig, ModelConfig
-from sim.core import ConfigError, one_line_errors, read_json_config_file, resolve_path, write_json_atomic
+from sim.core import ConfigError
 from sim.cp_shards import kept_in_row, kept_rows, slowest_rank_extra
+from sim.profile import ATTENTION_FEATURES, DKDV_SLOTS, PROFILE_FEATURES, WAVE, load_profile
 from sim.workload import Sequence
 
-PROFILE_SCHEMA_VERSION = 2  # 2: per-term attention features (fwd_path; dkdv_path, dq_path, kv_waves)
-TERMS = ("attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd")
-# Features of every attention term (see attention_features); the forward and the backward add the launch
-# structure of their kernels, which bounds small batches (short GPU calls) by their longest programs.
-ATTENTION_FEATURES = ("const", "tokens", "blocks", "flops", "q_blocks", "kv_blocks")
-FWD_FEATURES = ATTENTION_FEATURES + ("fwd_path",)
-BWD_FEATURES = ATTENTION_FEATURES + ("dkdv_path", "dq_path", "kv_waves")
-LAYER_FEATURES = ("const", "tokens", "flops")
-# The features each term is priced on: the simulator hands a term only these, so they are what the fit sees
-# and every key a profile term carries (a feature the fit holds at zero is written as 0, never left out).
-PROFILE_FEATURES = {"attn_fwd": FWD_FEATURES, "attn_bwd": BWD_FEATURES, "select": ATTENTION_FEATURES,
-                    "layer_fwd": LAYER_FEATURES, "layer_bwd": LAYER_FEATURES}
-# Multiprocessors of the calibrated GPU (H200): one wave of the kernel's programs.
-WAVE = 132
 # Launch rules of the calibrated kernel, mirrored from kernels/sparse_attention/launch.py (tests check they
 # match): keys per dK/dV program (DEFAULT_CONFIG["dkdv"]["BN"], at most the block size: a key block is split
 # over block_size / DKDV_KEYS programs); the row length below which the forward and dQ take their short-row
@@ -57,9 +37,6 @@ WAVE = 132
 DKDV_KEYS = 64
 SHORT_ROW_TOKENS = 2048
 OVERLAP_MAX_PROGRAMS_PER_SM = 16
-# dK/dV programs resident at once: two per SM (4 warps; a 64-key K/V tile and two pipeline stages of 64-row
-# Q/dO tiles at head_dim 128 take about 96 KB of shared memory).
-DKDV_SLOTS = 2 * WAVE
 # The busiest key block of a selection (the dK/dV program that runs longest): the number of query rows that
 # keep a key block has a mean of about the longest row's kept blocks and a variance of about (row - 1)(1 - slope)
 # where rows keep their other blocks at random, and the most any of a sequence's KV heads x key blocks reaches
@@ -512,190 +489,3 @@ def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster, *, recomput
                           f"allowed: {OURS}, or a profile with a 'backends' section (python -m calibrate.run on a "
                           "GPU with the peers installed, then calibrate.fit)")
     return cost
-
-
-# ----------------------------------------------------------------------------- profiles
-PROFILE_KEYS = ("schema_version", "gpu", "provisional", "meta", "block_size", "terms")
-
-
-def load_profile(path: str, key: str = "cost.profile") -> dict:
-    """Read and validate a profile; any problem is one ConfigError line naming ``key``, the file and the value."""
-    profile = read_json_config_file(path, key, "profiles live in calibrate/profiles/")
-    problem = profile_problem(profile)
-    if problem:
-        raise ConfigError(f"{key}={path!r}: {problem}")
-    return profile
-
-
-def profile_problem(profile) -> str | None:
-    """What is wrong with a parsed profile, as ``<key>=<value>: <what is allowed>``; None when it is usable."""
-    if not isinstance(profile, dict):
-        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(profile), "a number")
-        return f"the top level is {kind}; a profile is a JSON object"
-    if "schema_version" in profile and (profile["schema_version"] != PROFILE_SCHEMA_VERSION
-                                        or isinstance(profile["schema_version"], bool)):
-        return (f"schema_version={profile['schema_version']!r}: this simulator reads {PROFILE_SCHEMA_VERSION}; refit "
-                "the profile from its raw measurements (python -m calibrate.fit --csv RAW.csv --out PROFILE.json)")
-    missing = [k for k in PROFILE_KEYS if k not in profile]
-    if missing:
-        return f"missing key {missing[0]!r}; a profile has {', '.join(PROFILE_KEYS)}"
-    return _header_problem(profile) or _terms_problem(profile["terms"]) or backends_problem(profile.get("backends"))
-
-
-def _header_problem(profile: dict) -> str | None:
-    block = profile["block_size"]
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        return f"block_size={block!r}: must be a positive integer"
-    if not isinstance(profile["gpu"], str) or not profile["gpu"]:
-        return f"gpu={profile['gpu']!r}: must be a non-empty string"
-    if not isinstance(profile["provisional"], bool):
-        return f"provisional={profile['provisional']!r}: must be true or false"
-    if not isinstance(profile["meta"], dict):
-        return f"meta={profile['meta']!r}: must be a JSON object"
-    return None
-
-
-def _terms_problem(terms) -> str | None:
-    if not isinstance(terms, dict) or set(terms) != set(TERMS):
-        found = sorted(terms) if isinstance(terms, dict) else terms
-        return f"terms={found!r}: terms must be exactly {', '.join(TERMS)}"
-    for term, coefs in terms.items():
-        required = PROFILE_FEATURES[term]
-        if not isinstance(coefs, dict):
-            return f"terms.{term}={coefs!r}: must map the features {', '.join(required)} to coefficients"
-        for feat in coefs:
-            if feat not in required:
-                return f"terms.{term}.{feat}: unknown feature; allowed: {', '.join(required)}"
-        for feat in required:
-            if feat not in coefs:
-                return f"terms.{term}.{feat} is missing; every feature needs a coefficient: {', '.join(required)}"
-            coef = coefs[feat]
-            if not isinstance(coef, (int, float)) or isinstance(coef, bool):
-                return f"terms.{term}.{feat}={coef!r}: not a number; coefficients are finite numbers >= 0"
-            if not math.isfinite(coef) or coef < 0:
-                return f"terms.{term}.{feat}={coef!r}: coefficients must be finite and >= 0 (no negative times)"
-    return _physical_problem(terms)
-
-
-# Physical bounds of the coefficients (ms per unit of a feature), from the GPUs of conf/cluster. Their fastest
-# dense bf16 peak is 989 TFLOP/s, and 2:4 sparsity doubles the datasheets' figure to 1,979 TFLOP/s, the most any
-# of them claims: a term that prices a FLOP below 1 / that executes FLOPs faster than these GPUs can. 1 GFLOP/s,
-# about a millionth of that peak, is slower than any of them (a CPU core computes more), and no launch, token,
-# block or program of one layer's kernel takes a second: above those a coefficient is a typo (1e300 makes times
-# inf).
-FASTEST_FLOPS_PER_MS = 1979e9
-SLOWEST_FLOPS_PER_MS = 1e6
-SLOWEST_MS_PER_UNIT = 1e3
-FLOP_FEATURES = ("flops", "fwd_path", "dq_path", "dkdv_path")  # FLOP counts; the other features count units
-WORK_TERMS = ("attn_fwd", "attn_bwd", "layer_fwd", "layer_bwd")  # the terms whose ``flops`` they execute
-
-
-def _physical_problem(terms: dict) -> str | None:
-    """A coefficient outside the physical bounds above, or a term that takes no time at all, as one line."""
-    for term, coefs in terms.items():
-        if not any(coefs.values()):
-            return f"terms.{term}: every coefficient is 0, so it takes no time; a kernel call takes some"
-        for feat, coef in coefs.items():
-            slowest = 1 / SLOWEST_FLOPS_PER_MS if feat in FLOP_FEATURES else SLOWEST_MS_PER_UNIT
-            if coef > slowest:
-                what = ("ms per FLOP, under 1 GFLOP/s" if feat in FLOP_FEATURES
-                        else "ms, a second or more per launch, token, block or program")
-                return f"terms.{term}.{feat}={coef!r} {what}: slower than any GPU; allowed: <= {slowest:g}"
-        # A large micro-batch's cost per FLOP; the backward's dK/dV path then grows with its FLOPs too
-        # (_launch_features). The features count forward FLOPs, so a backward's rate is underestimated: lenient.
-        per_flop = coefs["flops"] + (2 / DKDV_SLOTS * coefs["dkdv_path"] if term == "attn_bwd" else 0.0)
-        if term in WORK_TERMS and 0 < per_flop < 1 / FASTEST_FLOPS_PER_MS:
-            return (f"terms.{term}.flops={coefs['flops']!r}: {1 / per_flop / 1e9:,.0f} TFLOP/s, faster than any GPU "
-                    f"(the fastest peak in conf/cluster is 1,979 TFLOP/s with 2:4 sparsity); allowed: 0, or >= "
-                    f"{1 / FASTEST_FLOPS_PER_MS:.3g} ms per FLOP")
-    return None
-
-
-def provisional_profile(model: ModelConfig, cluster: Cluster, cfg: CostConfig, command: str) -> dict:
-    """The roofline model written as profile coefficients, until the calibration harness measures them."""
-    attn = cluster.peak_tflops * 1e9 * cfg.attn_efficiency
-    mm = cluster.peak_tflops * 1e9 * cfg.matmul_efficiency
-    hbm = cluster.hbm_tbps * 1e9
-    launch = cfg.launch_ms
-    return {
-        "schema_version": PROFILE_SCHEMA_VERSION,
-        "gpu": "h200",
-        "provisional": True,
-        "meta": {
-            "command": command,
-            "date": date.today().isoformat(),
-            "source": "roofline (sim.cost.RooflineCost) with the default cluster, model and cost configs",
-            "model": model.name,
-            "torch": None,
-            "triton": None,
-            "driver": None,
-            "grid": {},
-        },
-        "block_size": cfg.block_size,
-        "terms": _every_feature({
-            "attn_fwd": {"const": launch, "flops": 1.0 / attn},
-            "attn_bwd": {"const": launch, "flops": cfg.attn_bwd_ratio / attn},
-            "select": {
-                "const": launch,
-                "blocks": 2.0 * model.head_dim / attn,
-                "tokens": (model.heads + model.kv_heads) * model.head_dim * BF16 / hbm,
-            },
-            # The roofline's weight-streaming floor is not linear; at micro-batch sizes the FLOPs dominate.
-            "layer_fwd": {"const": launch, "flops": 1.0 / mm},
-            "layer_bwd": {"const": launch, "flops": 2.0 / mm},
-        }),
-        "comm": {"allreduce_busbw_gbps": None, "p2p_gbps": None},
-        "fit": {"heldout_mape": {}},
-    }
-
-
-def _every_feature(terms: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Terms with a coefficient for every feature of their set: the ones a model does not price are 0."""
-    return {term: {f: 0.0 for f in PROFILE_FEATURES[term]} | coefs for term, coefs in terms.items()}
-
-
-PROVISIONAL_OUT = "calibrate/profiles/h200_provisional.json"
-
-
-def _measured_profile_at(path: Path) -> bool:
-    """Whether ``path`` holds anything but a provisional profile (a measurement, or a file of unknown kind)."""
-    if not path.exists():
-        return False
-    try:
-        existing = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return True
-    return not (isinstance(existing, dict) and existing.get("provisional") is True)
-
-
-def _write_provisional(out: str, replace_measured: bool) -> None:
-    from sim.core import compose_config
-
-    target = resolve_path(out)
-    if not replace_measured and _measured_profile_at(target):
-        raise ConfigError(f"--out={out}: holds a measured (not provisional) profile; pass --replace-measured "
-                          "to overwrite it with the roofline-derived one")
-    cfg = compose_config(["cost=roofline"])
-    command = shlex.join(["python", "-m", "sim.cost", "--write-provisional", "--out", out]
-                         + ["--replace-measured"] * replace_measured)
-    profile = provisional_profile(cfg.model, Cluster.from_config(cfg.cluster), cfg.cost, command)
-    write_json_atomic(target, profile)
-    print(f"wrote provisional profile {out}")
-
-
-@one_line_errors
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sim.cost", description="Cost model utilities")
-    parser.add_argument("--write-provisional", action="store_true", help="write the roofline-derived profile")
-    parser.add_argument("--out", default=PROVISIONAL_OUT, help=f"where to write it (default {PROVISIONAL_OUT})")
-    parser.add_argument("--replace-measured", action="store_true",
-                        help="allow --out to name a measured profile, which is then overwritten")
-    args = parser.parse_args(argv)
-    if not args.write_provisional:
-        parser.error("nothing to do; pass --write-provisional")
-    _write_provisional(args.out, args.replace_measured)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

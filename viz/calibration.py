@@ -13,7 +13,7 @@ from sim.backends import OURS
 from calibrate.grid import GridPoint
 from calibrate.run import meta_path
 from sim.core import ConfigError
-from sim.cost import load_profile
+from sim.profile import load_profile
 from sim.sensitivity import KIND as SENSITIVITY_KIND
 from sim.shapes import load_shapes
 from viz.runs import PlotError

@@ -19,7 +19,8 @@ from runner.attention import make_attention
 from sim.backends import DENSE_FEATURES, DENSE_TERMS
 from sim.cluster import Cluster, Layout
 from sim.core import ConfigError, compose_config
-from sim.cost import dense_features, load_profile, make_cost
+from sim.cost import dense_features, make_cost
+from sim.profile import load_profile
 from sim.shapes import ModelShape, load_shapes
 
 BLOCK = 128

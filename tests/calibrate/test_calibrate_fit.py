@@ -16,10 +16,10 @@ from calibrate.fit import FeatureSource, Measurement
 from calibrate.grid import build_grid
 from sim.shapes import load_shapes
 from sim.core import ConfigError
-from sim.cost import PROFILE_FEATURES, TERMS, load_profile
+from sim.profile import PROFILE_FEATURES, TERMS, load_profile
 
 BLOCK = 128
-# Every feature of a term carries a coefficient (sim.cost.PROFILE_FEATURES); those not given here are 0.
+# Every feature of a term carries a coefficient (sim.profile.PROFILE_FEATURES); those not given here are 0.
 TRUE = {t: {f: 0.0 for f in PROFILE_FEATURES[t]} | c for t, c in {
     "attn_fwd": {"const": 0.03, "tokens": 2e-7, "blocks": 1e-7, "flops": 1 / 300e9},
     "attn_bwd": {"const": 0.08, "tokens": 5e-7, "blocks": 3e-7, "flops": 2.5 / 300e9},

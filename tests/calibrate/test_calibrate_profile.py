@@ -13,7 +13,7 @@ import pytest
 
 from calibrate import fit
 from calibrate.run import meta_path
-from sim.cost import load_profile
+from sim.profile import load_profile
 
 PROFILES = Path(__file__).resolve().parents[2] / "calibrate" / "profiles"
 

@@ -1,4 +1,4 @@
-"""``python -m sim.cost --write-provisional`` writes the roofline-derived profile beside the measured one,
+"""``python -m sim.provisional`` writes the roofline-derived profile beside the measured one,
 never over it unless asked (``--replace-measured``)."""
 from __future__ import annotations
 
@@ -11,35 +11,36 @@ from pathlib import Path
 import pytest
 
 from pinned import PINNED_PROFILE
-from sim import cost
+from sim import provisional
 from sim.config import CostConfig
 from sim.core import resolve_path
+from sim.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_provisional(capsys, *args: str) -> tuple[int, str]:
-    """Exit status and stderr of sim.cost's command line, run in this process."""
+    """Exit status and stderr of sim.provisional's command line, run in this process."""
     try:
-        code = cost.main(["--write-provisional", *args])
+        code = provisional.main([*args])
     except SystemExit as done:
         code = done.code
     return code, capsys.readouterr().err
 
 
 def test_the_default_target_is_not_the_simulators_default_profile(tmp_path, monkeypatch, capsys):
-    assert resolve_path(cost.PROVISIONAL_OUT) != resolve_path(CostConfig().profile)
-    monkeypatch.setattr(cost, "PROVISIONAL_OUT", str(tmp_path / "provisional.json"))
+    assert resolve_path(provisional.PROVISIONAL_OUT) != resolve_path(CostConfig().profile)
+    monkeypatch.setattr(provisional, "PROVISIONAL_OUT", str(tmp_path / "provisional.json"))
     assert write_provisional(capsys) == (0, "")
-    written = cost.load_profile(str(tmp_path / "provisional.json"))
-    assert written["provisional"] is True and "--write-provisional" in written["meta"]["command"]
+    written = load_profile(str(tmp_path / "provisional.json"))
+    assert written["provisional"] is True and "sim.provisional" in written["meta"]["command"]
 
 
 def test_a_provisional_profile_is_replaced_without_asking(tmp_path, capsys):
     out = tmp_path / "provisional.json"
     out.write_text(json.dumps({"provisional": True, "stale": True}))
     assert write_provisional(capsys, "--out", str(out)) == (0, "")
-    assert "stale" not in cost.load_profile(str(out))
+    assert "stale" not in load_profile(str(out))
 
 
 @pytest.mark.parametrize("existing", ["measured", "unreadable"])
@@ -56,13 +57,13 @@ def test_a_measured_profile_is_kept_unless_asked(tmp_path, capsys, existing):
         "it with the roofline-derived one"]
     assert out.read_bytes() == before and sorted(tmp_path.iterdir()) == [out]
     assert write_provisional(capsys, "--out", str(out), "--replace-measured") == (0, "")
-    assert cost.load_profile(str(out))["provisional"] is True
+    assert load_profile(str(out))["provisional"] is True
 
 
 def test_the_refusal_from_the_shell_is_one_line(tmp_path):
     out = tmp_path / "h200.json"
     shutil.copy(PINNED_PROFILE, out)
-    done = subprocess.run([sys.executable, "-m", "sim.cost", "--write-provisional", "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "sim.provisional", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
     assert out.read_bytes() == PINNED_PROFILE.read_bytes()

@@ -16,7 +16,8 @@ from sim.cluster import Cluster, Layout
 from sim.compare import default_lists
 from sim.config import AttentionBackend, policy_cost
 from sim.core import ConfigError, compose_config
-from sim.cost import _head_pair_flops, dense_features, load_profile, make_cost, profile_problem
+from sim.cost import _head_pair_flops, dense_features, make_cost
+from sim.profile import load_profile, profile_problem
 from sim.run import simulate
 from sim.setup import load_policy
 

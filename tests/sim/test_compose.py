@@ -37,7 +37,7 @@ def test_committed_profiles_are_measured_ones(gpu):
     """The default (H200) and the H100 profile are measured, not provisional, and of this simulator's schema."""
     import json
 
-    from sim.cost import PROFILE_SCHEMA_VERSION
+    from sim.profile import PROFILE_SCHEMA_VERSION
 
     profile = json.loads((Path(__file__).resolve().parents[2] / f"calibrate/profiles/{gpu}.json").read_text())
     assert profile["provisional"] is False and profile["schema_version"] == PROFILE_SCHEMA_VERSION

@@ -4,8 +4,9 @@ from hypothesis import given, strategies as st
 
 from sim.cluster import Cluster, Layout
 from sim.core import ConfigError, compose_config, write_json_atomic
-from sim.cost import (DKDV_SLOTS, OVERLAP_MAX_PROGRAMS_PER_SM, PROFILE_SCHEMA_VERSION, WAVE, attention_features,
-                      load_profile, make_cost, params_per_layer, provisional_profile)
+from sim.cost import OVERLAP_MAX_PROGRAMS_PER_SM, attention_features, make_cost, params_per_layer
+from sim.profile import DKDV_SLOTS, PROFILE_SCHEMA_VERSION, WAVE, load_profile
+from sim.provisional import provisional_profile
 from sim.workload import Sequence
 
 

@@ -8,7 +8,8 @@ from pinned import pinned
 from runner.cp import shard_bounds
 from sim.cluster import Cluster, Layout
 from sim.core import compose_config
-from sim.cost import ATTENTION_FEATURES, _launch_features, _sequence_attention, attention_features, make_cost
+from sim.cost import _launch_features, _sequence_attention, attention_features, make_cost
+from sim.profile import ATTENTION_FEATURES
 from sim.cp_shards import distinct_gaps, kept_rows, kept_share_shift, slowest_rank_extra, zigzag_bounds
 
 

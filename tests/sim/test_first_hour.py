@@ -27,7 +27,7 @@ import sim.progress
 import sim.run
 from pinned import PINNED_PROFILE, pinned
 from sim.core import CONF_DIR, TEMPORARY, atomic_path, preset_options, temporary_dir
-from sim.cost import FASTEST_FLOPS_PER_MS, SLOWEST_FLOPS_PER_MS
+from sim.profile import FASTEST_FLOPS_PER_MS, SLOWEST_FLOPS_PER_MS
 
 ROOT = Path(__file__).resolve().parents[2]
 # The runner's tiny model on one CPU process (a few ms a step), for Ctrl-C during runner.train.
@@ -221,7 +221,7 @@ def interrupt(argv: list[str], ready, timeout_s: float = 120) -> tuple[int, list
             assert time.monotonic() < deadline, "the command did not start"
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=180)  # a loaded 2-core machine ends a joblib sweep slowly
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
