@@ -135,6 +135,16 @@ def read_json_config_file(path: str, key: str, where: str):
         raise ConfigError(f"{key}={path!r}: cannot be read ({type(exc).__name__})") from None
 
 
+def read_checked_json(path: str, key: str, where: str, problem) -> dict:
+    """``read_json_config_file``, then ``problem(parsed)`` (what is wrong with it, or None): either is one
+    ConfigError line naming ``key`` and the path. What every profile reader does."""
+    parsed = read_json_config_file(path, key, where)
+    found = problem(parsed)
+    if found:
+        raise ConfigError(f"{key}={path!r}: {found}")
+    return parsed
+
+
 def check_writable(path: str | Path, key: str, *, directory: bool = False) -> Path:
     """``path`` if the command can write it (a file, or with ``directory`` a directory), else one ConfigError
     line naming ``key``; for commands to call before any work runs, so that a bad output path costs nothing.

@@ -32,7 +32,6 @@ measured profile (``memory.profile``, written by ``python -m calibrate.memory --
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
-from sim.core import ConfigError, resolve_path
+from sim.core import ConfigError, read_checked_json
 from sim.cost import BF16, embedding_params, params_per_layer
 from sim.plan import Assignment, BudgetArrays, Plan
 
@@ -108,16 +107,7 @@ def shape_of(model) -> dict[str, int]:
 def load_profile_terms(path: str, model: ModelConfig, key: str = "memory.profile") -> dict[str, TokenTerms]:
     """The measured terms of the profile entry whose layer shape is the model's; one ConfigError line for
     a missing or malformed file and for a shape the profile was not fitted on."""
-    file = resolve_path(path)
-    try:
-        profile = json.loads(file.read_bytes())
-    except FileNotFoundError:
-        raise ConfigError(f"{key}={path!r}: no such file (python -m calibrate.memory --fit writes one)") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{key}={path!r}: not a readable JSON file ({type(exc).__name__})") from None
-    problem = profile_problem(profile)
-    if problem:
-        raise ConfigError(f"{key}={path!r}: {problem}")
+    profile = read_checked_json(path, key, "python -m calibrate.memory --fit writes one", profile_problem)
     wanted = shape_of(model)
     for entry in profile["shapes"].values():
         if entry["shape"] == wanted:

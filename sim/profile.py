@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from sim.backends import backends_problem
-from sim.core import ConfigError, read_json_config_file
+from sim.core import read_checked_json
 
 PROFILE_SCHEMA_VERSION = 2  # 2: per-term attention features (fwd_path; dkdv_path, dq_path, kv_waves)
 TERMS = ("attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd")
@@ -31,11 +31,7 @@ PROFILE_KEYS = ("schema_version", "gpu", "provisional", "meta", "block_size", "t
 
 def load_profile(path: str, key: str = "cost.profile") -> dict:
     """Read and validate a profile; any problem is one ConfigError line naming ``key``, the file and the value."""
-    profile = read_json_config_file(path, key, "profiles live in calibrate/profiles/")
-    problem = profile_problem(profile)
-    if problem:
-        raise ConfigError(f"{key}={path!r}: {problem}")
-    return profile
+    return read_checked_json(path, key, "profiles live in calibrate/profiles/", profile_problem)
 
 
 def profile_problem(profile) -> str | None:

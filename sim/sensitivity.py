@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from scipy.special import expit
 
-from sim.core import ConfigError, read_json_config_file
+from sim.core import ConfigError, read_checked_json
 
 # The measurement ``python -m runner.sensitivity`` writes and ``python -m calibrate.sensitivity`` fits (the two may
 # not import each other): one row per (sequence, layer, budget); ``mode`` is ``p`` (top-p coverage target) or
@@ -93,11 +93,7 @@ def load_sensitivity_profile(path: str, task: str | None = None,
 
 def read_profile(path: str, key: str) -> dict:
     """The parsed profile, once it passes every check of ``profile_problem``."""
-    profile = read_json_config_file(path, key, "profiles are written by python -m calibrate.sensitivity")
-    problem = profile_problem(profile)
-    if problem:
-        raise ConfigError(f"{key}={path!r}: {problem}")
-    return profile
+    return read_checked_json(path, key, "profiles are written by python -m calibrate.sensitivity", profile_problem)
 
 
 def profile_problem(profile) -> str | None:
