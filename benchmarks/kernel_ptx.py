@@ -25,8 +25,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.sparse_attention import backward, forward, launch, select_kernels
-from sim.core import ArgumentParser, check_writable, one_line_errors
+from sparsebalance.kernels.sparse_attention import backward, forward, launch, select_kernels
+from sparsebalance.sim.core import ArgumentParser, check_writable, one_line_errors
 
 # pointer arguments by name (the attention tensors, the selection's buffers); every other non-constexpr
 # argument is an int32 size or stride, except the fp32 scales

@@ -13,15 +13,16 @@ import os
 import statistics
 import time
 
-from sim.cluster import Cluster, Layout
-from sim.cost import make_cost
-from sim.compare import policy_variant
-from sim.core import ArgumentParser, compose_config, one_line_errors
-from sim.engine import Engine
-from sim.estimate import make_estimator
-from sim.planner import Planner
-from sim.setup import make_policy
-from sim.workload import Workload, requests, truth_of
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.compare import policy_variant
+from sparsebalance.sim.core import ArgumentParser, one_line_errors
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.engine import Engine
+from sparsebalance.sim.estimate import make_estimator
+from sparsebalance.sim.planner import Planner
+from sparsebalance.sim.setup import make_policy
+from sparsebalance.sim.workload import Workload, requests, truth_of
 
 TARGET_MS = 20.0
 

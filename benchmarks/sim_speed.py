@@ -13,9 +13,10 @@ import time
 
 import pandas as pd
 
-from sim.core import ArgumentParser, compose_config, group_options, one_line_errors
-from sim.run import simulate
-from sim.setup import load_policy
+from sparsebalance.sim.core import ArgumentParser, group_options, one_line_errors
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.run import simulate
+from sparsebalance.sim.setup import load_policy
 
 MICRO_BATCHES = 8
 

@@ -14,11 +14,11 @@ from dataclasses import fields
 
 import numpy as np
 
-from calibrate.linear import ape, fit_term, predict, summarise
-from sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS
-from sim.config import ModelConfig
-from sim.core import ConfigError
-from sim.cost import dense_features
+from sparsebalance.calibrate.linear import ape, fit_term, predict, summarise
+from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS
+from sparsebalance.sim.config import ModelConfig
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.cost import dense_features
 
 HELDOUT_MEDIAN_PCT = 3.0  # held-out attention fwd+bwd of every backend: median absolute % error
 HELDOUT_MAX_PCT = 10.0  # and the largest

@@ -26,19 +26,20 @@ from pathlib import Path
 
 import numpy as np
 
-from calibrate import store
-from calibrate.backends import (HELDOUT_MAX_PCT, HELDOUT_MEDIAN_PCT, backend_checks, fit_backends, print_backends,
+from sparsebalance.calibrate import store
+from sparsebalance.calibrate.backends import (HELDOUT_MAX_PCT, HELDOUT_MEDIAN_PCT, backend_checks, fit_backends,
+                                              print_backends,)
                                 recorded_versions, with_backends)
-from calibrate.grid import TERMS as GRID_TERMS
-from calibrate.grid import GridPoint
-from calibrate.linear import COLLINEAR, TermFit, ape, fit_term, predict, summarise
-from calibrate.run import DEFAULT_CSV, meta_path, read_runs
-from sim.cluster import Layout
-from sim.config import ModelConfig
-from sim.core import ArgumentParser, ConfigError, check_writable, one_line_errors, write_checked_json
-from sim.backends import BACKEND_NAME, DENSE_TERMS, OURS
-from sim.cost import CostModel
-from sim.profile import PROFILE_SCHEMA_VERSION, TERMS, load_profile, profile_problem
+from sparsebalance.calibrate.grid import TERMS as GRID_TERMS
+from sparsebalance.calibrate.grid import GridPoint
+from sparsebalance.calibrate.linear import COLLINEAR, TermFit, ape, fit_term, predict, summarise
+from sparsebalance.calibrate.run import DEFAULT_CSV, meta_path, read_runs
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.config import ModelConfig
+from sparsebalance.sim.core import ArgumentParser, ConfigError, check_writable, one_line_errors, write_checked_json
+from sparsebalance.sim.backends import BACKEND_NAME, DENSE_TERMS, OURS
+from sparsebalance.sim.cost import CostModel
+from sparsebalance.sim.profile import PROFILE_SCHEMA_VERSION, TERMS, load_profile, profile_problem
 
 DEFAULT_OUT = DEFAULT_CSV.with_name("h200.json")
 ROOT = Path(__file__).resolve().parents[1]

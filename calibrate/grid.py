@@ -12,8 +12,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from sim.backends import DENSE_TERMS, OURS
-from sim.shapes import ModelShape
+from sparsebalance.sim.backends import DENSE_TERMS, OURS
+from sparsebalance.sim.shapes import ModelShape
 
 K = 1024
 SINGLE_LENGTHS = (1 * K, 2 * K, 4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K)

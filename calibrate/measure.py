@@ -15,11 +15,11 @@ from typing import Callable
 
 import torch
 
-from calibrate.grid import GridPoint, estimate_term_ms
-from sim.backends import OURS
-from sim.shapes import ModelShape
-from calibrate.timing import Timing
-from runner.model import Block, packed_positions, rope_angles
+from sparsebalance.calibrate.grid import GridPoint, estimate_term_ms
+from sparsebalance.sim.backends import OURS
+from sparsebalance.sim.shapes import ModelShape
+from sparsebalance.calibrate.timing import Timing
+from sparsebalance.runner.model import Block, packed_positions, rope_angles
 
 Bench = Callable[..., Timing]
 

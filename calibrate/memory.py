@@ -39,9 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from calibrate.store import append_rows
-from sim.core import check_writable, fail, one_line_errors, write_json_atomic
-from sim.shapes import ModelShape, load_shapes, model_names
+from sparsebalance.calibrate.store import append_rows
+from sparsebalance.sim.core import check_writable, fail, one_line_errors, write_json_atomic
+from sparsebalance.sim.shapes import ModelShape, load_shapes, model_names
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "h200_memory.json"
 RAW_CSV = "memory_raw.csv"
@@ -108,7 +108,7 @@ class Measurer:
                  seed: int = 0) -> None:
         import torch
 
-        from runner.model import Block
+        from sparsebalance.runner.model import Block
 
         self.torch, self.probe, self.attention = torch, probe, attention
         self.device, self.dtype, self.block_size, self.seed = device, dtype, block_size, seed
@@ -124,7 +124,7 @@ class Measurer:
 
     def measure(self, point: Point) -> dict:
         torch, probe, shape = self.torch, self.probe, self.shapes[point.model]
-        from runner.model import packed_positions, rope_angles
+        from sparsebalance.runner.model import packed_positions, rope_angles
 
         torch.manual_seed(self.seed)
         x = torch.randn(point.tokens, shape.hidden, device=self.device, dtype=self.dtype, requires_grad=True)
@@ -161,7 +161,7 @@ class Measurer:
         """The kernel keeps its last dense selection for the next call (the other layers of a micro-batch) and
         drops it when it builds another: a one-block one built here drops the previous point's before this
         point is measured, instead of inside it."""
-        from kernels.sparse_attention import select_blocks
+        from sparsebalance.kernels.sparse_attention import select_blocks
 
         qk = self.torch.zeros(16, 1, 16, device=self.device, dtype=self.dtype)  # 16 tokens, one head of 16
         select_blocks(qk, qk, self.torch.tensor([0, 16], dtype=self.torch.int32), block_size=16)
@@ -207,8 +207,8 @@ def run_measurement(args: argparse.Namespace, argv: list[str]) -> int:
     if not torch.cuda.is_available():
         fail("python -m calibrate.memory --out needs CUDA (torch.cuda.is_available() is False here); measure on a "
              "GPU machine, fit the CSV anywhere with --fit")
-    from calibrate.run import machine_facts
-    from runner.attention import make_attention
+    from sparsebalance.calibrate.run import machine_facts
+    from sparsebalance.runner.attention import make_attention
 
     shapes = load_shapes(args.models)
     points = build_points([s.name for s in shapes])
@@ -287,7 +287,7 @@ def rows_problem(rows) -> str | None:
 
 def model_config(row):
     """The row's layer shape as sim's ModelConfig (one layer: per-layer terms only; no vocabulary)."""
-    from sim.config import ModelConfig
+    from sparsebalance.sim.config import ModelConfig
 
     return ModelConfig(name=str(row["model"]), hidden=int(row["hidden"]), layers=int(row["layers"]),
                        heads=int(row["heads"]), kv_heads=int(row["kv_heads"]), head_dim=int(row["head_dim"]),
@@ -299,9 +299,9 @@ def activation_bytes(row, terms) -> tuple[float, float]:
     (None: the first-principles default config)."""
     import numpy as np
 
-    from sim.cluster import Layout
-    from sim.config import MemoryConfig
-    from sim.memory import MemoryModel
+    from sparsebalance.sim.cluster import Layout
+    from sparsebalance.sim.config import MemoryConfig
+    from sparsebalance.sim.memory import MemoryModel
 
     cfg = MemoryConfig(activation_checkpointing=bool(row["checkpointing"]), logits_bytes=0.0)
     memory = MemoryModel(cfg, model_config(row), Layout(dp=1), 1e6, int(row["block_size"]), terms)
@@ -320,7 +320,7 @@ def fit_terms(rows):
     import numpy as np
     from scipy.optimize import nnls
 
-    from sim.memory import TokenTerms
+    from sparsebalance.sim.memory import TokenTerms
 
     zero = TokenTerms(0.0, 0.0, 0.0, 0.0)
     selection = np.array([activation_bytes(r, zero) for _, r in rows.iterrows()])
@@ -338,7 +338,7 @@ def fit_profile(rows, meta: dict):
     fitted) activation peak."""
     import pandas as pd
 
-    from sim.memory import MODES, PROFILE_SCHEMA_VERSION, SHAPE_KEYS, TERMS
+    from sparsebalance.sim.memory import MODES, PROFILE_SCHEMA_VERSION, SHAPE_KEYS, TERMS
 
     shapes, table = {}, []
     for model, by_model in rows.groupby("model", sort=True):
@@ -387,7 +387,7 @@ def _ints(values) -> list[int]:
 
 
 def run_fit(args: argparse.Namespace, argv: list[str]) -> int:
-    from sim.memory import profile_problem
+    from sparsebalance.sim.memory import profile_problem
 
     rows = read_rows(args.fit)
     if rows["block_size"].nunique() != 1:

@@ -26,13 +26,13 @@ import time
 import warnings
 from pathlib import Path
 
-from calibrate import grid, store, timing
-from kernels.backends import BACKENDS, load_all
-from calibrate.grid import GridPoint, build_grid
-from sim.backends import OURS
-from sim.core import ArgumentParser, ConfigError, number_list, one_line_errors
-from sim.progress import with_progress
-from sim.shapes import ModelShape, load_shapes, model_names
+from sparsebalance.calibrate import grid, store, timing
+from sparsebalance.kernels.backends import BACKENDS, load_all
+from sparsebalance.calibrate.grid import GridPoint, build_grid
+from sparsebalance.sim.backends import OURS
+from sparsebalance.sim.core import ArgumentParser, ConfigError, number_list, one_line_errors
+from sparsebalance.sim.progress import with_progress
+from sparsebalance.sim.shapes import ModelShape, load_shapes, model_names
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / "h200_raw.csv"
 # The layer shapes the simulator's profile prices (conf/model/ also holds the runner's small learning model).
@@ -226,7 +226,7 @@ def comm_figures(device: str) -> dict | str:
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     if gpus < 2:
         return f"not measured: {gpus} GPU(s); the simulator keeps the cluster config's figures"
-    from calibrate.comm import measure_comm
+    from sparsebalance.calibrate.comm import measure_comm
 
     return measure_comm(gpus)
 
@@ -237,9 +237,9 @@ def make_measurer(shapes: list[ModelShape], device: str, block_size: int, clock:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from calibrate.measure import Measurer
-    from kernels import sparse_attention as kernel
-    from runner.attention import make_attention
+    from sparsebalance.calibrate.measure import Measurer
+    from sparsebalance.kernels import sparse_attention as kernel
+    from sparsebalance.runner.attention import make_attention
 
     # where the fused selection cannot be built for this GPU, the torch selection is what gets timed (as
     # training would run it there): the log must say so, whatever the interpreter's warning filters

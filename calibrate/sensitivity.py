@@ -38,10 +38,11 @@ import pandas as pd
 from scipy.special import expit, logit
 from scipy.stats import norm, spearmanr
 
-from sim.core import ConfigError, check_writable, one_line_errors, write_checked_json
-from sim.sensitivity import (FAMILY, KIND, MODES, RAW_COLUMNS, SENSITIVITY_SCHEMA_VERSION, SensitivityModel,
+from sparsebalance.sim.core import ConfigError, check_writable, one_line_errors, write_checked_json
+from sparsebalance.sim.sensitivity import (FAMILY, KIND, MODES, RAW_COLUMNS, SENSITIVITY_SCHEMA_VERSION,
+                                           SensitivityModel,)
                              profile_problem, raw_meta_path, read_profile)
-from sim.workload import MIN_SENSITIVITY
+from sparsebalance.sim.workload import MIN_SENSITIVITY
 
 HOLDOUT_EVERY = 4  # every 4th sequence of a (task, length), by id, is held out
 INTERVAL = 0.8  # the central interval whose held-out share is reported

@@ -9,7 +9,7 @@ import csv
 import os
 from pathlib import Path
 
-from sim.core import ConfigError
+from sparsebalance.sim.core import ConfigError
 
 COLUMNS = (
     "key",          # grid point id (see calibrate.grid.GridPoint.key)

@@ -11,13 +11,13 @@ from typing import ClassVar
 
 import numpy as np
 
-from policies.pipeline_fit import fitted
-from sim.cluster import Layout
-from sim.cost import CostModel
-from sim.estimate import Belief
-from sim.pipeline import pipeline_ms
-from sim.plan import Assignment, Budget, Plan
-from sim.workload import Request
+from sparsebalance.policies.pipeline_fit import fitted
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.cost import CostModel
+from sparsebalance.sim.estimate import Belief
+from sparsebalance.sim.pipeline import pipeline_ms
+from sparsebalance.sim.plan import Assignment, Budget, Plan
+from sparsebalance.sim.workload import Request
 
 
 # ----------------------------------------------------------------------------- batching helpers

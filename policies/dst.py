@@ -56,15 +56,15 @@ from typing import Optional
 
 import numpy as np
 
-from policies.base import uniform_budget_plan
+from sparsebalance.policies.base import uniform_budget_plan
 
-from sim.config import FRACTION, bounded
-from sim.estimate import Belief
-from sim.pipeline import pipeline_ms
-from sim.policy import register_sparsity
-from sim.plan import Assignment, Budget, BudgetArrays, Plan
-from sim.cluster import Layout
-from sim.cost import CostModel
+from sparsebalance.sim.config import FRACTION, bounded
+from sparsebalance.sim.estimate import Belief
+from sparsebalance.sim.pipeline import pipeline_ms
+from sparsebalance.sim.policy import register_sparsity
+from sparsebalance.sim.plan import Assignment, Budget, BudgetArrays, Plan
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.cost import CostModel
 
 FINE_TAUS = 64  # with pp > 1, makespans tried between the uniform-level ones
 MAX_SWEEPS = 8  # micro-batch refinement: each sweep raises levels only, so it settles in a few

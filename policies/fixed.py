@@ -4,13 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from policies.base import uniform_budget_plan
+from sparsebalance.policies.base import uniform_budget_plan
 
-from sim.policy import register_sparsity
-from sim.plan import Budget, Plan
-from sim.cluster import Layout
-from sim.cost import CostModel
-from sim.estimate import Belief
+from sparsebalance.sim.policy import register_sparsity
+from sparsebalance.sim.plan import Budget, Plan
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.cost import CostModel
+from sparsebalance.sim.estimate import Belief
 
 
 @register_sparsity("fixed")

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.base import PartitionParams, PartitionPolicy
+from sparsebalance.policies.base import PartitionParams, PartitionPolicy
 
-from sim.cluster import Layout
-from sim.policy import register_batching
-from policies.lpt import lpt_partition
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.policy import register_batching
+from sparsebalance.policies.lpt import lpt_partition
 
 MAX_EXCHANGES_PER_ITEM = 4  # bounds the local search; every exchange strictly lowers the heaviest load
 # Many items: stop within this share above the even spread, a lower bound of the optimum (on many items

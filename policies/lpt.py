@@ -5,9 +5,9 @@ import heapq
 
 import numpy as np
 
-from policies.base import PartitionPolicy
+from sparsebalance.policies.base import PartitionPolicy
 
-from sim.policy import register_batching
+from sparsebalance.sim.policy import register_batching
 
 
 def lpt_partition(costs: np.ndarray, k: int) -> list[list[int]]:

@@ -25,10 +25,10 @@ from itertools import combinations
 
 import numpy as np
 
-from sim.pipeline import pipeline_ms
-from sim.cluster import Layout
-from sim.cost import CostModel
-from sim.plan import Assignment, Plan
+from sparsebalance.sim.pipeline import pipeline_ms
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.cost import CostModel
+from sparsebalance.sim.plan import Assignment, Plan
 
 MAX_ROUNDS = 64  # of each of the two steps
 TOLERANCE = 1e-9  # relative: an improvement smaller than this is none

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.base import PartitionParams, PartitionPolicy, PipelineOrder
-from policies.karmarkar_karp import kk_partition
-from sim.cluster import Layout
-from sim.cost import CostModel
-from sim.estimate import Belief, Observation
-from sim.plan import BudgetArrays
-from sim.policy import register_batching
+from sparsebalance.policies.base import PartitionParams, PartitionPolicy, PipelineOrder
+from sparsebalance.policies.karmarkar_karp import kk_partition
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.cost import CostModel
+from sparsebalance.sim.estimate import Belief, Observation
+from sparsebalance.sim.plan import BudgetArrays
+from sparsebalance.sim.policy import register_batching
 
 
 @register_batching("sab")

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.base import PartitionPolicy
+from sparsebalance.policies.base import PartitionPolicy
 
-from sim.policy import register_batching
+from sparsebalance.sim.policy import register_batching
 
 
 def contiguous(n: int, k: int) -> list[list[int]]:

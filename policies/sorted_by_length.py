@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.base import PartitionPolicy
+from sparsebalance.policies.base import PartitionPolicy
 
-from sim.policy import register_batching
-from policies.sequential import contiguous
+from sparsebalance.sim.policy import register_batching
+from sparsebalance.policies.sequential import contiguous
 
 
 @register_batching("sorted")

@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from policies.base import batch_arrays
-from policies.verl import Verl
-from sim.cluster import Layout
-from sim.policy import register_batching
-from sim.workload import Request
+from sparsebalance.policies.base import batch_arrays
+from sparsebalance.policies.verl import Verl
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.policy import register_batching
+from sparsebalance.sim.workload import Request
 
 
 @register_batching("token_cap")

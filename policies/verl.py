@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.base import PartitionParams, PartitionPolicy, PipelineOrder, batch_arrays
-from policies.karmarkar_karp import ldm_partition, refined_partition
-from sim.cluster import Layout
-from sim.cost import CostModel
-from sim.policy import register_batching
-from sim.estimate import Belief
-from sim.workload import Request
+from sparsebalance.policies.base import PartitionParams, PartitionPolicy, PipelineOrder, batch_arrays
+from sparsebalance.policies.karmarkar_karp import ldm_partition, refined_partition
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.cost import CostModel
+from sparsebalance.sim.policy import register_batching
+from sparsebalance.sim.estimate import Belief
+from sparsebalance.sim.workload import Request
 
 LINEAR_WEIGHT = 24576  # verl's calculate_workload: 24576 * seqlen + seqlen ** 2
 

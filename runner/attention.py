@@ -6,7 +6,7 @@ tensors, so CPU training never goes through the Triton interpreter); ``triton`` 
 """
 from __future__ import annotations
 
-from kernels.sparse_attention import sparse_attention
+from sparsebalance.kernels.sparse_attention import sparse_attention
 
 BACKENDS = {"kernel": "auto", "triton": "triton", "naive": "naive"}
 

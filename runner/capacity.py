@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sim.cluster import Layout
-from sim.config import Overflow
-from sim.core import ConfigError
-from sim.memory import GB, MemoryModel
-from sim.workload import Workload
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.config import Overflow
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.memory import GB, MemoryModel
+from sparsebalance.sim.workload import Workload
 
 # The PyTorch reference attention's bytes per query head and (query, key) token pair of a document, in float32
 # on the CPU: held per layer for the backward (the softmax output and the inverted mask, 5 bytes, and the

@@ -26,9 +26,9 @@ from typing import get_args, get_type_hints
 import numpy as np
 import torch
 
-from runner.records import SequenceRecord, TrainRecord
-from sim.core import ConfigError, atomic_path, not_a_file
-from sim.results import MicroBatchRecord, StepRecord
+from sparsebalance.runner.records import SequenceRecord, TrainRecord
+from sparsebalance.sim.core import ConfigError, atomic_path, not_a_file
+from sparsebalance.sim.results import MicroBatchRecord, StepRecord
 
 FORMAT = "sparsebalance-runner-checkpoint"
 # 2: weights and optimiser state keyed by parameter name, whole tensors, whatever the layout that wrote them

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, number_list, one_line_errors
+from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, number_list,
+                                    one_line_errors)
 
 # Six significant digits: the tables are read by people and plots, and stay a few MB for thousands of steps.
 TABLE_FORMAT = "%.6g"

@@ -42,15 +42,15 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import TrainConfig
-from sim.cluster import Cluster, Layout
-from sim.config import validate
-from sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, compose_config, group_options,
-                      one_line_errors, write_json_atomic)
-from sim.cost import make_cost
-from sim.engine import Engine, PlanArrays
-from sim.memory import GB, MemoryModel
-from sim.plan import Budget, Plan
+from sparsebalance.runner.config import TrainConfig
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.config import compose_config, validate
+from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, group_options,
+                                    one_line_errors, write_json_atomic)
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.engine import Engine, PlanArrays
+from sparsebalance.sim.memory import GB, MemoryModel
+from sparsebalance.sim.plan import Budget, Plan
 
 DEFAULT_PROFILE = "calibrate/profiles/h200.json"
 # What the replay reads of each file, beyond its existence.

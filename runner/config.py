@@ -13,8 +13,8 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
-from runner.task import TaskConfig
-from sim.config import FRACTION, NON_NEGATIVE, POSITIVE, Bound, RunConfig, bounded
+from sparsebalance.runner.task import TaskConfig
+from sparsebalance.sim.config import FRACTION, NON_NEGATIVE, POSITIVE, Bound, RunConfig, bounded
 
 # Process-group and collective timeouts become timedeltas and C++ milliseconds: a week is far beyond any
 # step, and far below where those overflow.

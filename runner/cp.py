@@ -48,9 +48,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kernels.sparse_attention import VarlenBatch
-from kernels.sparse_attention.rules import keeps_every_block, row_rule
-from runner.attention import budget_keywords
+from sparsebalance.kernels.sparse_attention import VarlenBatch
+from sparsebalance.kernels.sparse_attention.rules import keeps_every_block, row_rule
+from sparsebalance.runner.attention import budget_keywords
 
 __all__ = ["Ring", "Shards", "attention_piece", "make_cp_attention", "merge_pieces", "shard_bounds"]
 
@@ -155,7 +155,7 @@ class Geometry:
 def shard_micro_batch(batch, cp: int, rank: int):
     """This CP rank's part of a packed ``runner.data.MicroBatch``: its tokens, the scored answers among them
     (indices into its own stream), and the ``Shards`` that the model and the attention read."""
-    from runner.data import MicroBatch
+    from sparsebalance.runner.data import MicroBatch
 
     shards = Shards.build(batch.cu_seqlens, cp, rank)
     device = batch.tokens.device

@@ -32,13 +32,14 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from kernels.sparse_attention import select_blocks, sparse_attention
-from runner.cp import Shards, attention_piece, merge_pieces
-from runner.cp_kernel import own_rows
-from sim.cluster import Layout
-from sim.core import ConfigError, compose_config, fail
-from sim.cp_shards import kept_share_shift
-from sim.setup import prepare
+from sparsebalance.kernels.sparse_attention import select_blocks, sparse_attention
+from sparsebalance.runner.cp import Shards, attention_piece, merge_pieces
+from sparsebalance.runner.cp_kernel import own_rows
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.core import ConfigError, fail
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cp_shards import kept_share_shift
+from sparsebalance.sim.setup import prepare
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:

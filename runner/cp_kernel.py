@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sparse_attention import restrict_rows, select_blocks, sparse_attention
-from runner.attention import budget_keywords
-from runner.cp import Ring, RingShift, Shards
+from sparsebalance.kernels.sparse_attention import restrict_rows, select_blocks, sparse_attention
+from sparsebalance.runner.attention import budget_keywords
+from sparsebalance.runner.cp import Ring, RingShift, Shards
 
 __all__ = ["make_cp_kernel_attention", "own_rows"]
 

@@ -11,8 +11,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from runner.task import BOS, PAD, TaskConfig, make_example
-from sim.plan import Assignment
+from sparsebalance.runner.task import BOS, PAD, TaskConfig, make_example
+from sparsebalance.sim.plan import Assignment
 
 
 @dataclass

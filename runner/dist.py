@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from runner.cp import Ring
-from sim.cluster import Layout
+from sparsebalance.runner.cp import Ring
+from sparsebalance.sim.cluster import Layout
 
 # NVLink multicast (NVLS) is kept off on every launch: the lent multi-GPU machines must not use it, and the
 # gradient all-reduce does not need it. A user's explicit setting wins.

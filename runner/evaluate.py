@@ -32,16 +32,17 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from scipy.stats import binomtest
 
-from runner import checkpoint
-from runner.attention import BACKENDS, make_attention
-from runner.data import pack
-from runner.task import TaskConfig
-from runner.model import ModelShape, TinyLlama
-from sim.config import ModelConfig, validate
-from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, number_list, one_line_errors
-from sim.plan import Assignment, Budget
-from sim.results import FLOAT_FORMAT
-from sim.workload import Sequence, truth_of
+from sparsebalance.runner import checkpoint
+from sparsebalance.runner.attention import BACKENDS, make_attention
+from sparsebalance.runner.data import pack
+from sparsebalance.runner.task import TaskConfig
+from sparsebalance.runner.model import ModelShape, TinyLlama
+from sparsebalance.sim.config import ModelConfig, validate
+from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, number_list,
+                                    one_line_errors)
+from sparsebalance.sim.plan import Assignment, Budget
+from sparsebalance.sim.results import FLOAT_FORMAT
+from sparsebalance.sim.workload import Sequence, truth_of
 
 # Held out by default; refused only when it is the checkpoint's own training seed (then pass --seed).
 HELD_OUT_SEED = 1_000_003

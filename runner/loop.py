@@ -38,25 +38,25 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 
-from kernels.sparse_attention import compile_count
-from runner import checkpoint
-from runner.attention import BACKENDS, make_attention
-from runner.config import LRSchedule
-from runner.cp import make_cp_attention, shard_micro_batch
-from runner.cp_kernel import make_cp_kernel_attention
-from runner.data import n_answers, pack, placeholder
-from runner.dist import Comm
-from runner.model import ModelShape, StageSpan, TinyLlama
-from runner.parallel import Replicated, merge_states
-from runner.pipeline import Clock, Outcome, StageDriver, Work, most
-from runner.records import SequenceRecord, TrainRecord
-from runner.task import TaskConfig
-from sim.cluster import Cluster
-from sim.core import ConfigError, atomic_path
-from sim.cost import training_flops
-from sim.memory import GB
-from sim.progress import with_progress
-from sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord, coverage_fields
+from sparsebalance.kernels.sparse_attention import compile_count
+from sparsebalance.runner import checkpoint
+from sparsebalance.runner.attention import BACKENDS, make_attention
+from sparsebalance.runner.config import LRSchedule
+from sparsebalance.runner.cp import make_cp_attention, shard_micro_batch
+from sparsebalance.runner.cp_kernel import make_cp_kernel_attention
+from sparsebalance.runner.data import n_answers, pack, placeholder
+from sparsebalance.runner.dist import Comm
+from sparsebalance.runner.model import ModelShape, StageSpan, TinyLlama
+from sparsebalance.runner.parallel import Replicated, merge_states
+from sparsebalance.runner.pipeline import Clock, Outcome, StageDriver, Work, most
+from sparsebalance.runner.records import SequenceRecord, TrainRecord
+from sparsebalance.runner.task import TaskConfig
+from sparsebalance.sim.cluster import Cluster
+from sparsebalance.sim.core import ConfigError, atomic_path
+from sparsebalance.sim.cost import training_flops
+from sparsebalance.sim.memory import GB
+from sparsebalance.sim.progress import with_progress
+from sparsebalance.sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord, coverage_fields
 
 WRITE_EVERY_S = 10.0  # the longest a run's Results files lag its steps (they are rewritten whole)
 # Config keys a checkpoint must agree on to be resumed (steps may grow under a constant LR schedule; paths and

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.sparse_attention import VarlenBatch
-from runner.cp import Shards
-from sim.shapes import ModelShape
+from sparsebalance.kernels.sparse_attention import VarlenBatch
+from sparsebalance.runner.cp import Shards
+from sparsebalance.sim.shapes import ModelShape
 
 # attention(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], docs, budgets) -> (o [T,Hq,D], kept [n], coverage [n]);
 # docs: a kernels.sparse_attention.VarlenBatch (TinyLlama's), a cu_seqlens [n+1] tensor, or under context

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from runner.data import MicroBatch
-from runner.dist import Comm
-from runner.parallel import Replicated
-from sim.pipeline import one_f_one_b
+from sparsebalance.runner.data import MicroBatch
+from sparsebalance.runner.dist import Comm
+from sparsebalance.runner.parallel import Replicated
+from sparsebalance.sim.pipeline import one_f_one_b
 
 
 class Clock:

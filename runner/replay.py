@@ -53,24 +53,24 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels.sparse_attention import sparse_attention
-from runner.attention import BACKENDS, budget_keywords
-from runner.data import MicroBatch, pack
-from runner.model import Block, packed_positions, rope_angles
-from runner.task import TaskConfig
-from runner.train import check_attention, device_type
-from sim.cluster import Layout
-from sim.compare import BASELINES, label, names, policy_variant
-from sim.config import PolicyConfig, RunConfig
-from sim.core import (ArgumentParser, ConfigError, check_writable, compose_config, group_options, one_line_errors,
-                      preset_overrides, temporary_dir, write_json_atomic)
-from sim.engine import Engine, PlanArrays
-from sim.plan import Budget, Plan
-from sim.planner import Planner
-from sim.results import FLOAT_FORMAT, Results
-from sim.setup import Setup, load_policy, make_planner, prepare
-from sim.workload import requests, truth_of
-from sim.shapes import ModelShape
+from sparsebalance.kernels.sparse_attention import sparse_attention
+from sparsebalance.runner.attention import BACKENDS, budget_keywords
+from sparsebalance.runner.data import MicroBatch, pack
+from sparsebalance.runner.model import Block, packed_positions, rope_angles
+from sparsebalance.runner.task import TaskConfig
+from sparsebalance.runner.train import check_attention, device_type
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.compare import BASELINES, label, names, policy_variant
+from sparsebalance.sim.config import PolicyConfig, RunConfig, compose_config
+from sparsebalance.sim.core import (ArgumentParser, ConfigError, check_writable, group_options, one_line_errors,
+                                    preset_overrides, temporary_dir, write_json_atomic)
+from sparsebalance.sim.engine import Engine, PlanArrays
+from sparsebalance.sim.plan import Budget, Plan
+from sparsebalance.sim.planner import Planner
+from sparsebalance.sim.results import FLOAT_FORMAT, Results
+from sparsebalance.sim.setup import Setup, load_policy, make_planner, prepare
+from sparsebalance.sim.workload import requests, truth_of
+from sparsebalance.sim.shapes import ModelShape
 
 COMMUNICATION_NOTE = ("communication is modelled, not run: stage hand-offs and the gradient all-reduce come from "
                       "sim.cluster's alpha-beta model; only compute is measured")

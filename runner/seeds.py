@@ -22,8 +22,8 @@ from pathlib import Path
 import pandas as pd
 from scipy import stats
 
-from sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, one_line_errors
-from sim.results import FLOAT_FORMAT
+from sparsebalance.sim.core import ArgumentParser, ConfigError, atomic_path, check_writable, one_line_errors
+from sparsebalance.sim.results import FLOAT_FORMAT
 
 CONFIDENCE = 0.95
 

@@ -31,20 +31,21 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from kernels.sparse_attention import BLOCK_SIZES
-from runner import checkpoint
-from runner.attention import BACKENDS, make_attention
-from runner.task import TaskConfig, make_example
-from runner.evaluate import pick_device
-from runner.loop import make_model
-from runner.model import TinyLlama
-from sim.cluster import Cluster
-from sim.config import ClusterConfig, CostConfig, ModelConfig, WorkloadConfig
-from sim.core import ConfigError, atomic_path, check_writable, one_line_errors, parse_numbers, write_json_atomic
-from sim.cost import make_cost
-from sim.results import FLOAT_FORMAT
-from sim.sensitivity import MODES, RAW_COLUMNS, raw_meta_path
-from sim.workload import Workload
+from sparsebalance.kernels.sparse_attention import BLOCK_SIZES
+from sparsebalance.runner import checkpoint
+from sparsebalance.runner.attention import BACKENDS, make_attention
+from sparsebalance.runner.task import TaskConfig, make_example
+from sparsebalance.runner.evaluate import pick_device
+from sparsebalance.runner.loop import make_model
+from sparsebalance.runner.model import TinyLlama
+from sparsebalance.sim.cluster import Cluster
+from sparsebalance.sim.config import ClusterConfig, CostConfig, ModelConfig, WorkloadConfig
+from sparsebalance.sim.core import (ConfigError, atomic_path, check_writable, one_line_errors, parse_numbers,
+                                    write_json_atomic)
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.results import FLOAT_FORMAT
+from sparsebalance.sim.sensitivity import MODES, RAW_COLUMNS, raw_meta_path
+from sparsebalance.sim.workload import Workload
 
 # Held-out sequence ids start here: a training run numbers its sequences step * global_batch + i, far below.
 HELD_OUT = 1 << 40

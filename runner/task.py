@@ -26,8 +26,8 @@ from enum import Enum
 
 import numpy as np
 
-from sim.config import AT_LEAST_ONE, bounded
-from sim.core import ConfigError
+from sparsebalance.sim.config import AT_LEAST_ONE, bounded
+from sparsebalance.sim.core import ConfigError
 
 PAD, BOS, KEY, VAL, QUERY, ANS = range(6)
 N_SPECIAL = 8

@@ -30,22 +30,24 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.attention import BACKENDS
-from runner.capacity import check_fits, device_capacity
-from runner.config import register
-from runner.dist import Comm, RankFailure, World, check_world
-from runner.loop import Trainer, check_resume
-from runner.parallel import DATA_PARALLEL
-from sim.cluster import Cluster, Layout
-from sim.core import (CONF_DIR, EXIT_INTERRUPTED, ConfigError, check_group_overrides, compose_config, fail,
-                      hydra_reason, interrupted, preset_overrides)
-from sim.outputs import Outputs, discard_outputs, pin_output_dir
-from sim.results import FILES
-from sim.plan import Plan
-from sim.planner import Planner
-from sim.run import check_output_dir, command_overrides, fixed_overrides, is_sweep, summary_table, sweep_jobs
-from sim.setup import make_planner, prepare
-from sim.workload import Workload, requests, truth_of
+from sparsebalance.runner.attention import BACKENDS
+from sparsebalance.runner.capacity import check_fits, device_capacity
+from sparsebalance.runner.config import register
+from sparsebalance.runner.dist import Comm, RankFailure, World, check_world
+from sparsebalance.runner.loop import Trainer, check_resume
+from sparsebalance.runner.parallel import DATA_PARALLEL
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import (CONF_DIR, EXIT_INTERRUPTED, ConfigError, check_group_overrides, fail, hydra_reason,
+                                    interrupted, preset_overrides)
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.outputs import Outputs, discard_outputs, pin_output_dir
+from sparsebalance.sim.results import FILES
+from sparsebalance.sim.plan import Plan
+from sparsebalance.sim.planner import Planner
+from sparsebalance.sim.run import (check_output_dir, command_overrides, fixed_overrides, is_sweep, summary_table,
+                                   sweep_jobs)
+from sparsebalance.sim.setup import make_planner, prepare
+from sparsebalance.sim.workload import Workload, requests, truth_of
 
 EXIT_RANK_FAILURE = 1
 RUN_FILES = (*FILES, "train.csv", "sequences.csv")  # what a run writes beside Hydra's files

@@ -18,11 +18,11 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.backends import OURS
-from sim.cluster import Cluster, Layout
-from sim.config import register
-from sim.core import ArgumentParser, ConfigError, compose_config, fail
-from sim.cost import CostModel, diag_fraction, make_cost
+from sparsebalance.sim.backends import OURS
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.config import compose_config, register
+from sparsebalance.sim.core import ArgumentParser, ConfigError, fail
+from sparsebalance.sim.cost import CostModel, diag_fraction, make_cost
 
 LENGTHS = tuple(1024 * 2 ** i for i in range(8))  # 1K .. 128K
 ALWAYS, NEVER = 1.0, 0.0  # table cells: ours wins even dense / loses even at the diagonal alone

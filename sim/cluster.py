@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sim.config import ClusterConfig, LayoutConfig, validate
-from sim.core import ConfigError
+from sparsebalance.sim.config import ClusterConfig, LayoutConfig, validate
+from sparsebalance.sim.core import ConfigError
 
 
 @dataclass(frozen=True)

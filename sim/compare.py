@@ -28,16 +28,16 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.cluster import Cluster, Layout
-from sim.config import AttentionBackend, PolicyConfig, register
-from sim.core import (ConfigError, compose_config, did_you_mean, fail, group_options, hydra_reason, interrupted,
-                      preset_overrides)
-from sim.cost import make_cost
-from sim.engine import Engine, run_pipeline
-from sim.plan import Plan
-from sim.progress import with_progress
-from sim.run import simulate, trace_note
-from sim.setup import load_policy
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.config import AttentionBackend, PolicyConfig, compose_config, register
+from sparsebalance.sim.core import (ConfigError, did_you_mean, fail, group_options, hydra_reason, interrupted,
+                                    preset_overrides)
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.engine import Engine, run_pipeline
+from sparsebalance.sim.plan import Plan
+from sparsebalance.sim.progress import with_progress
+from sparsebalance.sim.run import simulate, trace_note
+from sparsebalance.sim.setup import load_policy
 
 # Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9; verl_topk: one top-k budget per step
 # at the coverage sparsebalance_topk keeps), then ours and the cross; verl_dense is what a user who does not

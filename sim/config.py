@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from sim.core import ConfigError
+from sparsebalance.sim.core import CONF_DIR, ConfigError, check_bool_overrides, check_group_overrides
 
 
 @dataclass(frozen=True)
@@ -388,3 +388,15 @@ class RunConfig:
 
 def register() -> None:
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def compose_config(overrides: Sequence[str] = (), config_name: str = "config"):
+    """The composed run config outside a Hydra app (tests, benchmarks, notebooks, sim.compare)."""
+    from hydra import compose, initialize_config_dir
+
+    register()
+    check_group_overrides(overrides, config_name)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    check_bool_overrides(cfg, overrides)
+    return cfg

@@ -310,20 +310,6 @@ def _closest_key(exc: BaseException) -> str:
     return did_you_mean(key, keys + [PRESETS] if parent._get_parent() is None else keys)
 
 
-def compose_config(overrides: Sequence[str] = (), config_name: str = "config"):
-    """The composed run config outside a Hydra app (tests, benchmarks, notebooks, sim.compare)."""
-    from hydra import compose, initialize_config_dir
-
-    from sim.config import register  # the schema the YAML extends; imported here, config imports this module
-
-    register()
-    check_group_overrides(overrides, config_name)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
-    check_bool_overrides(cfg, overrides)
-    return cfg
-
-
 def check_bool_overrides(cfg, overrides: Sequence[str]) -> None:
     """A true/false key set to anything else is refused: OmegaConf would turn ``write_plans=2`` into true and
     ``plot=0`` into false without a word."""

@@ -21,13 +21,13 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, fastest, grouped_dense, linear_ms
-from sim.cluster import Cluster, Layout
-from sim.config import CostConfig, ModelConfig
-from sim.core import ConfigError
-from sim.cp_shards import kept_in_row, kept_rows, slowest_rank_extra
-from sim.profile import ATTENTION_FEATURES, DKDV_SLOTS, PROFILE_FEATURES, WAVE, load_profile
-from sim.workload import Sequence
+from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, fastest, grouped_dense, linear_ms
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.config import CostConfig, ModelConfig
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.cp_shards import kept_in_row, kept_rows, slowest_rank_extra
+from sparsebalance.sim.profile import ATTENTION_FEATURES, DKDV_SLOTS, PROFILE_FEATURES, WAVE, load_profile
+from sparsebalance.sim.workload import Sequence
 
 # Launch rules of the calibrated kernel, mirrored from kernels/sparse_attention/launch.py (tests check they
 # match): keys per dK/dV program (DEFAULT_CONFIG["dkdv"]["BN"], at most the block size: a key block is split

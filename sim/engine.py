@@ -27,12 +27,12 @@ from typing import Mapping
 import numpy as np
 import simpy
 
-from sim.plan import BudgetArrays, Plan
-from sim.cluster import Cluster, Layout
-from sim.cost import CostModel, total_params, training_flops
-from sim.memory import GB, MemoryModel
-from sim.pipeline import last_micro_batches, one_f_one_b, stage_finish_ms
-from sim.results import StepRecord, coverage_fields
+from sparsebalance.sim.plan import BudgetArrays, Plan
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.cost import CostModel, total_params, training_flops
+from sparsebalance.sim.memory import GB, MemoryModel
+from sparsebalance.sim.pipeline import last_micro_batches, one_f_one_b, stage_finish_ms
+from sparsebalance.sim.results import StepRecord, coverage_fields
 
 
 @dataclass(frozen=True)

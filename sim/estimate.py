@@ -24,9 +24,9 @@ from typing import Callable, Protocol
 import numpy as np
 from scipy import special, stats
 
-from sim.core import ConfigError
-from sim.plan import Plan
-from sim.workload import MIN_SENSITIVITY
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.plan import Plan
+from sparsebalance.sim.workload import MIN_SENSITIVITY
 
 SAMPLES = 16  # draws of s per sequence: enough that a rank's time quantile is stable, cheap to price
 ESTIMATORS = ("prior", "online", "oracle")

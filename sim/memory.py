@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
-from sim.core import ConfigError, read_checked_json
-from sim.cost import BF16, embedding_params, params_per_layer
-from sim.plan import Assignment, BudgetArrays, Plan
+from sparsebalance.sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
+from sparsebalance.sim.core import ConfigError, read_checked_json
+from sparsebalance.sim.cost import BF16, embedding_params, params_per_layer
+from sparsebalance.sim.plan import Assignment, BudgetArrays, Plan
 
 if TYPE_CHECKING:
-    from sim.cluster import Layout
-    from sim.cost import CostModel
-    from sim.workload import Request
+    from sparsebalance.sim.cluster import Layout
+    from sparsebalance.sim.cost import CostModel
+    from sparsebalance.sim.workload import Request
 
 GB = 1e9  # bytes; capacities and reports are decimal GB, as the datasheet's 141 GB
 INT32 = 4

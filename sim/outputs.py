@@ -19,8 +19,8 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.core import CONF_DIR, TEMPORARY, ConfigError, hydra_reason
-from sim.results import FILES
+from sparsebalance.sim.core import CONF_DIR, TEMPORARY, ConfigError, hydra_reason
+from sparsebalance.sim.results import FILES
 
 # Launchers whose jobs end with this process (joblib's workers are killed when it is interrupted; the basic
 # launcher runs them in it): only their directories are cleaned up after Ctrl-C. A Slurm job goes on running.

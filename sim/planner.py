@@ -21,12 +21,12 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
-from sim.cluster import Layout
-from sim.cost import CostModel
-from sim.estimate import Belief, Estimator, Observation
-from sim.memory import MemoryModel
-from sim.plan import BudgetArrays, Plan
-from sim.workload import Request
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.cost import CostModel
+from sparsebalance.sim.estimate import Belief, Estimator, Observation
+from sparsebalance.sim.memory import MemoryModel
+from sparsebalance.sim.plan import BudgetArrays, Plan
+from sparsebalance.sim.workload import Request
 
 
 class StepTimer(Protocol):

@@ -20,16 +20,16 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.cluster import Layout
-from sim.config import validate
-from sim.core import ConfigError
-from sim.cost import CostModel
-from sim.estimate import Belief
-from sim.plan import Plan
-from sim.workload import Request
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.config import validate
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.cost import CostModel
+from sparsebalance.sim.estimate import Belief
+from sparsebalance.sim.plan import Plan
+from sparsebalance.sim.workload import Request
 
 ENTRY_POINT_GROUP = "sparsebalance.policies"
-BUILTIN_PACKAGE = "policies"  # what this project's pyproject.toml names in that group
+BUILTIN_PACKAGE = "sparsebalance.policies"  # what this project's pyproject.toml names in that group
 
 
 @runtime_checkable

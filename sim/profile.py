@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from sim.backends import backends_problem
-from sim.core import read_checked_json
+from sparsebalance.sim.backends import backends_problem
+from sparsebalance.sim.core import read_checked_json
 
 PROFILE_SCHEMA_VERSION = 2  # 2: per-term attention features (fwd_path; dkdv_path, dq_path, kv_waves)
 TERMS = ("attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd")

@@ -9,11 +9,11 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from sim.cluster import Cluster
-from sim.config import CostConfig, ModelConfig
-from sim.core import ConfigError, one_line_errors, resolve_path, write_json_atomic
-from sim.cost import BF16
-from sim.profile import PROFILE_FEATURES, PROFILE_SCHEMA_VERSION
+from sparsebalance.sim.cluster import Cluster
+from sparsebalance.sim.config import CostConfig, ModelConfig
+from sparsebalance.sim.core import ConfigError, one_line_errors, resolve_path, write_json_atomic
+from sparsebalance.sim.cost import BF16
+from sparsebalance.sim.profile import PROFILE_FEATURES, PROFILE_SCHEMA_VERSION
 
 
 def provisional_profile(model: ModelConfig, cluster: Cluster, cfg: CostConfig, command: str) -> dict:
@@ -74,7 +74,7 @@ def _measured_profile_at(path: Path) -> bool:
 
 
 def _write_provisional(out: str, replace_measured: bool) -> None:
-    from sim.core import compose_config
+    from sparsebalance.sim.config import compose_config
 
     target = resolve_path(out)
     if not replace_measured and _measured_profile_at(target):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sim.core import ConfigError, json_text, temporary_dir
+from sparsebalance.sim.core import ConfigError, json_text, temporary_dir
 
 FLOAT_FORMAT = "%.9g"  # fixed formatting: same values -> same bytes
 FILES = ("micro_batches.csv", "steps.csv", "plans.jsonl", "summary.json")  # summary.json last: a complete run

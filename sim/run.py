@@ -20,23 +20,24 @@ import hydra
 import numpy as np
 import pandas as pd
 from hydra import compose, initialize_config_dir
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.config import LengthDistribution, PolicyConfig, RunConfig, policy_cost, register, validate
-from sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable, compose_config, fail,
-                      group_options, hydra_reason, interrupted, preset_options, preset_overrides)
-from sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
-from sim.engine import Engine
-from sim.progress import with_progress
-from sim.results import Results
-from sim.setup import load_policy, make_planner, prepare
-from sim.workload import read_trace, requests, truth_of
+from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, policy_cost,
+                                      register, validate)
+from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
+                                    did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
+                                    preset_overrides)
+from sparsebalance.sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
+from sparsebalance.sim.engine import Engine
+from sparsebalance.sim.progress import with_progress
+from sparsebalance.sim.results import Results
+from sparsebalance.sim.setup import load_policy, make_planner, prepare
+from sparsebalance.sim.workload import read_trace, requests, truth_of
 
 OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
 JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
@@ -237,11 +238,35 @@ def check_search_space(overrides: list[str]) -> list[str]:
             where = f" (at a corner of the search space: {' '.join([*job, *corner])})"
             cfg = copy.deepcopy(groups)
             try:
-                ConfigLoaderImpl._apply_overrides_to_config(parse(list(corner)), cfg)
-            except (HydraException, OmegaConfBaseException) as exc:
+                apply_values(cfg, parse(list(corner)))
+            except (ConfigError, HydraException, OmegaConfBaseException) as exc:
                 raise ConfigError(hydra_reason(exc) + where) from None
             notes[check_composed(cfg, where, trial=True)] = None
     return [note for note in notes if note]
+
+
+def apply_values(cfg: DictConfig, overrides: list[Override]) -> None:
+    """Hydra's rules for ``key=value``, ``+key=value`` and ``++key=value`` on a composed config, through
+    OmegaConf's public API: a plain override needs the key to exist, ``+`` needs it absent, ``++`` sets it either
+    way; the schema checks each value's type."""
+    for o in overrides:
+        key, value = o.key_or_group, o.value()
+        exists = OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT
+        if o.is_delete():
+            raise ConfigError(f"could not override {key!r}: {o.input_line!r} deletes it; allowed: key=value")
+        if o.is_add() and exists:
+            raise ConfigError(f"could not override {key!r}: it exists already; allowed: key=value or ++key=value")
+        if not (exists or o.is_add() or o.is_force_add()):
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            near = did_you_mean(leaf, [str(k) for k in node.keys()]) if isinstance(node, DictConfig) else ""
+            raise ConfigError(f"could not override {key!r}: it is not in the config{near}; allowed: a key of the "
+                              "config, or +key=value to add one")
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, value, merge=True)
+
+
+_ABSENT = object()
 
 
 def hydra_config(overrides: list[str]) -> DictConfig:

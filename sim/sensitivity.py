@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from scipy.special import expit
 
-from sim.core import ConfigError, read_checked_json
+from sparsebalance.sim.core import ConfigError, read_checked_json
 
 # The measurement ``python -m runner.sensitivity`` writes and ``python -m calibrate.sensitivity`` fits (the two may
 # not import each other): one row per (sequence, layer, budget); ``mode`` is ``p`` (top-p coverage target) or

@@ -7,16 +7,16 @@ from typing import Callable, Sequence
 
 from omegaconf import OmegaConf
 
-from sim.cluster import Cluster, Layout
-from sim.config import PolicyConfig, RunConfig, validate
-from sim.core import CONF_DIR, ConfigError, compose_config, group_options
-from sim.cost import CostModel, make_cost
-from sim.engine import Engine
-from sim.estimate import make_estimator
-from sim.memory import MemoryModel
-from sim.planner import Planner
-from sim.policy import make_batching, make_sparsity
-from sim.workload import Workload
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.config import PolicyConfig, RunConfig, compose_config, validate
+from sparsebalance.sim.core import CONF_DIR, ConfigError, group_options
+from sparsebalance.sim.cost import CostModel, make_cost
+from sparsebalance.sim.engine import Engine
+from sparsebalance.sim.estimate import make_estimator
+from sparsebalance.sim.memory import MemoryModel
+from sparsebalance.sim.planner import Planner
+from sparsebalance.sim.policy import make_batching, make_sparsity
+from sparsebalance.sim.workload import Workload
 
 
 def load_policy(name: str) -> PolicyConfig:

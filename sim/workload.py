@@ -13,9 +13,9 @@ import numpy as np
 import pandas as pd
 from scipy import special
 
-from sim.config import LengthDistribution, WorkloadConfig, validate
-from sim.core import ConfigError, not_a_file, resolve_path
-from sim.sensitivity import load_sensitivity_profile
+from sparsebalance.sim.config import LengthDistribution, WorkloadConfig, validate
+from sparsebalance.sim.core import ConfigError, not_a_file, resolve_path
+from sparsebalance.sim.sensitivity import load_sensitivity_profile
 
 # Sensitivities are clipped away from 0: s -> 0 makes kept_fraction = p ** (1/s) underflow.
 MIN_SENSITIVITY = 1e-3

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.estimate import Belief, OracleEstimator
-from sim.plan import Plan
-from sim.planner import Planner
-from sim.workload import requests, truth_of
+from sparsebalance.sim.estimate import Belief, OracleEstimator
+from sparsebalance.sim.plan import Plan
+from sparsebalance.sim.planner import Planner
+from sparsebalance.sim.workload import requests, truth_of
 
 
 def oracle(batch) -> Belief:

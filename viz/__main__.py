@@ -1,4 +1,4 @@
 """``python -m viz PATH ...``: see ``viz.cli``."""
-from viz.cli import main
+from sparsebalance.viz.cli import main
 
 raise SystemExit(main())

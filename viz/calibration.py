@@ -8,16 +8,16 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from calibrate.fit import FeatureSource, Measurement, load_measurements, predict, term_prediction
-from sim.backends import OURS
-from calibrate.grid import GridPoint
-from calibrate.run import meta_path
-from sim.core import ConfigError
-from sim.profile import load_profile
-from sim.sensitivity import KIND as SENSITIVITY_KIND
-from sim.shapes import load_shapes
-from viz.runs import PlotError
-from viz.style import OKABE_ITO, plain_log, viridis
+from sparsebalance.calibrate.fit import FeatureSource, Measurement, load_measurements, predict, term_prediction
+from sparsebalance.sim.backends import OURS
+from sparsebalance.calibrate.grid import GridPoint
+from sparsebalance.calibrate.run import meta_path
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.profile import load_profile
+from sparsebalance.sim.sensitivity import KIND as SENSITIVITY_KIND
+from sparsebalance.sim.shapes import load_shapes
+from sparsebalance.viz.runs import PlotError
+from sparsebalance.viz.style import OKABE_ITO, plain_log, viridis
 
 DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "calibrate" / "profiles" / "h200.json"
 TERM_ORDER = ("attn_fwd", "attn_bwd", "attn_fwd+bwd", "select", "layer_fwd", "layer_bwd")

@@ -13,8 +13,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from sim.core import fail
-from viz.runs import PlotError
+from sparsebalance.sim.core import fail
+from sparsebalance.viz.runs import PlotError
 
 
 class RunFigures(Callback):
@@ -24,7 +24,7 @@ class RunFigures(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if job_return.status is not JobStatus.COMPLETED or not OmegaConf.select(config, "plot", default=False):
             return
-        from viz.figures import results_figures, save
+        from sparsebalance.viz.figures import results_figures, save
 
         run_dir = Path(config.hydra.runtime.output_dir)
         try:

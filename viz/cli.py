@@ -29,9 +29,9 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from sim.core import ArgumentParser, ConfigError, check_writable, fail
-from viz.figures import figures_for, save
-from viz.runs import PlotError
+from sparsebalance.sim.core import ArgumentParser, ConfigError, check_writable, fail
+from sparsebalance.viz.figures import figures_for, save
+from sparsebalance.viz.runs import PlotError
 
 
 def destinations(paths: list[Path], out: Path | None) -> list[tuple[Path, str]]:

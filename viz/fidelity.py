@@ -7,10 +7,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from runner.compare import replay
-from sim.core import ConfigError
-from viz.runs import PlotError, Run
-from viz.style import policy_colours
+from sparsebalance.runner.compare import replay
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.viz.runs import PlotError, Run
+from sparsebalance.viz.style import policy_colours
 
 
 def fidelity_frame(runs: list[Run], skip: int | None = None, profile: str | None = None) -> pd.DataFrame:

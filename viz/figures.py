@@ -5,15 +5,15 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from sim.core import atomic_path
-from viz.calibration import (DEFAULT_PROFILE, benchmark_vs_profile, calibration_frame, plot_calibration,
+from sparsebalance.sim.core import atomic_path
+from sparsebalance.viz.calibration import (DEFAULT_PROFILE, benchmark_vs_profile, calibration_frame, plot_calibration,
                              plot_residuals, profile_title, read_profile)
-from viz.fidelity import fidelity_frame, plot_fidelity, plot_step_fidelity, validation_frame
-from viz.kernels import fair_ratios, is_fair, plot_fair, plot_kernel_comparison, read_benchmark
-from viz.learning import is_learning_tables, learning_figures
-from viz.policies import plot_frontier, plot_policies
-from viz.runs import PlotError, read_runs, settings
-from viz.timeline import pick_timeline_runs, plot_timeline, replay_step
+from sparsebalance.viz.fidelity import fidelity_frame, plot_fidelity, plot_step_fidelity, validation_frame
+from sparsebalance.viz.kernels import fair_ratios, is_fair, plot_fair, plot_kernel_comparison, read_benchmark
+from sparsebalance.viz.learning import is_learning_tables, learning_figures
+from sparsebalance.viz.policies import plot_frontier, plot_policies
+from sparsebalance.viz.runs import PlotError, read_runs, settings
+from sparsebalance.viz.timeline import pick_timeline_runs, plot_timeline, replay_step
 
 
 def results_figures(path: Path, step: int, skip: int | None = None) -> dict[str, Figure]:

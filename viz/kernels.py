@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from viz.runs import PlotError
-from viz.style import OKABE_ITO, plain_log
+from sparsebalance.viz.runs import PlotError
+from sparsebalance.viz.style import OKABE_ITO, plain_log
 
 BENCH_COLUMNS = ("case", "T", "ndocs", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms")
 FAIR_COLUMNS = ("heads", "T", "sparsity", "impl", "fwdbwd_ms")

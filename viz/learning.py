@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from viz.runs import PlotError
-from viz.style import policy_colours
+from sparsebalance.viz.runs import PlotError
+from sparsebalance.viz.style import policy_colours
 
 TRAIN_COLUMNS = ("run", "step", "accuracy", "answers")
 EVAL_COLUMNS = ("run", "p", "accuracy", "answers", "item_chance")

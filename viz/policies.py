@@ -5,8 +5,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from viz.runs import Run, summary_frame
-from viz.style import policy_colours
+from sparsebalance.viz.runs import Run, summary_frame
+from sparsebalance.viz.style import policy_colours
 
 
 def _context(runs: list[Run]) -> str:

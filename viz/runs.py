@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sim.results import MicroBatchRecord, StepRecord
+from sparsebalance.sim.results import MicroBatchRecord, StepRecord
 
 RESULT_FILES = ("summary.json", "steps.csv", "micro_batches.csv")
 SUMMARY_KEYS = ("policy", "steps", "step_ms", "bubble_fraction", "mean_coverage", "dp", "pp", "micro_batches")

@@ -13,15 +13,15 @@ from matplotlib.patches import Patch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.cluster import Cluster, Layout
-from sim.config import RunConfig
-from sim.core import ConfigError
-from sim.cost import make_cost
-from sim.engine import Engine
-from sim.plan import Plan
-from sim.workload import Workload, truth_of
-from viz.runs import PlotError, Run, settings
-from viz.style import BACKWARD, COMM, FORWARD, IDLE
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.config import RunConfig
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.engine import Engine
+from sparsebalance.sim.plan import Plan
+from sparsebalance.sim.workload import Workload, truth_of
+from sparsebalance.viz.runs import PlotError, Run, settings
+from sparsebalance.viz.style import BACKWARD, COMM, FORWARD, IDLE
 
 
 @dataclass(frozen=True)

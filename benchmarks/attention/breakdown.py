@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from kernels.sparse_attention import select_blocks
+from sparsebalance.kernels.sparse_attention import select_blocks
 from .common import B, D, bench, cu_from_lens, fwdbwd_tflops, kept_fwd_flops, log, make_qkv
 from .fair import FAIR_HEADS, fair_lengths
 from .tune import kernel_launchers

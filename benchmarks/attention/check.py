@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from kernels.sparse_attention import KernelOptions, select_blocks, sparse_attention, sparse_attention_naive
+from sparsebalance.kernels.sparse_attention import (KernelOptions, select_blocks, sparse_attention,
+                                                    sparse_attention_naive)
 from .common import cu_from_lens, log, make_qkv, write_csv
 
 

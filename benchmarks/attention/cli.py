@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from sim.core import ArgumentParser, number_list, one_line_errors
+from sparsebalance.sim.core import ArgumentParser, number_list, one_line_errors
 from .breakdown import kernel_breakdown
 from .check import check
 from .common import FLEX_MODES, log

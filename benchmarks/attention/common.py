@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from kernels.sparse_attention import KernelOptions, sparse_attention
+from sparsebalance.kernels.sparse_attention import KernelOptions, sparse_attention
 
 
 H, D, B = 16, 128, 128  # the grid's heads, head dim and block size (tuning and --config apply to (B, D))

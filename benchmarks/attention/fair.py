@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from kernels.backends import load, load_all
-from kernels.sparse_attention import VarlenBatch, select_blocks
+from sparsebalance.kernels.backends import load, load_all
+from sparsebalance.kernels.sparse_attention import VarlenBatch, select_blocks
 from .common import (B, D, compiled_flex, csv_emitter, cu_from_lens, flex_pair, heads_first, interleaved_ms,
                      kept_fwd_flops, log, long_tail_lengths, make_qkv, sparse_pair, timed_row, weighted_kept_fraction)
 from .masks import exact_block_mask, flex_block_mask_packed

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from kernels.sparse_attention import select_blocks
+from sparsebalance.kernels.sparse_attention import select_blocks
 from .common import B, FLEX_MODES, compiled_flex, flex_pair, interleaved_ms, log, sparse_pair
 from .fair import FAIR_HEADS, fair_batch
 from .masks import exact_block_mask

@@ -8,7 +8,7 @@ import traceback
 
 import torch
 
-from kernels.sparse_attention import KernelOptions, select_blocks, sparse_attention
+from sparsebalance.kernels.sparse_attention import KernelOptions, select_blocks, sparse_attention
 from .common import (B, D, H, bench, compiled_flex, csv_emitter, cu_from_lens, flex_pair, graph_times, heads_first,
                      interleaved_ms, kept_fwd_flops, log, long_tail_lengths, make_qkv, sparse_pair, timed_row,
                      weighted_kept_fraction)

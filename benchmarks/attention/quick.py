@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from kernels.sparse_attention import KernelOptions, backward, forward, select_blocks
+from sparsebalance.kernels.sparse_attention import KernelOptions, backward, forward, select_blocks
 from .check import CHECK_LENS, against_reference
 from .common import (B, D, H, TORCH_SELECTION, bench, csv_emitter, cu_from_lens, kept_fwd_flops, log,
                      long_tail_lengths, make_qkv, sparse_pair, timed_row, weighted_kept_fraction)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from sim.core import ConfigError
+from sparsebalance.sim.core import ConfigError
 from .fair import DENSE_IMPLS, FAIR_PAIRS
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kernels.sparse_attention import KernelOptions, backward, forward, launch, select_blocks
+from sparsebalance.kernels.sparse_attention import KernelOptions, backward, forward, launch, select_blocks
 from .common import B, D, H, bench, cu_from_lens, log, long_tail_lengths, make_qkv
 
 

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from kernels.sparse_attention import sparse_attention
-from sim.setup import build_planner
+from sparsebalance.kernels.sparse_attention import sparse_attention
+from sparsebalance.sim.setup import build_planner
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 32
 PLANNER_OVERRIDES = [  # a small layout: 2 DP ranks, 2 micro-batches each, 8 sequences of 128-1024 tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Sequence
 
-from . import register, require_cuda
+from .base import register, require_cuda
 
 
 def per_document(q, k, v, spans: Sequence[int], sdpa_backend):

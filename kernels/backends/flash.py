@@ -10,7 +10,7 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Sequence
 
-from . import cu_seqlens, register, require_cuda
+from .base import cu_seqlens, register, require_cuda
 
 
 class _Varlen:

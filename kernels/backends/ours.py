@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from . import cu_seqlens, register
+from .base import cu_seqlens, register
 
 
 @register("ours")
@@ -15,7 +15,7 @@ class Ours:
         self.block_size = block_size  # the calibrated profile's (conf/cost)
 
     def check(self) -> None:
-        from kernels import sparse_attention  # noqa: F401  (Triton and the kernels)
+        from sparsebalance.kernels import sparse_attention  # noqa: F401  (Triton and the kernels)
 
     def version(self) -> str:
         import torch
@@ -24,11 +24,11 @@ class Ours:
         return f"kernels.sparse_attention (triton {triton.__version__}, torch {torch.__version__})"
 
     def documents(self, lengths: Sequence[int], device) -> object:
-        from kernels.sparse_attention import VarlenBatch
+        from sparsebalance.kernels.sparse_attention import VarlenBatch
 
         return VarlenBatch.from_cu_seqlens(cu_seqlens(lengths))
 
     def attention(self, q, k, v, docs, kept_fraction: float = 1.0):
-        from kernels.sparse_attention import sparse_attention
+        from sparsebalance.kernels.sparse_attention import sparse_attention
 
         return sparse_attention(q, k, v, docs, kept_fraction=kept_fraction, block_size=self.block_size)

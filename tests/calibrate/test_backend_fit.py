@@ -9,19 +9,20 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import kernels.sparse_attention as kernel
-from calibrate import fit, run, store, timing
-from calibrate.grid import GridPoint, build_grid, dense_points
-from calibrate.measure import Measurer
-from kernels.backends import load
+import sparsebalance.kernels.sparse_attention as kernel
+from sparsebalance.calibrate import fit, run, store, timing
+from sparsebalance.calibrate.grid import GridPoint, build_grid, dense_points
+from sparsebalance.calibrate.measure import Measurer
+from sparsebalance.kernels.backends import load
 from pinned import PINNED_PROFILE
-from runner.attention import make_attention
-from sim.backends import DENSE_FEATURES, DENSE_TERMS
-from sim.cluster import Cluster, Layout
-from sim.core import ConfigError, compose_config
-from sim.cost import dense_features, make_cost
-from sim.profile import load_profile
-from sim.shapes import ModelShape, load_shapes
+from sparsebalance.runner.attention import make_attention
+from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cost import dense_features, make_cost
+from sparsebalance.sim.profile import load_profile
+from sparsebalance.sim.shapes import ModelShape, load_shapes
 
 BLOCK = 128
 TRUE = {"attn_fwd": {"const": 0.02, "tokens": 3e-6, "head_tokens": 5e-8, "docs": 0.004, "doc_heads": 1e-4,
@@ -189,7 +190,7 @@ def test_backends_only_adds_the_dense_backends_to_a_profile_and_leaves_its_own_f
 
 
 def test_the_calibration_figures_leave_the_dense_backends_rows_to_their_own_terms(tmp_path, shapes):
-    from viz.calibration import calibration_frame
+    from sparsebalance.viz.calibration import calibration_frame
 
     rows = rows_of(shapes)
     csv = write_run(tmp_path, shapes, rows)

@@ -2,7 +2,7 @@
 activities' intervals (two streams at once count once; host gaps count not at all)."""
 import pytest
 
-from calibrate.timing import MARKER, busy_ms
+from sparsebalance.calibrate.timing import MARKER, busy_ms
 
 NS = 1_000_000  # ns per ms
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibrate import fit, linear, run, store
-from calibrate.fit import FeatureSource, Measurement
-from calibrate.grid import build_grid
-from sim.shapes import load_shapes
-from sim.core import ConfigError
-from sim.profile import PROFILE_FEATURES, TERMS, load_profile
+from sparsebalance.calibrate import fit, linear, run, store
+from sparsebalance.calibrate.fit import FeatureSource, Measurement
+from sparsebalance.calibrate.grid import build_grid
+from sparsebalance.sim.shapes import load_shapes
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.profile import PROFILE_FEATURES, TERMS, load_profile
 
 BLOCK = 128
 # Every feature of a term carries a coefficient (sim.profile.PROFILE_FEATURES); those not given here are 0.

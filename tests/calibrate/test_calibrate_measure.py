@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-import kernels.sparse_attention as kernel
-from calibrate import run, store, timing
-from calibrate.grid import GridPoint
-from calibrate.measure import Measurer, _pass_through
-from sim.shapes import ModelShape
-from runner.attention import make_attention
+import sparsebalance.kernels.sparse_attention as kernel
+from sparsebalance.calibrate import run, store, timing
+from sparsebalance.calibrate.grid import GridPoint
+from sparsebalance.calibrate.measure import Measurer, _pass_through
+from sparsebalance.sim.shapes import ModelShape
+from sparsebalance.runner.attention import make_attention
 
 BLOCK = 32
 TINY = ModelShape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100,

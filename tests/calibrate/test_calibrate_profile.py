@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibrate import fit
-from calibrate.run import meta_path
-from sim.profile import load_profile
+from sparsebalance.calibrate import fit
+from sparsebalance.calibrate.run import meta_path
+from sparsebalance.sim.profile import load_profile
 
 PROFILES = Path(__file__).resolve().parents[2] / "calibrate" / "profiles"
 
@@ -55,8 +55,8 @@ def test_cost_features_describe_the_kernels_launches():
     """``kv_blocks``, ``kv_waves`` and ``dkdv_path`` count dK/dV programs of DKDV_KEYS keys, ``fwd_path`` takes
     the short-row tiles below SHORT_ROW_TOKENS, ``dq_path`` follows the overlap rule: the kernel's launch rules
     must be these, or the fitted profile describes another grid."""
-    from kernels.sparse_attention import launch as tk
-    from sim import cost
+    from sparsebalance.kernels.sparse_attention import launch as tk
+    from sparsebalance.sim import cost
 
     assert {tk.DEFAULT_CONFIG[kind]["BN"] for kind in ("dkdv", "dkdv_short")} == {cost.DKDV_KEYS}
     assert tk.SHORT_ROW_TOKENS == cost.SHORT_ROW_TOKENS
@@ -75,9 +75,9 @@ def test_longest_row_and_busiest_key_block_follow_the_kernels_selection(kv_heads
     KV heads). Taking the longest row for the busiest key block instead falls 19-44% short here."""
     import torch
 
-    from kernels.sparse_attention import select_blocks
-    from sim.core import compose_config
-    from sim.cost import _sequence_attention
+    from sparsebalance.kernels.sparse_attention import select_blocks
+    from sparsebalance.sim.config import compose_config
+    from sparsebalance.sim.cost import _sequence_attention
 
     torch.manual_seed(length + kv_heads)
     model = compose_config(["model=qwen2.5-3b", f"model.kv_heads={kv_heads}", f"model.heads={heads}"]).model

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from calibrate import grid, run, store
-from calibrate.grid import GridPoint, build_grid
-from sim.core import ConfigError
-from sim.shapes import load_shapes
+from sparsebalance.calibrate import grid, run, store
+from sparsebalance.calibrate.grid import GridPoint, build_grid
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.shapes import load_shapes
 
 
 class FakeMeasurer:
@@ -198,7 +198,7 @@ def test_meta_lists_each_run_and_the_last_is_rewritten_at_its_end(tmp_path):
 
 @pytest.mark.slow
 def test_comm_bandwidth_over_message_sizes_with_two_processes():
-    from calibrate.comm import measure_comm
+    from sparsebalance.calibrate.comm import measure_comm
 
     comm = measure_comm(2, backend="gloo", sizes=(1 << 12, 1 << 16))
     assert [r["bytes"] for r in comm["allreduce"]] == [1 << 12, 1 << 16] == [r["bytes"] for r in comm["p2p"]]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from calibrate import fit
+from sparsebalance.calibrate import fit
 from pinned import BACKENDS_PROFILE, PINNED_PROFILE
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from calibrate import memory
-from calibrate.memory import COLUMNS, HELDOUT_TOKENS, activation_bytes, build_points, fit_profile
-from sim.config import ModelConfig
-from sim.memory import MODES, TokenTerms, load_profile_terms
+from sparsebalance.calibrate import memory
+from sparsebalance.calibrate.memory import COLUMNS, HELDOUT_TOKENS, activation_bytes, build_points, fit_profile
+from sparsebalance.sim.config import ModelConfig
+from sparsebalance.sim.memory import MODES, TokenTerms, load_profile_terms
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"qwen2.5-3b": dict(hidden=2048, heads=16, kv_heads=2, head_dim=128, ffn=11008),

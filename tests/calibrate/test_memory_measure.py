@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibrate.memory import COLUMNS, Measurer, build_points, measure_all, warm_up
-from calibrate.store import append_rows
-from runner.attention import make_attention
-from sim.shapes import ModelShape
+from sparsebalance.calibrate.memory import COLUMNS, Measurer, build_points, measure_all, warm_up
+from sparsebalance.calibrate.store import append_rows
+from sparsebalance.runner.attention import make_attention
+from sparsebalance.sim.shapes import ModelShape
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 16
@@ -126,10 +126,10 @@ class Absent(importlib.abc.MetaPathFinder):  # what the GPU machines lack
             raise ImportError(f"{name} is not installed on the GPU machine")
 sys.meta_path.insert(0, Absent())
 import torch
-import calibrate.memory as m
-from calibrate.run import machine_facts
-from runner.attention import make_attention
-from sim.shapes import ModelShape
+import sparsebalance.calibrate.memory as m
+from sparsebalance.calibrate.run import machine_facts
+from sparsebalance.runner.attention import make_attention
+from sparsebalance.sim.shapes import ModelShape
 tiny = ModelShape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100, max_context=4096)
 class Probe:
     sync = reset_peak = lambda self: None

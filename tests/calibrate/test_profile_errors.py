@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pinned import PINNED_PROFILE
-from sim.run import cli
+from sparsebalance.sim.run import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from pinned import PINNED_PROFILE
-from sim import provisional
-from sim.config import CostConfig
-from sim.core import resolve_path
-from sim.profile import load_profile
+from sparsebalance.sim import provisional
+from sparsebalance.sim.config import CostConfig
+from sparsebalance.sim.core import resolve_path
+from sparsebalance.sim.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 

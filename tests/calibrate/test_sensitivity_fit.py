@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from scipy.special import expit
 
-from calibrate import sensitivity as fit
-from sim.sensitivity import RAW_COLUMNS, load_sensitivity_profile, raw_meta_path
+from sparsebalance.calibrate import sensitivity as fit
+from sparsebalance.sim.sensitivity import RAW_COLUMNS, load_sensitivity_profile, raw_meta_path
 
 LENGTHS = (512, 1024, 2048, 4096)
 KEPT = (0.1, 0.25, 0.5, 1.0)  # kept fraction 1 says nothing about s and is left out

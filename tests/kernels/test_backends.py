@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from benchmarks.attention import fair
-from kernels import backends
-from kernels.backends import BackendAbsent, load, load_all
-from kernels.backends.cudnn import Cudnn, per_document
-from kernels.backends.flash import FlashAttention4
-from kernels.sparse_attention import dense_causal_varlen
+from sparsebalance.kernels import backends
+from sparsebalance.kernels.backends import BackendAbsent, load, load_all
+from sparsebalance.kernels.backends.cudnn import Cudnn, per_document
+from sparsebalance.kernels.backends.flash import FlashAttention4
+from sparsebalance.kernels.sparse_attention import dense_causal_varlen
 
 LENGTHS = [5, 17, 1, 33]
 

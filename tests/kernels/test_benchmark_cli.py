@@ -261,7 +261,7 @@ def test_fair_flex_constructions_attend_exactly_our_kept_blocks(gqa):
     the fused kernel evaluates on partial (diagonal) blocks only: here it also reads the BlockMask's blocks."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    from kernels.sparse_attention import select_blocks, sparse_attention_naive
+    from sparsebalance.kernels.sparse_attention import select_blocks, sparse_attention_naive
 
     aligned = [256, 128, 384]
     for lens in (aligned, [200, 100, 379]):
@@ -338,7 +338,7 @@ def test_floor_fields_of_a_kernels_row():
 def test_kept_fwd_flops_count_every_query_head():
     """The FLOP convention of --fair and --kernels: 4*D per attended pair of each query head, so GQA counts the
     pairs of a KV head once per query head of its group."""
-    from kernels.sparse_attention import select_blocks
+    from sparsebalance.kernels.sparse_attention import select_blocks
 
     q, k = torch.randn(256, 4, common.D), torch.randn(256, 1, common.D)
     sel = select_blocks(q, k, torch.tensor([0, 256], dtype=torch.int32), kept_fraction=1.0, block_size=common.B)

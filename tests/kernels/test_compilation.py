@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sparse_attention import (KernelOptions, VarlenBatch, compile_count, compiled_variants, select_blocks,
+from sparsebalance.kernels.sparse_attention import (KernelOptions, VarlenBatch, compile_count, compiled_variants,
+                                                    select_blocks,)
                                       sparse_attention)
-from kernels.sparse_attention import launch
+from sparsebalance.kernels.sparse_attention import launch
 
 CUDA = torch.cuda.is_available()
 

@@ -3,7 +3,7 @@ selection, and the kept rows attend (forward and backward) exactly as under the 
 import pytest
 import torch
 
-from kernels.sparse_attention import restrict_rows, select_blocks, sparse_attention
+from sparsebalance.kernels.sparse_attention import restrict_rows, select_blocks, sparse_attention
 
 # (document lengths, block size, budget); odd lengths, a partial last block, one-block documents
 CASES = [

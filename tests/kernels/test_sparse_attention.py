@@ -19,10 +19,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from triton.runtime.errors import OutOfResources
 
-from kernels.sparse_attention import (BlockSelection, KernelOptions, SelectionFallbackWarning, VarlenBatch,
+from sparsebalance.kernels.sparse_attention import (BlockSelection, KernelOptions, SelectionFallbackWarning,
+                                                    VarlenBatch,)
                                       dense_causal_varlen, select_blocks, select_blocks_naive, selection_from_mask,
                                       sparse_attention, sparse_attention_naive)
-from kernels.sparse_attention import backward, forward, launch, selection
+from sparsebalance.kernels.sparse_attention import backward, forward, launch, selection
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 2e-5, torch.float16: 5e-3}

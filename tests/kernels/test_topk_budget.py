@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.sparse_attention import KernelOptions, VarlenBatch, select_blocks, select_blocks_naive, sparse_attention
+from sparsebalance.kernels.sparse_attention import (KernelOptions, VarlenBatch, select_blocks, select_blocks_naive,
+                                                    sparse_attention)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = 2e-5  # fp32, as tests/kernels/test_sparse_attention.py

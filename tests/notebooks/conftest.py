@@ -40,10 +40,10 @@ def sweep_copy(sweep, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def fitted_profile(tmp_path_factory) -> Path:
     """A profile fitted by calibrate.fit on measurements made up from the committed profile's terms."""
-    from calibrate import fit, run, store
-    from calibrate.fit import FeatureSource, Measurement
-    from calibrate.grid import build_grid
-    from sim.shapes import load_shapes
+    from sparsebalance.calibrate import fit, run, store
+    from sparsebalance.calibrate.fit import FeatureSource, Measurement
+    from sparsebalance.calibrate.grid import build_grid
+    from sparsebalance.sim.shapes import load_shapes
 
     out = tmp_path_factory.mktemp("calibration")
     shapes = [s for s in load_shapes() if s.name == "qwen2.5-3b"]

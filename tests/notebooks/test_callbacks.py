@@ -11,7 +11,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
 from pinned import PINNED_OVERRIDES
-from viz.callbacks import RunFigures
+from sparsebalance.viz.callbacks import RunFigures
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,18 +11,18 @@ import pytest
 from omegaconf import OmegaConf
 
 from pinned import PINNED_OVERRIDES, PINNED_PROFILE
-from sim.config import RunConfig
-from sim.workload import Workload, truth_of
-from viz.calibration import (benchmark_vs_profile, calibration_frame, plot_calibration, plot_residuals,
+from sparsebalance.sim.config import RunConfig
+from sparsebalance.sim.workload import Workload, truth_of
+from sparsebalance.viz.calibration import (benchmark_vs_profile, calibration_frame, plot_calibration, plot_residuals,
                              read_profile)
-from viz.cli import main
-from viz.fidelity import fidelity_frame, plot_step_fidelity
-from viz.figures import profile_figures, results_figures
-from viz.kernels import plot_kernel_comparison, read_benchmark
-from viz.learning import held_out_accuracy, plot_learning, read_learning, rolling_accuracy
-from viz.policies import plot_frontier, plot_policies
-from viz.runs import PlotError, read_run, read_runs, summary_frame
-from viz.timeline import pick_timeline_runs, plot_timeline, replay_step
+from sparsebalance.viz.cli import main
+from sparsebalance.viz.fidelity import fidelity_frame, plot_step_fidelity
+from sparsebalance.viz.figures import profile_figures, results_figures
+from sparsebalance.viz.kernels import plot_kernel_comparison, read_benchmark
+from sparsebalance.viz.learning import held_out_accuracy, plot_learning, read_learning, rolling_accuracy
+from sparsebalance.viz.policies import plot_frontier, plot_policies
+from sparsebalance.viz.runs import PlotError, read_run, read_runs, summary_frame
+from sparsebalance.viz.timeline import pick_timeline_runs, plot_timeline, replay_step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,7 +172,7 @@ def test_fidelity_replays_runner_runs(sweep_copy):
 
 
 def test_fidelity_reads_runner_compare_output(sweep_copy):
-    from runner import compare
+    from sparsebalance.runner import compare
 
     fake_runner_run(sweep_copy / "0", slower=2.0)
     assert compare.main([str(sweep_copy / "0"), "--skip", "0", "--profile", str(PINNED_PROFILE)]) == 0

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from sim.compare import compare
-from sim.core import preset_overrides
-from sim.results import coverage_fields
+from sparsebalance.sim.compare import compare
+from sparsebalance.sim.core import preset_overrides
+from sparsebalance.sim.results import coverage_fields
 from pinned import pinned
 
 
@@ -42,8 +42,8 @@ def test_even_spread_beats_verl_at_the_same_budgets_on_the_paper_preset(two_seed
 
 
 def test_policy_variants_override_a_policy_config():
-    from sim.compare import label, policy_variant
-    from sim.core import ConfigError
+    from sparsebalance.sim.compare import label, policy_variant
+    from sparsebalance.sim.core import ConfigError
 
     variant = policy_variant("sparsebalance:sparsity.params.floor=0.7:batching.params.pipeline_order=search")
     assert variant.sparsity.params.floor == 0.7 and variant.batching.params.pipeline_order == "search"

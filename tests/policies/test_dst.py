@@ -4,17 +4,18 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from policies.base import uniform_budget_plan
+from sparsebalance.policies.base import uniform_budget_plan
 
-from sim.policy import make_batching, make_sparsity
-from policies.dst import LevelTable, level_budgets
-from sim.plan import Budget
-from sim.cluster import Cluster, Layout
-from sim.core import ConfigError, compose_config
-from sim.cost import make_cost
-from sim.engine import Engine, run_pipeline
-from sim.pipeline import pipeline_ms
-from sim.workload import Sequence, requests
+from sparsebalance.sim.policy import make_batching, make_sparsity
+from sparsebalance.policies.dst import LevelTable, level_budgets
+from sparsebalance.sim.plan import Budget
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.engine import Engine, run_pipeline
+from sparsebalance.sim.pipeline import pipeline_ms
+from sparsebalance.sim.workload import Sequence, requests
 from oracle import oracle
 from pinned import pinned
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from sim.core import compose_config
-from sim.run import simulate
-from sim.setup import load_policy
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.run import simulate
+from sparsebalance.sim.setup import load_policy
 
 SEEDS = range(3)
 

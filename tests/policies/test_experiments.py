@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from sim.compare import compare
-from sim.core import compose_config, preset_overrides
+from sparsebalance.sim.compare import compare
+from sparsebalance.sim.core import preset_overrides
+from sparsebalance.sim.config import compose_config
 from pinned import PINNED_OVERRIDES, pinned
 
 

@@ -6,15 +6,17 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from policies.base import PartitionPolicy, PipelineOrder, verl_order
-from policies.karmarkar_karp import EXACT_ITEMS, exact_partition, kk_partition, ldm_partition, makespan, refined_small
-from policies.verl import verl_workload
-from sim.cluster import Cluster, Layout
-from sim.core import ConfigError, compose_config
-from sim.cost import make_cost
-from sim.engine import Engine
-from sim.policy import BATCHING, make_batching
-from sim.workload import Sequence, Workload, requests, truth_of
+from sparsebalance.policies.base import PartitionPolicy, PipelineOrder, verl_order
+from sparsebalance.policies.karmarkar_karp import (EXACT_ITEMS, exact_partition, kk_partition, ldm_partition, makespan,
+                                                   refined_small)
+from sparsebalance.policies.verl import verl_workload
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.engine import Engine
+from sparsebalance.sim.policy import BATCHING, make_batching
+from sparsebalance.sim.workload import Sequence, Workload, requests, truth_of
 from oracle import oracle
 from pinned import pinned
 

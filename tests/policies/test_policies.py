@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from sim.policy import BATCHING, SPARSITY, make_batching, make_sparsity
-from policies.karmarkar_karp import kk_partition, ldm_partition
-from sim.plan import Assignment, Budget, Plan
-from sim.cluster import Cluster, Layout
-from sim.core import ConfigError, compose_config
-from sim.cost import make_cost
-from sim.workload import Workload, requests
+from sparsebalance.sim.policy import BATCHING, SPARSITY, make_batching, make_sparsity
+from sparsebalance.policies.karmarkar_karp import kk_partition, ldm_partition
+from sparsebalance.sim.plan import Assignment, Budget, Plan
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.workload import Workload, requests
 
 from oracle import oracle
 

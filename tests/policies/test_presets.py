@@ -1,8 +1,9 @@
 """The comparison presets: what each one holds, and that every policy of the table plans them."""
 import pytest
 
-from sim.core import compose_config, preset_overrides
-from sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import preset_overrides
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cluster import Cluster, Layout
 from pinned import pinned
 
 
@@ -29,7 +30,7 @@ def test_sparsebalance_beats_the_strongest_baseline_on_the_preset(experiment):
     """Blind planning: sparsebalance_topk beats every baseline, verl_topk (top-k at the same coverage target)
     included, at an attention-weighted coverage no lower than the top-p baselines'; top-p sparsebalance beats
     the top-p baselines."""
-    from sim.compare import compare
+    from sparsebalance.sim.compare import compare
 
     top_p = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap")
     table = compare(pinned(preset_overrides([f"experiment={experiment}", "steps=2"])),

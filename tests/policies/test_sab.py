@@ -4,15 +4,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim.policy import make_batching, make_sparsity
-from sim.plan import Budget
-from sim.cluster import Cluster, Layout
-from sim.core import ConfigError, compose_config
-from sim.cost import make_cost
-from sim.engine import Engine
-from sim.estimate import Observation
-from sim.setup import load_policy
-from sim.workload import Sequence, Workload, requests, truth_of
+from sparsebalance.sim.policy import make_batching, make_sparsity
+from sparsebalance.sim.plan import Budget
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.engine import Engine
+from sparsebalance.sim.estimate import Observation
+from sparsebalance.sim.setup import load_policy
+from sparsebalance.sim.workload import Sequence, Workload, requests, truth_of
 from oracle import oracle, oracle_planner, planned_step
 from pinned import pinned
 

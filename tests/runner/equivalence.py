@@ -23,15 +23,15 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from pinned import PINNED_PROFILE
-from runner.attention import make_attention
-from runner.config import TrainConfig, register
-from runner.data import n_answers, pack
-from runner.model import ModelShape, TinyLlama
-from runner.task import TaskConfig
-from sim.core import compose_config
-from sim.plan import Plan
-from sim.run import simulate
-from sim.workload import Workload, truth_of
+from sparsebalance.runner.attention import make_attention
+from sparsebalance.runner.config import TrainConfig, register
+from sparsebalance.runner.data import n_answers, pack
+from sparsebalance.runner.model import ModelShape, TinyLlama
+from sparsebalance.runner.task import TaskConfig
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.plan import Plan
+from sparsebalance.sim.run import simulate
+from sparsebalance.sim.workload import Workload, truth_of
 
 ROOT = Path(__file__).resolve().parents[2]
 # A tiny model (2 layers: one per stage at pp=2) with tied embeddings, as Qwen2.5-3B has them.
@@ -193,7 +193,7 @@ def check_rows(name: str, run_dir: Path) -> None:
 
 
 def check_compare(run_dir: Path) -> None:
-    from runner.compare import main
+    from sparsebalance.runner.compare import main
 
     assert main([str(run_dir), "--profile", str(PINNED_PROFILE), "--skip", "0"]) == 0
     table = pd.read_csv(run_dir / "compare.csv")

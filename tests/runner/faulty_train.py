@@ -6,7 +6,7 @@ runner itself: production code carries no fault switches.
 import os
 import time
 
-from runner import loop, train
+from sparsebalance.runner import loop, train
 
 KIND = os.environ["RUNNER_FAULT"]
 RANK = int(os.environ.get("RUNNER_FAULT_RANK", 1))

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from runner import loop, train
+from sparsebalance.runner import loop, train
 
 OUT = Path(os.environ["RUNNER_GRADS"])
 _init = loop.Trainer.__init__

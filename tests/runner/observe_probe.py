@@ -4,8 +4,8 @@ import json
 import os
 from pathlib import Path
 
-from runner import train
-from sim.planner import Planner
+from sparsebalance.runner import train
+from sparsebalance.sim.planner import Planner
 
 OUT = Path(os.environ["OBSERVED"])
 _observe = Planner.observe

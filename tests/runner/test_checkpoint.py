@@ -24,9 +24,9 @@ import pandas as pd
 import pytest
 import torch
 
-from runner import checkpoint
-from runner.train import check_inputs
-from sim.core import ConfigError
+from sparsebalance.runner import checkpoint
+from sparsebalance.runner.train import check_inputs
+from sparsebalance.sim.core import ConfigError
 from tiny import ONE_RANK, TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]

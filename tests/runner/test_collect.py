@@ -3,7 +3,7 @@ per-sequence rows."""
 import pandas as pd
 import pytest
 
-from runner import collect
+from sparsebalance.runner import collect
 
 # per run: (step, length, p, kept_fraction, coverage) of each sequence
 SEQUENCES = {

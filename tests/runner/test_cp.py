@@ -20,12 +20,12 @@ from equivalence import (
     ALL_LAYOUTS, CP_LAYOUTS, ROOT, check_compare, check_loss_and_gradients, check_plans, check_rows,
     first_step_selection, launch, layout_overrides, one_process, plans_of, RUNNER, truth_of_run,
 )
-from kernels.sparse_attention import sparse_attention
-from runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
-from runner.cp_kernel import make_cp_kernel_attention
-from runner.dist import World
-from runner.train import check_inputs
-from sim.core import ConfigError
+from sparsebalance.kernels.sparse_attention import sparse_attention
+from sparsebalance.runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
+from sparsebalance.runner.cp_kernel import make_cp_kernel_attention
+from sparsebalance.runner.dist import World
+from sparsebalance.runner.train import check_inputs
+from sparsebalance.sim.core import ConfigError
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.sparse_attention import selection_from_mask
-from runner.cp import Shards, shard_bounds
-from runner.cp_bench import rank_shares, shares
+from sparsebalance.kernels.sparse_attention import selection_from_mask
+from sparsebalance.runner.cp import Shards, shard_bounds
+from sparsebalance.runner.cp_bench import rank_shares, shares
 
 B = 64
 

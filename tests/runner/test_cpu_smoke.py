@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from runner.capacity import Device, check_fits
-from runner.config import register
-from runner.dist import World
-from runner.train import build_planner, check_inputs
-from sim.core import ConfigError, compose_config
+from sparsebalance.runner.capacity import Device, check_fits
+from sparsebalance.runner.config import register
+from sparsebalance.runner.dist import World
+from sparsebalance.runner.train import build_planner, check_inputs
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
 from tiny import ONE_RANK, TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]

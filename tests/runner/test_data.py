@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner.task import ANS, BOS, KEY, N_SPECIAL, QUERY, RECORD, VAL, TaskConfig, TaskKind, make_example
-from sim.core import ConfigError
+from sparsebalance.runner.task import ANS, BOS, KEY, N_SPECIAL, QUERY, RECORD, VAL, TaskConfig, TaskKind, make_example
+from sparsebalance.sim.core import ConfigError
 
 VOCAB = 160
 TASKS = st.builds(

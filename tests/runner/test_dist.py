@@ -4,8 +4,8 @@ import socket
 
 import torch
 
-from runner.dist import NO_MULTICAST_ENV, Comm, World
-from sim.cluster import Layout
+from sparsebalance.runner.dist import NO_MULTICAST_ENV, Comm, World
+from sparsebalance.sim.cluster import Layout
 
 
 def _free_port() -> int:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from runner.task import TaskConfig
-from runner.evaluate import main, summarise
+from sparsebalance.runner.task import TaskConfig
+from sparsebalance.runner.evaluate import main, summarise
 from tiny import TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,10 +11,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from runner import train
-from runner.capacity import Device
-from runner.evaluate import main as evaluate
-from runner.train import check_inputs, compose
+from sparsebalance.runner import train
+from sparsebalance.runner.capacity import Device
+from sparsebalance.runner.evaluate import main as evaluate
+from sparsebalance.runner.train import check_inputs, compose
 from tiny import ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from runner.loop import lr_factor, make_optimizer, make_scheduler
+from sparsebalance.runner.loop import lr_factor, make_optimizer, make_scheduler
 
 LR = 1e-2
 

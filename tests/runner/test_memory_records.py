@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from pinned import PINNED_PROFILE
-from runner.attention import make_attention
-from runner.model import ModelShape, TinyLlama
+from sparsebalance.runner.attention import make_attention
+from sparsebalance.runner.model import ModelShape, TinyLlama
 from tiny import TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,9 +68,9 @@ def test_cpu_run_leaves_the_peak_memory_cells_empty_and_counts_no_compilations(c
 
 
 def test_compare_prices_each_rank_and_stage_as_sim_run_and_leaves_measured_empty(cpu_run, tmp_path):
-    from runner.compare import main
-    from sim.core import compose_config
-    from sim.run import simulate
+    from sparsebalance.runner.compare import main
+    from sparsebalance.sim.config import compose_config
+    from sparsebalance.sim.run import simulate
 
     run = tmp_path / "run"
     shutil.copytree(cpu_run, run)
@@ -86,7 +86,7 @@ def test_compare_prices_each_rank_and_stage_as_sim_run_and_leaves_measured_empty
 
 
 def test_compare_gives_the_relative_error_of_a_measured_peak(cpu_run, tmp_path):
-    from runner.compare import main
+    from sparsebalance.runner.compare import main
 
     run = tmp_path / "run"
     shutil.copytree(cpu_run, run)
@@ -104,7 +104,7 @@ def test_compare_gives_the_relative_error_of_a_measured_peak(cpu_run, tmp_path):
 
 
 def test_every_layer_attends_over_one_varlen_batch_per_forward():
-    from kernels.sparse_attention import VarlenBatch
+    from sparsebalance.kernels.sparse_attention import VarlenBatch
 
     shape = ModelShape(name="tiny", hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16, ffn=64, vocab=64,
                        max_context=256)

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from equivalence import LR, RUNNER, SHARED, check_loss_and_gradients, check_plans, layout_overrides, plans_of, probe
-from runner.compare import main as compare_main
+from sparsebalance.runner.compare import main as compare_main
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_PROCESS = "runner.one_process=true"

@@ -16,10 +16,10 @@ import pytest
 
 from equivalence import check_replanned
 from pinned import PINNED_PROFILE
-from runner.dist import World
-from runner.train import build_planner, compose
-from sim.core import compose_config
-from sim.run import simulate
+from sparsebalance.runner.dist import World
+from sparsebalance.runner.train import build_planner, compose
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = ["+experiment=paper", "policy=sparsebalance"]
@@ -69,7 +69,7 @@ def test_every_replica_micro_batch_and_stage_has_its_row(run_dir):
 
 
 def test_compare_reads_the_run(run_dir):
-    from runner.compare import main
+    from sparsebalance.runner.compare import main
 
     assert main([str(run_dir), "--profile", str(PINNED_PROFILE), "--skip", "0"]) == 0
     assert len(pd.read_csv(run_dir / "compare.csv")) == 2

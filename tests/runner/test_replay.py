@@ -20,17 +20,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from runner.replay import dir_name, load_inputs, main, run_replay
-from sim.cluster import Cluster, Layout
-from sim.compare import policy_variant
-from sim.core import compose_config
-from sim.engine import Engine, PlanArrays, run_pipeline
-from sim.pipeline import last_micro_batches
-from sim.plan import Plan
-from sim.results import FLOAT_FORMAT
-from sim.run import simulate
-from sim.setup import prepare
-from sim.workload import truth_of
+from sparsebalance.runner.replay import dir_name, load_inputs, main, run_replay
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.compare import policy_variant
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.engine import Engine, PlanArrays, run_pipeline
+from sparsebalance.sim.pipeline import last_micro_batches
+from sparsebalance.sim.plan import Plan
+from sparsebalance.sim.results import FLOAT_FORMAT
+from sparsebalance.sim.run import simulate
+from sparsebalance.sim.setup import prepare
+from sparsebalance.sim.workload import truth_of
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -195,10 +195,10 @@ def test_stages_and_recomputation_do_the_whole_models_work():
     selected), one micro-batch gives the gradients and kernel stats of the uncut model without recomputation."""
     import torch
 
-    from runner.data import pack
-    from runner.task import TaskConfig
-    from runner.replay import StagedModel, Untimed
-    from sim.shapes import ModelShape
+    from sparsebalance.runner.data import pack
+    from sparsebalance.runner.task import TaskConfig
+    from sparsebalance.runner.replay import StagedModel, Untimed
+    from sparsebalance.sim.shapes import ModelShape
 
     cfg = compose_typed(TINY)
     plan, truth = simulated_plans(TINY, "sparsebalance")[0]

@@ -20,8 +20,8 @@ import pytest
 
 from equivalence import check_replanned
 from pinned import PINNED_PROFILE
-from runner.dist import DIAGNOSIS_TIMEOUTS
-from sim.plan import Plan
+from sparsebalance.runner.dist import DIAGNOSIS_TIMEOUTS
+from sparsebalance.sim.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -76,10 +76,10 @@ def test_training_writes_results_and_loss_decreases(full_run):
 def test_plans_are_the_simulators_and_ranks_train_their_share(full_run):
     """Step 0's Plan is sim.run's; each later one is what the same planner makes when shown what the kernel
     reported of the steps before (sequences.csv, steps.csv), where sim.run's planner is shown the cost model's."""
-    from runner.dist import World
-    from runner.train import build_planner, compose
-    from sim.run import simulate
-    from sim.core import compose_config
+    from sparsebalance.runner.dist import World
+    from sparsebalance.runner.train import build_planner, compose
+    from sparsebalance.sim.run import simulate
+    from sparsebalance.sim.config import compose_config
 
     # The runner keeps its activations (conf/runner.yaml), so sim.run plans the same step without recompute.
     cfg = compose_config([*SHARED, f"steps={STEPS}", "memory.activation_checkpointing=false"])
@@ -114,7 +114,7 @@ def test_resume_continues_the_same_loss_curve(full_run, tmp_path):
 
 
 def test_compare_replays_the_run_through_the_simulator(full_run):
-    from runner.compare import main
+    from sparsebalance.runner.compare import main
 
     assert main([str(full_run), "--profile", str(PINNED_PROFILE)]) == 0
     table = pd.read_csv(full_run / "compare.csv")
@@ -125,7 +125,7 @@ def test_compare_replays_the_run_through_the_simulator(full_run):
 
 
 def test_compare_refuses_a_negative_skip_before_writing(full_run, capsys):
-    from runner.compare import main
+    from sparsebalance.runner.compare import main
 
     before = {p.name: p.read_bytes() for p in full_run.iterdir() if p.is_file()}
     with pytest.raises(SystemExit) as exc:

@@ -18,11 +18,12 @@ import torch
 from omegaconf import OmegaConf
 
 from pinned import PINNED_PROFILE
-from runner import compare
-from runner.train import check_inputs
-from sim.core import ConfigError, compose_config
-from sim.run import simulate
-from sim.workload import Workload, truth_of
+from sparsebalance.runner import compare
+from sparsebalance.runner.train import check_inputs
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.run import simulate
+from sparsebalance.sim.workload import Workload, truth_of
 from tiny import ONE_RANK, TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,9 +117,9 @@ def run_dir(tmp_path_factory) -> Path:
     """The files ``runner.train`` writes, made without training: the simulator's Results for the same config,
     per planned sequence its sensitivity (the workload's draw) and a kept fraction, and the summary keys of a
     training run."""
-    import runner.config
+    import sparsebalance.runner.config as runner_config
 
-    runner.config.register()
+    runner_config.register()
     cfg = compose_config(OVERRIDES, config_name="runner")
     out = simulate(cfg)
     path = tmp_path_factory.mktemp("compare") / "run"

@@ -11,13 +11,13 @@ from hydra import compose as hydra_compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pinned import pinned
-from runner.config import RunnerSettings, TrainConfig
-from runner.dist import World
-from runner.train import build_planner, compose
-from sim.config import RunConfig, register
-from sim.core import CONF_DIR, ConfigError, compose_config
-from sim.engine import Engine
-from sim.run import simulate
+from sparsebalance.runner.config import RunnerSettings, TrainConfig
+from sparsebalance.runner.dist import World
+from sparsebalance.runner.train import build_planner, compose
+from sparsebalance.sim.config import RunConfig, compose_config, register
+from sparsebalance.sim.core import CONF_DIR, ConfigError
+from sparsebalance.sim.engine import Engine
+from sparsebalance.sim.run import simulate
 
 # What runner.yaml states differently from config.yaml, as sim.run overrides.
 RUNNER_DIFFERENCES = ["baseline=null", "memory.activation_checkpointing=false"]

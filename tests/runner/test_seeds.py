@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from runner import seeds
+from sparsebalance.runner import seeds
 
 # (policy, seed) -> correct answers at p = 1.0 and 0.9 for two lengths of 100 answers each
 CORRECT = {("baseline", 0): ((50, 60), (40, 50)), ("sparsebalance", 0): ((55, 60), (45, 50)),

@@ -18,13 +18,13 @@ import torch
 
 from omegaconf import OmegaConf
 
-from calibrate import sensitivity as calibrate_sensitivity
-from runner import sensitivity
-from runner.attention import make_attention
-from runner.task import make_example
-from sim.config import RunConfig
-from sim.sensitivity import RAW_COLUMNS, load_sensitivity_profile, raw_meta_path
-from sim.workload import Workload
+from sparsebalance.calibrate import sensitivity as calibrate_sensitivity
+from sparsebalance.runner import sensitivity
+from sparsebalance.runner.attention import make_attention
+from sparsebalance.runner.task import make_example
+from sparsebalance.sim.config import RunConfig
+from sparsebalance.sim.sensitivity import RAW_COLUMNS, load_sensitivity_profile, raw_meta_path
+from sparsebalance.sim.workload import Workload
 from pinned import PINNED_OVERRIDES
 from tiny import TINY_ONE_RANK
 

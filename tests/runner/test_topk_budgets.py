@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels.sparse_attention import sparse_attention
-from runner.attention import budget_keywords
-from runner.cp import Ring, Shards, make_cp_attention, shard_micro_batch
-from runner.cp_kernel import make_cp_kernel_attention
-from runner.data import pack
-from runner.task import TaskConfig
-from sim.cost import topk_kept_fraction
-from sim.plan import Assignment, Budget, Plan
+from sparsebalance.kernels.sparse_attention import sparse_attention
+from sparsebalance.runner.attention import budget_keywords
+from sparsebalance.runner.cp import Ring, Shards, make_cp_attention, shard_micro_batch
+from sparsebalance.runner.cp_kernel import make_cp_kernel_attention
+from sparsebalance.runner.data import pack
+from sparsebalance.runner.task import TaskConfig
+from sparsebalance.sim.cost import topk_kept_fraction
+from sparsebalance.sim.plan import Assignment, Budget, Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -209,8 +209,8 @@ def test_cp_attention_selects_top_k_as_one_process(case, impl, cp_outputs):
 def test_the_replay_runs_top_k_and_records_what_ran():
     """runner.replay's staged model takes a top-k micro-batch (the closed form's kept fraction per sequence),
     and the replayed Plan's budgets are the kept fractions that ran."""
-    from runner.replay import Measured, StagedModel, Untimed, kernel_budgets
-    from sim.shapes import ModelShape
+    from sparsebalance.runner.replay import Measured, StagedModel, Untimed, kernel_budgets
+    from sparsebalance.sim.shapes import ModelShape
 
     lengths = (64, 300, 150)
     budgets = [Budget(top_k=k) for k in (1, 3, 2)]

@@ -1,6 +1,6 @@
 """The tiny model on one rank that the runner's checkpoint and bad-input tests start from; the baseline policy
 plans without learned state."""
-from runner.dist import World
+from sparsebalance.runner.dist import World
 
 ONE_RANK = World(rank=0, size=1, local_rank=0)
 TINY_ONE_RANK = [

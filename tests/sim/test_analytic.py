@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim.plan import Assignment, Plan
-from sim.cluster import Cluster, Layout
-from sim.cost import make_cost
-from sim.engine import Engine, run_pipeline
-from sim.core import compose_config
+from sparsebalance.sim.plan import Assignment, Plan
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.engine import Engine, run_pipeline
+from sparsebalance.sim.config import compose_config
 
 # 2 GPUs on one node: DP=2 with the roofline cost.
 # Without activation checkpointing, so that the backward is exactly the hand-written one (see the recompute test).
@@ -161,8 +161,8 @@ def test_1f1b_bubble_is_textbook(pp, m):
 def test_pipeline_layout_runs_end_to_end():
     cfg, engine = engine_for(["cost=roofline", "layout.pp=4", "layout.micro_batches=8"])
     from oracle import oracle
-    from sim.policy import make_batching
-    from sim.workload import Workload, requests, truth_of
+    from sparsebalance.sim.policy import make_batching
+    from sparsebalance.sim.workload import Workload, requests, truth_of
 
     workload = Workload(cfg.workload, cfg.model.max_context, 0)
     batch = workload.batch(0)

@@ -11,15 +11,15 @@ from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from pinned import BACKENDS_PROFILE, PINNED_PROFILE
-from sim.breakeven import ALWAYS, NEVER, break_even, table
-from sim.cluster import Cluster, Layout
-from sim.compare import default_lists
-from sim.config import AttentionBackend, policy_cost
-from sim.core import ConfigError, compose_config
-from sim.cost import _head_pair_flops, dense_features, make_cost
-from sim.profile import load_profile, profile_problem
-from sim.run import simulate
-from sim.setup import load_policy
+from sparsebalance.sim.breakeven import ALWAYS, NEVER, break_even, table
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.compare import default_lists
+from sparsebalance.sim.config import AttentionBackend, compose_config, policy_cost
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.cost import _head_pair_flops, dense_features, make_cost
+from sparsebalance.sim.profile import load_profile, profile_problem
+from sparsebalance.sim.run import simulate
+from sparsebalance.sim.setup import load_policy
 
 LENGTHS = np.array([1024, 8192, 32768, 32768, 4096, 4096, 2048])
 KEPT = np.array([1.0, 0.5, 0.9, 0.1, 0.3, 1.0, 0.05])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.core import ConfigError
-from sim.run import check_composition
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.run import check_composition
 
 ROOT = Path(__file__).resolve().parents[2]
 

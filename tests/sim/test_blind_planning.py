@@ -8,15 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-import sim.run as sim_run
-from sim.core import ConfigError, compose_config
-from sim.cost import topk_kept_fraction
-from sim.engine import Engine, PlanArrays
-from sim.estimate import Belief, OnlineEstimator, Observation, make_estimator, observed_sensitivity
-from sim.plan import Assignment, Budget, Plan
-from sim.run import simulate
-from sim.setup import build_planner, load_policy, make_planner, prepare
-from sim.workload import Workload, requests, truth_of
+import sparsebalance.sim.run as sim_run
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cost import topk_kept_fraction
+from sparsebalance.sim.engine import Engine, PlanArrays
+from sparsebalance.sim.estimate import Belief, OnlineEstimator, Observation, make_estimator, observed_sensitivity
+from sparsebalance.sim.plan import Assignment, Budget, Plan
+from sparsebalance.sim.run import simulate
+from sparsebalance.sim.setup import build_planner, load_policy, make_planner, prepare
+from sparsebalance.sim.workload import Workload, requests, truth_of
 
 PAPER = ["+experiment=paper", "steps=3"]
 

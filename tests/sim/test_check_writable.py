@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.core import ConfigError, check_writable
+from sparsebalance.sim.core import ConfigError, check_writable
 
 
 def test_a_new_file_in_new_directories_is_writable_and_the_probe_leaves_nothing(tmp_path):

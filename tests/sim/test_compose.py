@@ -3,9 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from sim.run import simulate
+from sparsebalance.sim.run import simulate
 
-from sim.core import GROUPS, compose_config, group_options
+from sparsebalance.sim.core import GROUPS, group_options
+from sparsebalance.sim.config import compose_config
 from pinned import BACKENDS_PROFILE, pinned
 
 SMALL = pinned(["steps=2", "workload.global_batch=32", "layout.micro_batches=1"])  # h200_4nodes: DP 32
@@ -37,7 +38,7 @@ def test_committed_profiles_are_measured_ones(gpu):
     """The default (H200) and the H100 profile are measured, not provisional, and of this simulator's schema."""
     import json
 
-    from sim.profile import PROFILE_SCHEMA_VERSION
+    from sparsebalance.sim.profile import PROFILE_SCHEMA_VERSION
 
     profile = json.loads((Path(__file__).resolve().parents[2] / f"calibrate/profiles/{gpu}.json").read_text())
     assert profile["provisional"] is False and profile["schema_version"] == PROFILE_SCHEMA_VERSION

@@ -2,12 +2,13 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from sim.cluster import Cluster, Layout
-from sim.core import ConfigError, compose_config, write_json_atomic
-from sim.cost import OVERLAP_MAX_PROGRAMS_PER_SM, attention_features, make_cost, params_per_layer
-from sim.profile import DKDV_SLOTS, PROFILE_SCHEMA_VERSION, WAVE, load_profile
-from sim.provisional import provisional_profile
-from sim.workload import Sequence
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import ConfigError, write_json_atomic
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cost import OVERLAP_MAX_PROGRAMS_PER_SM, attention_features, make_cost, params_per_layer
+from sparsebalance.sim.profile import DKDV_SLOTS, PROFILE_SCHEMA_VERSION, WAVE, load_profile
+from sparsebalance.sim.provisional import provisional_profile
+from sparsebalance.sim.workload import Sequence
 
 
 def cost_for(*overrides):

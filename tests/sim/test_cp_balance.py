@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pinned import pinned
-from runner.cp import shard_bounds
-from sim.cluster import Cluster, Layout
-from sim.core import compose_config
-from sim.cost import _launch_features, _sequence_attention, attention_features, make_cost
-from sim.profile import ATTENTION_FEATURES
-from sim.cp_shards import distinct_gaps, kept_rows, kept_share_shift, slowest_rank_extra, zigzag_bounds
+from sparsebalance.runner.cp import shard_bounds
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.cost import _launch_features, _sequence_attention, attention_features, make_cost
+from sparsebalance.sim.profile import ATTENTION_FEATURES
+from sparsebalance.sim.cp_shards import distinct_gaps, kept_rows, kept_share_shift, slowest_rank_extra, zigzag_bounds
 
 
 # ----------------------------------------------------------------------------- a plain count, written apart

@@ -22,12 +22,12 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-import sim.compare
-import sim.progress
-import sim.run
+import sparsebalance.sim.compare as sim_compare
+import sparsebalance.sim.progress as sim_progress
+import sparsebalance.sim.run as sim_run
 from pinned import PINNED_PROFILE, pinned
-from sim.core import CONF_DIR, TEMPORARY, atomic_path, preset_options, temporary_dir
-from sim.profile import FASTEST_FLOPS_PER_MS, SLOWEST_FLOPS_PER_MS
+from sparsebalance.sim.core import CONF_DIR, TEMPORARY, atomic_path, preset_options, temporary_dir
+from sparsebalance.sim.profile import FASTEST_FLOPS_PER_MS, SLOWEST_FLOPS_PER_MS
 
 ROOT = Path(__file__).resolve().parents[2]
 # The runner's tiny model on one CPU process (a few ms a step), for Ctrl-C during runner.train.
@@ -76,7 +76,7 @@ def invoke(entry, argv: list[str], monkeypatch, capsys) -> tuple[int, str, list[
     return code, out, err.splitlines()
 
 
-RUN, COMPARE = sim.run.cli, sim.compare.main
+RUN, COMPARE = sim_run.cli, sim_compare.main
 ONE_POLICY = ["--policies", "kk", "--baselines", "kk", "--oracles", ""]
 
 # (command, arguments with {file} placeholders, what the one error line says)
@@ -124,7 +124,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, files, tmp_path,
 @pytest.mark.parametrize("path, what", [("/dev/null", "is not a regular file"), ("/", "a directory")])
 def test_a_checkpoint_that_is_no_file_says_what_it_is(path, what):
     pytest.importorskip("torch")
-    from runner.checkpoint import Invalid, read
+    from sparsebalance.runner.checkpoint import Invalid, read
 
     with pytest.raises(Invalid, match=f"^{what}; allowed: a checkpoint file"):
         read(Path(path))
@@ -167,7 +167,7 @@ def test_compare_logs_its_progress_off_a_terminal(monkeypatch, capsys):
     """Off a terminal (pytest's captured stderr), a line per seed and per policy's steps once the clock says a
     log interval has passed: the clock here jumps 10 s at every reading."""
     clock = iter(range(0, 10_000, 10))
-    monkeypatch.setattr(sim.progress, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    monkeypatch.setattr(sim_progress, "time", SimpleNamespace(monotonic=lambda: next(clock)))
     code, _, err = invoke(COMPARE, ["--seeds", "2", "steps=2", *ONE_POLICY, *pinned()], monkeypatch, capsys)
     assert code == 0
     assert any(line.startswith("sim.compare: seed 1/2 after ") for line in err), err

@@ -13,8 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pinned import pinned
-from sim.core import ConfigError, compose_config
-from sim.run import COVERAGE_TOLERANCE, check_composition, hydra_config, objective, search_corners, simulate
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.run import (COVERAGE_TOLERANCE, check_composition, hydra_config, objective, search_corners,
+                                   simulate)
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("micro_batches.csv", "steps.csv", "summary.json", "plans.jsonl")
@@ -121,7 +123,8 @@ def test_the_corners_of_a_search_space_are_its_choices_and_both_ends():
     (["hydra/sweeper=dst_optuna", "policy.sparsity.params.floor=interval(0.5, 0.95)"],
      "need 0 < floor <= p <= cap <= 1, got floor=0.95, p=0.9, cap=0.95 (at a corner of the search space: "),
     (["hydra/sweeper=dst_optuna", "policy.sparsity.params.nope=choice(1, 2)"],
-     "Could not override 'policy.sparsity.params.nope'. (Key 'nope' is not in struct) (at a corner of the search space: "),
+     "could not override 'policy.sparsity.params.nope': it is not in the config; allowed: a key of the config, "
+     "or +key=value to add one (at a corner of the search space: "),
     (["hydra/sweeper=dst_optuna", "policy.sparsity.params.floor=interval(0.5"], "no viable alternative"),
     (["policy=dst", "policy.sparsity.params.floor=interval(0.5, 0.8)"],
      "the basic sweeper runs choices and ranges, not intervals (an Optuna sweeper samples those)"),

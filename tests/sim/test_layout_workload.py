@@ -1,9 +1,10 @@
 import numpy as np
 import pytest
 
-from sim.cluster import Cluster, Layout
-from sim.core import ConfigError, compose_config
-from sim.workload import Workload
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.workload import Workload
 
 
 @pytest.mark.parametrize("kwargs,needle", [

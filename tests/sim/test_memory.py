@@ -13,16 +13,17 @@ import pytest
 from omegaconf import OmegaConf
 
 from pinned import PINNED_OVERRIDES, pinned
-from sim.cluster import Layout
-from sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
-from sim.core import ConfigError, compose_config
-from sim.memory import (GB, MemoryLimitError, MemoryModel, first_principles_terms, load_profile_terms, repack,
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes, compose_config
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.memory import (GB, MemoryLimitError, MemoryModel, first_principles_terms, load_profile_terms,
+                                      repack,)
                         static_bytes)
-from sim.plan import Assignment, Plan
-from sim.policy import make_batching, make_sparsity
-from sim.run import simulate, summary_table
-from sim.setup import prepare
-from sim.workload import Request, Sequence, requests
+from sparsebalance.sim.plan import Assignment, Plan
+from sparsebalance.sim.policy import make_batching, make_sparsity
+from sparsebalance.sim.run import simulate, summary_table
+from sparsebalance.sim.setup import prepare
+from sparsebalance.sim.workload import Request, Sequence, requests
 
 from oracle import oracle_planner
 

@@ -2,8 +2,9 @@
 all-reduce moves), and its FLOPs follow the literature: the LM head is a matmul, the embedding a lookup."""
 import pytest
 
-from sim.cost import layer_features, params_per_layer, total_params
-from sim.core import compose_config, group_options
+from sparsebalance.sim.cost import layer_features, params_per_layer, total_params
+from sparsebalance.sim.core import group_options
+from sparsebalance.sim.config import compose_config
 
 # Parameters as published on each model's card.
 PUBLISHED = {

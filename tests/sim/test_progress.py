@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import sys
 
-from sim.progress import with_progress
+from sparsebalance.sim.progress import with_progress
 
 
 class Terminal(io.StringIO):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.memory import selection_bytes
+from sparsebalance.sim.memory import selection_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 # block 16: documents of 3, 1 and 5 blocks (the last one partial); NB = 9, widest W = 5, causal pairs C = 22
@@ -55,7 +55,7 @@ def test_micro_batches_are_priced_apart_and_an_empty_one_holds_nothing():
 KERNEL_SCRIPT = r"""
 import json, sys
 import torch
-from kernels.sparse_attention import KernelOptions, select_blocks
+from sparsebalance.kernels.sparse_attention import KernelOptions, select_blocks
 
 def allocated(sel):
     layout = {t.untyped_storage().data_ptr() for t in vars(sel.layout).values() if isinstance(t, torch.Tensor)}

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from scipy.special import expit, logit
 
-from sim.config import WorkloadConfig
-from sim.core import ConfigError
-from sim.sensitivity import load_sensitivity_profile
-from sim.workload import MIN_SENSITIVITY, Workload
+from sparsebalance.sim.config import WorkloadConfig
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.sensitivity import load_sensitivity_profile
+from sparsebalance.sim.workload import MIN_SENSITIVITY, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "sensitivity_profile.json"

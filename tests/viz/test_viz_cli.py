@@ -7,8 +7,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from viz.cli import main
-from viz.kernels import fair_ratios
+from sparsebalance.viz.cli import main
+from sparsebalance.viz.kernels import fair_ratios
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,78 @@
+"""The backend Protocol, the registry and what every backend shares; the package docstring says how to use them."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+
+class BackendAbsent(RuntimeError):
+    """A backend that cannot run here; its message is the one line that says why."""
+
+
+class AttentionBackend(Protocol):
+    name: str
+    sparse: bool  # takes a kept fraction (our kernel); a dense backend computes every causal block
+
+    def version(self) -> str:
+        """The package (and library) versions that a calibration of this backend records."""
+
+    def documents(self, lengths: Sequence[int], device: torch.device | str) -> object:
+        """What :meth:`attention` takes for these documents, built once per micro-batch outside any timing."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: object) -> torch.Tensor:
+        """Causal attention within each document; ``[T, Hq, D]`` in q's dtype."""
+
+
+BACKENDS: dict[str, type] = {}
+
+
+def register(name: str):
+    """Class decorator: the backend ``name`` is built by ``cls()`` and checked by its ``check()``."""
+    def add(cls):
+        cls.name = name
+        BACKENDS[name] = cls
+        return cls
+    return add
+
+
+def load(name: str) -> AttentionBackend:
+    """The backend ``name`` ready to run: its package imported and its device checked. An unknown name is a
+    ValueError; a backend that cannot run here raises BackendAbsent with one line naming it and the reason."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; allowed: {', '.join(BACKENDS)}")
+    try:
+        backend = BACKENDS[name]()
+        backend.check()
+    except (ImportError, RuntimeError, OSError) as exc:
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        raise BackendAbsent(f"{name}: absent ({reason})") from None
+    return backend
+
+
+def load_all(names: Sequence[str] | None = None) -> tuple[dict[str, AttentionBackend], list[str]]:
+    """The backends of ``names`` (default: every registered one) that run here, and one line for each that
+    does not (``fa4: absent (ModuleNotFoundError: No module named 'flash_attn')``)."""
+    loaded, absent = {}, []
+    for name in BACKENDS if names is None else names:
+        try:
+            loaded[name] = load(name)
+        except BackendAbsent as exc:
+            absent.append(str(exc))
+    return loaded, absent
+
+
+def cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
+    """``[0, l0, l0 + l1, ...]`` as int32 on the host."""
+    import torch
+
+    return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU here")
+
