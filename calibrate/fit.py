@@ -28,8 +28,7 @@ import numpy as np
 
 from sparsebalance.calibrate import store
 from sparsebalance.calibrate.backends import (HELDOUT_MAX_PCT, HELDOUT_MEDIAN_PCT, backend_checks, fit_backends,
-                                              print_backends,)
-                                recorded_versions, with_backends)
+                                              print_backends, recorded_versions, with_backends)
 from sparsebalance.calibrate.grid import TERMS as GRID_TERMS
 from sparsebalance.calibrate.grid import GridPoint
 from sparsebalance.calibrate.linear import COLLINEAR, TermFit, ape, fit_term, predict, summarise
