@@ -40,8 +40,7 @@ from scipy.stats import norm, spearmanr
 
 from sparsebalance.sim.core import ConfigError, check_writable, one_line_errors, write_checked_json
 from sparsebalance.sim.sensitivity import (FAMILY, KIND, MODES, RAW_COLUMNS, SENSITIVITY_SCHEMA_VERSION,
-                                           SensitivityModel,)
-                             profile_problem, raw_meta_path, read_profile)
+                                           SensitivityModel, profile_problem, raw_meta_path, read_profile)
 from sparsebalance.sim.workload import MIN_SENSITIVITY
 
 HOLDOUT_EVERY = 4  # every 4th sequence of a (task, length), by id, is held out

@@ -2,6 +2,7 @@
 measured profiles inside it, and a non-editable install runs the main job from any directory, next to a
 top-level ``kernels`` package (the import name of Hugging Face's kernel hub)."""
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -37,9 +38,13 @@ def test_every_package_folder_is_mapped_into_the_namespace():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a copy of the sources: setuptools keeps a build/ folder in the tree it builds, whose stale
+    files would travel into later wheels."""
+    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source") / "tree"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "outputs", "multirun", ".venv",
+                                                                "*.egg-info", "__pycache__", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, text=True, timeout=600)
+                    str(source)], check=True, capture_output=True, text=True, timeout=600)
     (found,) = out.glob("sparsebalance_sim-*.whl")
     return found
 

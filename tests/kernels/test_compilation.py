@@ -19,8 +19,7 @@ import triton
 import triton.language as tl
 
 from sparsebalance.kernels.sparse_attention import (KernelOptions, VarlenBatch, compile_count, compiled_variants,
-                                                    select_blocks,)
-                                      sparse_attention)
+                                                    select_blocks, sparse_attention)
 from sparsebalance.kernels.sparse_attention import launch
 
 CUDA = torch.cuda.is_available()

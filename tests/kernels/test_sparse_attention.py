@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from triton.runtime.errors import OutOfResources
 
 from sparsebalance.kernels.sparse_attention import (BlockSelection, KernelOptions, SelectionFallbackWarning,
-                                                    VarlenBatch,)
-                                      dense_causal_varlen, select_blocks, select_blocks_naive, selection_from_mask,
-                                      sparse_attention, sparse_attention_naive)
+                                                    VarlenBatch, dense_causal_varlen, select_blocks,
+                                                    select_blocks_naive, selection_from_mask, sparse_attention,
+                                                    sparse_attention_naive)
 from sparsebalance.kernels.sparse_attention import backward, forward, launch, selection
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,8 +17,7 @@ from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes, compose_config
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.memory import (GB, MemoryLimitError, MemoryModel, first_principles_terms, load_profile_terms,
-                                      repack,)
-                        static_bytes)
+                                      repack, static_bytes)
 from sparsebalance.sim.plan import Assignment, Plan
 from sparsebalance.sim.policy import make_batching, make_sparsity
 from sparsebalance.sim.run import simulate, summary_table
