@@ -4,12 +4,13 @@ from dataclasses import MISSING, FrozenInstanceError, fields
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
+from omegaconf import OmegaConf
 
-from sparsebalance.sim.policy import BATCHING, SPARSITY, make_batching, make_sparsity
+from sparsebalance.sim.policy import BATCHING, SPARSITY, make_batching, make_sparsity, register_batching
 from sparsebalance.policies.karmarkar_karp import kk_partition, ldm_partition
 from sparsebalance.sim.plan import Assignment, Budget, Plan
 from sparsebalance.sim.cluster import Cluster, Layout
-from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.core import CONF_DIR, ConfigError, group_options
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.cost import make_cost
 from sparsebalance.sim.workload import Workload, requests
@@ -115,5 +116,17 @@ def test_plans_of_earlier_versions_stay_readable():
         Plan.from_json(EARLIER_PLAN.replace('"cp_budgets":[]', '"cp_budgets":[{"kept_fraction":null,"p":0.5}]'))
 
 
-def test_registries_hold_the_baselines():
-    assert {"sequential", "sorted", "lpt", "karmarkar_karp"} <= set(BATCHING) and "fixed" in SPARSITY
+def test_the_registries_hold_exactly_the_policies_the_presets_name():
+    """Every policy a conf/policy preset names is registered under that name, and every registered one is named
+    by a preset, so the tests parametrized over the registries and over the presets reach the same policies;
+    a class answers to its name, and a name registered twice is refused."""
+    named = {"batching": set(), "sparsity": set()}
+    for option in group_options("policy"):
+        preset = OmegaConf.load(CONF_DIR / "policy" / f"{option}.yaml")
+        for kind in named:
+            named[kind].add(preset[kind].name)
+    assert named == {"batching": set(BATCHING), "sparsity": set(SPARSITY)}
+    assert all(cls.name == name for registry in (BATCHING, SPARSITY) for name, cls in registry.items())
+    with pytest.raises(ValueError, match="^policy name 'lpt' is registered twice"):
+        register_batching("lpt")(type("AnotherLpt", (), {}))
+    assert BATCHING["lpt"].__name__ != "AnotherLpt"
