@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from sparsebalance.calibrate.fit import FeatureSource, Measurement, load_measurements, predict, term_prediction
+from sparsebalance.calibrate.fitting import FeatureSource, Measurement, load_measurements, term_prediction
+from sparsebalance.calibrate.linear import predict
 from sparsebalance.sim.backends import OURS
 from sparsebalance.calibrate.grid import GridPoint
 from sparsebalance.calibrate.run import meta_path

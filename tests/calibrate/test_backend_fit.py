@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 import sparsebalance.kernels.sparse_attention as kernel
-from sparsebalance.calibrate import fit, run, store, timing
+from sparsebalance.calibrate import fit, fitting, run, store, timing
 from sparsebalance.calibrate.grid import GridPoint, build_grid, dense_points
 from sparsebalance.calibrate.measure import Measurer
 from sparsebalance.kernels.backends import load
@@ -53,12 +53,12 @@ def test_dense_points_are_the_grids_documents_all_kept_and_hold_out_the_validati
 def rows_of(shapes, backends=("fa4",), noise=0.0, seed=0):
     """CSV rows of a run: ours timed as the pinned profile prices it, each dense backend as TRUE."""
     rng = np.random.default_rng(seed)
-    features = fit.FeatureSource({s.name: vars(s) for s in shapes}, BLOCK)
+    features = fitting.FeatureSource({s.name: vars(s) for s in shapes}, BLOCK)
     rows = []
     for p in build_grid(shapes, backends):
         if p.backend == "ours":
-            probe = fit.Measurement(p.key, "", p.split, p.model, p.lengths, p.kept_fractions, 1.0, 0.0)
-            times = {t: fit.term_prediction(t, OURS_TRUE, features(probe)) or 0.4 for t in p.terms}
+            probe = fitting.Measurement(p.key, "", p.split, p.model, p.lengths, p.kept_fractions, 1.0, 0.0)
+            times = {t: fitting.term_prediction(t, OURS_TRUE, features(probe)) or 0.4 for t in p.terms}
         else:
             feats = dense_features(p.lengths, features.taps[p.model].model, BLOCK)
             times = {t: sum(c * feats[f] for f, c in TRUE[t].items()) for t in p.terms}
@@ -135,10 +135,10 @@ def test_row_keys_of_dense_backends(key, term, ok):
     row = {"key": key, "term": term, "split": "fit", "model": "llama3-8b", "lengths": "4096", "kept_fractions": "1",
            "median_ms": "1.0", "p20_ms": "0.9", "p80_ms": "1.1", "reps": "5"}
     if ok:
-        assert fit.Measurement.from_row(row, ["llama3-8b"]).backend == "fa4"
+        assert fitting.Measurement.from_row(row, ["llama3-8b"]).backend == "fa4"
     else:
         with pytest.raises(ConfigError, match=f"row key={key!r}"):
-            fit.Measurement.from_row(row, ["llama3-8b"])
+            fitting.Measurement.from_row(row, ["llama3-8b"])
 
 
 def test_the_measurer_times_a_dense_backend_forward_and_backward():

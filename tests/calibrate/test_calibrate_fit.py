@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparsebalance.calibrate import fit, linear, run, store
-from sparsebalance.calibrate.fit import FeatureSource, Measurement
+from sparsebalance.calibrate import fit, fitting, linear, report, run, store
+from sparsebalance.calibrate.fitting import FeatureSource, Measurement
 from sparsebalance.calibrate.grid import build_grid
 from sparsebalance.sim.shapes import load_shapes
 from sparsebalance.sim.core import ConfigError
@@ -47,7 +47,7 @@ def synthetic(points, features, noise=0.0, seed=0, true=TRUE) -> list[Measuremen
         probe = Measurement(p.key, "", p.split, p.model, p.lengths, p.kept_fractions, 1.0, 0.0)
         feats = features(probe)
         for term in p.terms:
-            exact = fit.term_prediction(term, true, feats)
+            exact = fitting.term_prediction(term, true, feats)
             # The kernel selects blocks even for dense batches, which the simulator prices at zero.
             exact = exact if exact > 0 else 0.4
             t = exact * float(np.exp(rng.normal(0.0, noise)))
@@ -56,14 +56,14 @@ def synthetic(points, features, noise=0.0, seed=0, true=TRUE) -> list[Measuremen
 
 
 def test_fit_recovers_known_coefficients(shapes, features):
-    coefs = fit.fit_all(synthetic(build_grid(shapes), features), features).coefs
+    coefs = fitting.fit_all(synthetic(build_grid(shapes), features), features).coefs
     for term in TERMS:
         for f, c in TRUE[term].items():
             assert coefs[term][f] == pytest.approx(c, rel=1e-4, abs=1e-12), (term, f)
 
 
 def test_fit_writes_a_coefficient_for_every_feature_the_simulator_requires(shapes, features):
-    coefs = fit.fit_all(synthetic(build_grid(shapes), features), features).coefs
+    coefs = fitting.fit_all(synthetic(build_grid(shapes), features), features).coefs
     assert {t: set(c) for t, c in coefs.items()} == {t: set(f) for t, f in PROFILE_FEATURES.items()}
 
 
@@ -72,14 +72,14 @@ def test_collinear_program_counts_are_merged_without_changing_a_prediction(shape
     says so, and still reproduces times that a q_blocks coefficient made."""
     true = {t: c | ({"q_blocks": 2e-5} if t in ("attn_fwd", "attn_bwd") else {}) for t, c in TRUE.items()}
     ms = synthetic(build_grid(shapes), features, true=true)
-    fitted = fit.fit_all(ms, features)
+    fitted = fitting.fit_all(ms, features)
     for term in ("attn_fwd", "attn_bwd"):
         assert fitted.coefs[term]["q_blocks"] == 0.0
         merged = fitted.terms[term].merged
         assert merged == {"q_blocks": pytest.approx({"tokens": 1 / 12, "kv_blocks": 4 / 3}, rel=1e-5)}
         assert fitted.terms[term].condition < 1e4
         for m in (m for m in ms if m.term == term):
-            assert fit.predict(fitted.coefs[term], features(m)[term]) == pytest.approx(m.median_ms, rel=1e-5)
+            assert linear.predict(fitted.coefs[term], features(m)[term]) == pytest.approx(m.median_ms, rel=1e-5)
 
 
 def test_coefficients_do_not_depend_on_the_order_of_the_rows(shapes, features):
@@ -87,7 +87,7 @@ def test_coefficients_do_not_depend_on_the_order_of_the_rows(shapes, features):
     moves no coefficient, though tokens, q_blocks and kv_blocks span only two directions."""
     ms = synthetic(build_grid(shapes), features, noise=0.02)
     shuffled = [ms[i] for i in np.random.default_rng(3).permutation(len(ms))]
-    a, b = fit.fit_all(ms, features).coefs, fit.fit_all(shuffled, features).coefs
+    a, b = fitting.fit_all(ms, features).coefs, fitting.fit_all(shuffled, features).coefs
     for term in TERMS:
         assert b[term] == pytest.approx(a[term], rel=1e-5, abs=1e-15), term
 
@@ -107,12 +107,12 @@ def test_merged_columns_are_the_nonnegative_combinations_of_the_others():
 
 def test_heldout_and_validation_errors_reported_per_term_and_for_whole_layers(shapes, features):
     ms = synthetic(build_grid(shapes), features, noise=0.01)
-    coefs = fit.fit_all(ms, features).coefs
-    held = fit.summarise(fit.evaluate(ms, coefs, features, "heldout"))
+    coefs = fitting.fit_all(ms, features).coefs
+    held = linear.summarise(report.evaluate(ms, coefs, features, "heldout"))
     assert {"attn_fwd", "attn_bwd", "attn_fwd+bwd", "select", "layer_fwd", "layer_bwd", "layer"} <= set(held)
     assert held["attn_fwd+bwd"]["median_ape_pct"] < 3.0
     assert held["layer"]["median_ape_pct"] < 3.0
-    table = fit.validation_table(ms, coefs, features)
+    table = report.validation_table(ms, coefs, features)
     assert len(table) == 3 * len(shapes)
     assert all(abs(v["error_pct"]) < 5.0 for v in table)
 
@@ -127,21 +127,21 @@ def test_composition_compares_each_whole_layer_with_its_own_terms_timed_alone(sh
     slower = [dataclasses.replace(m, median_ms=m.median_ms * 1.05) if m.term == "layer_full" else m for m in exact]
     held = sum(m.term == "layer_full" and m.split == "heldout" for m in exact)
     assert held >= 8
-    assert fit.composition(exact) == {"median_abs_pct": 0.0, "max_abs_pct": 0.0, "median_pct": 0.0, "points": held,
+    assert report.composition(exact) == {"median_abs_pct": 0.0, "max_abs_pct": 0.0, "median_pct": 0.0, "points": held,
                                       "other_pct": 0.0, "attention_pct": 0.0}
-    gap = fit.composition(slower)
+    gap = report.composition(slower)
     assert gap["points"] == held
     assert gap["median_pct"] == gap["max_abs_pct"] * -1 == pytest.approx((1 / 1.05 - 1) * 100, abs=1e-3)
     # the other work's one-call step adds up to its parts here, so the whole gap is the attention's
     assert gap["other_pct"] == 0.0 and gap["attention_pct"] == pytest.approx(gap["median_pct"], abs=1e-3)
     slow_step = [dataclasses.replace(m, median_ms=m.median_ms * 1.1) if m.term == "layer_step" else m for m in slower]
-    assert fit.composition(slow_step)["other_pct"] < -1.0
+    assert report.composition(slow_step)["other_pct"] < -1.0
     no_step = [m for m in exact if m.term != "layer_step"]
-    assert "other_pct" not in fit.composition(no_step)
+    assert "other_pct" not in report.composition(no_step)
     first = next(m for m in exact if m.term == "layer_full" and m.split == "heldout")
     one_less = [m for m in slower if not (m.term == "attn_bwd" and m.key == "attn" + first.key[len("layer_full"):])]
-    assert fit.composition(one_less)["points"] == held - 1
-    assert fit.composition([m for m in exact if m.term in ("layer_full", "layer_fwd", "layer_bwd")]) is None
+    assert report.composition(one_less)["points"] == held - 1
+    assert report.composition([m for m in exact if m.term in ("layer_full", "layer_fwd", "layer_bwd")]) is None
 
 
 def test_the_other_works_backward_is_fitted_as_a_training_step_runs_it(shapes, features):
@@ -150,16 +150,16 @@ def test_the_other_works_backward_is_fitted_as_a_training_step_runs_it(shapes, f
     rows the backward is fitted as timed."""
     ms = synthetic(build_grid(shapes), features)
     slow_step = [dataclasses.replace(m, median_ms=m.median_ms * 1.1) if m.term == "layer_step" else m for m in ms]
-    trained, moved = fit.as_trained(slow_step)
+    trained, moved = fitting.as_trained(slow_step)
     assert moved == sum(m.term == "layer_step" for m in ms) >= 20
-    coefs = fit.fit_all(trained, features).coefs
+    coefs = fitting.fit_all(trained, features).coefs
     steps = [m for m in slow_step if m.term == "layer_step"]
     for m in steps:
-        assert fit.term_prediction("layer_step", coefs, features(m)) == pytest.approx(m.median_ms, rel=1e-6)
-    assert fit.summarise(fit.evaluate(trained, coefs, features, "heldout"))["layer_step"]["max_ape_pct"] < 1e-4
+        assert fitting.term_prediction("layer_step", coefs, features(m)) == pytest.approx(m.median_ms, rel=1e-6)
+    assert linear.summarise(report.evaluate(trained, coefs, features, "heldout"))["layer_step"]["max_ape_pct"] < 1e-4
     no_step = [m for m in slow_step if m.term != "layer_step"]
-    assert fit.as_trained(no_step) == (no_step, 0)
-    as_timed = fit.fit_all(no_step, features).coefs
+    assert fitting.as_trained(no_step) == (no_step, 0)
+    as_timed = fitting.fit_all(no_step, features).coefs
     assert as_timed["layer_bwd"] == pytest.approx(TRUE["layer_bwd"], rel=1e-6, abs=1e-12)
 
 
@@ -177,7 +177,7 @@ def test_a_step_no_longer_than_its_forward_is_one_line_naming_the_point(tmp_path
 
 def test_fit_term_handles_features_twelve_orders_of_magnitude_apart():
     x = np.array([[1.0, 2e12, 0.0], [1.0, 4e12, 0.0], [1.0, 8e13, 0.0]])
-    term = fit.fit_term(x, x @ np.array([0.05, 3e-12, 0.0]), ["const", "flops", "tokens"])
+    term = linear.fit_term(x, x @ np.array([0.05, 3e-12, 0.0]), ["const", "flops", "tokens"])
     assert list(term.coefs.values()) == pytest.approx([0.05, 3e-12, 0.0], rel=1e-9, abs=1e-15)
     assert term.merged == {"tokens": {}}  # all zero: nothing to fit
 
@@ -212,12 +212,12 @@ def test_fit_cli_writes_a_profile_the_simulator_loads(tmp_path, shapes, features
 def test_fit_refuses_to_write_a_profile_the_simulator_would_reject(tmp_path, shapes, features):
     csv = write_synthetic_run(tmp_path, shapes, features)
     runs = json.loads(run.meta_path(csv).read_text())["runs"]
-    bad = fit.build_profile("h200", runs, copy.deepcopy(TRUE), {}, "python -m calibrate.fit", csv)
+    bad = fitting.build_profile("h200", runs, copy.deepcopy(TRUE), {}, "python -m calibrate.fit", csv)
     bad["terms"]["attn_fwd"]["const"] = -1.0
     out = tmp_path / "h200.json"
     out.write_text("the profile in place")
     with pytest.raises(ConfigError, match="negative") as err:
-        fit.write_profile(out, bad)
+        fitting.write_profile(out, bad)
     assert str(err.value).startswith(f"--out='{out}': ")  # the user's path, not the temporary copy's
     assert out.read_text() == "the profile in place"
     assert sorted(tmp_path.iterdir()) == sorted([csv, run.meta_path(csv), out])  # no temporary copy left
@@ -258,7 +258,7 @@ def test_fit_without_run_metadata_says_so(tmp_path, capsys):
 def test_bad_profile_files_are_rejected_with_one_line(tmp_path, shapes, features, mutate, message):
     csv = write_synthetic_run(tmp_path, shapes, features)
     runs = json.loads(run.meta_path(csv).read_text())["runs"]
-    profile = fit.build_profile("h200", runs, copy.deepcopy(TRUE), {}, "python -m calibrate.fit", csv)
+    profile = fitting.build_profile("h200", runs, copy.deepcopy(TRUE), {}, "python -m calibrate.fit", csv)
     mutate(profile)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(profile))

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparsebalance.calibrate import fit
+from sparsebalance.calibrate import fitting
 from sparsebalance.calibrate.run import meta_path
 from sparsebalance.sim.profile import load_profile
 
@@ -33,8 +33,8 @@ def test_profile_is_measured_on_an_h200_with_its_raw_data_and_command(profile):
 
 
 def predictions(coefs: dict, measurements, features) -> np.ndarray:
-    """What ``coefs`` price every measured point at (``fit.term_prediction``)."""
-    return np.array([fit.term_prediction(m.term, coefs, features(m)) for m in measurements])
+    """What ``coefs`` price every measured point at (``fitting.term_prediction``)."""
+    return np.array([fitting.term_prediction(m.term, coefs, features(m)) for m in measurements])
 
 
 def test_profile_predictions_refit_from_the_committed_csv(profile):
@@ -42,9 +42,9 @@ def test_profile_predictions_refit_from_the_committed_csv(profile):
     not coefficients: they are what the simulator uses, and what a fit pins down however the features lie."""
     csv = PROFILES / profile["meta"]["raw_csv"]
     grid = json.loads(meta_path(csv).read_text())["runs"][-1]["grid"]
-    measurements = fit.load_measurements(csv)
-    features = fit.FeatureSource(grid["models"], grid["block_size"])
-    refit = fit.fit_all(measurements, features)
+    measurements = fitting.load_measurements(csv)
+    features = fitting.FeatureSource(grid["models"], grid["block_size"])
+    refit = fitting.fit_all(measurements, features)
     np.testing.assert_allclose(predictions(refit.coefs, measurements, features),
                                predictions(profile["terms"], measurements, features), rtol=1e-5)
     merged = {t: sorted(c["merged"]) for t, c in refit.conditioning()["terms"].items()}

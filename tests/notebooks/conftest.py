@@ -40,8 +40,8 @@ def sweep_copy(sweep, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def fitted_profile(tmp_path_factory) -> Path:
     """A profile fitted by calibrate.fit on measurements made up from the committed profile's terms."""
-    from sparsebalance.calibrate import fit, run, store
-    from sparsebalance.calibrate.fit import FeatureSource, Measurement
+    from sparsebalance.calibrate import fit, fitting, run, store
+    from sparsebalance.calibrate.fitting import FeatureSource, Measurement
     from sparsebalance.calibrate.grid import build_grid
     from sparsebalance.sim.shapes import load_shapes
 
@@ -58,7 +58,7 @@ def fitted_profile(tmp_path_factory) -> Path:
         probe = Measurement(point.key, "", point.split, point.model, point.lengths, point.kept_fractions, 1.0, 0.0)
         feats = features(probe)
         for term in point.terms:
-            exact = fit.term_prediction(term, truth, feats)
+            exact = fitting.term_prediction(term, truth, feats)
             ms = max(exact, 0.05) * float(np.exp(rng.normal(0.0, 0.03)))
             rows.append({"key": point.key, "term": term, "split": point.split, "model": point.model,
                          "lengths": ";".join(map(str, point.lengths)),
