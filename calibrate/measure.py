@@ -16,10 +16,10 @@ from typing import Callable
 import torch
 
 from sparsebalance.calibrate.grid import GridPoint, estimate_term_ms
+from sparsebalance.calibrate.timing import Timing
+from sparsebalance.model import Block, packed_positions, rope_angles
 from sparsebalance.sim.backends import OURS
 from sparsebalance.sim.shapes import ModelShape
-from sparsebalance.calibrate.timing import Timing
-from sparsebalance.runner.model import Block, packed_positions, rope_angles
 
 Bench = Callable[..., Timing]
 

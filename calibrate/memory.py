@@ -4,7 +4,7 @@ Measuring, on a CUDA machine (torch and Triton only: no Hydra, OmegaConf or simp
 
     python -m calibrate.memory --out DIR [--models qwen2.5-3b llama3-8b] [--time-budget-s 180]
 
-builds ``runner.model.Block`` layers at each model's shape (bf16, the runner's attention path: the Triton
+builds ``sparsebalance.model.Block`` layers at each model's shape (bf16, the runner's attention path: the Triton
 kernel), and for packed micro-batches of 4K..64K tokens, 1 and 2 layers, with and without activation
 checkpointing (``torch.utils.checkpoint``, non-reentrant, per layer), dense and at a kept fraction of 0.3,
 runs one forward and backward and records ``torch.cuda.memory_allocated`` after the forward and
@@ -108,7 +108,7 @@ class Measurer:
                  seed: int = 0) -> None:
         import torch
 
-        from sparsebalance.runner.model import Block
+        from sparsebalance.model import Block
 
         self.torch, self.probe, self.attention = torch, probe, attention
         self.device, self.dtype, self.block_size, self.seed = device, dtype, block_size, seed
@@ -124,7 +124,7 @@ class Measurer:
 
     def measure(self, point: Point) -> dict:
         torch, probe, shape = self.torch, self.probe, self.shapes[point.model]
-        from sparsebalance.runner.model import packed_positions, rope_angles
+        from sparsebalance.model import packed_positions, rope_angles
 
         torch.manual_seed(self.seed)
         x = torch.randn(point.tokens, shape.hidden, device=self.device, dtype=self.dtype, requires_grad=True)

@@ -31,7 +31,7 @@ from sparsebalance.sim.workload import Workload
 # The PyTorch reference attention's bytes per query head and (query, key) token pair of a document, in float32
 # on the CPU: held per layer for the backward (the softmax output and the inverted mask, 5 bytes, and the
 # allocator's share), and transient while the document's layer runs. Measured as the peak RSS of one
-# micro-batch's forward and backward through runner.model.TinyLlama: 1-4 layers, 2-4 heads, documents of
+# micro-batch's forward and backward through sparsebalance.model.TinyLlama: 1-4 layers, 2-4 heads, documents of
 # 512-8192 tokens, one to eight per micro-batch (held 6.0-6.5 bytes per layer, transient 6.4-8.9).
 REFERENCE_HELD = 6.5
 REFERENCE_TRANSIENT = 8.0

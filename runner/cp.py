@@ -314,7 +314,7 @@ def _pooled(q, k, shards: Shards, lay, ring: Ring):
 # ---------------------------------------------------------------------- the attention
 def make_cp_attention(block_size: int, ring: Ring):
     """``attend(q, k, v, shards, budgets) -> (o, kept [n], coverage [n])`` over this rank's tokens
-    (``runner.model.AttentionFn``), ``shards`` the micro-batch's ``Shards``."""
+    (``sparsebalance.model.AttentionFn``), ``shards`` the micro-batch's ``Shards``."""
 
     def attend(q, k, v, shards: Shards, budgets):
         scale = 1.0 / math.sqrt(q.shape[-1])

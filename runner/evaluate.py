@@ -32,11 +32,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from scipy.stats import binomtest
 
+from sparsebalance.model import TinyLlama, make_model
 from sparsebalance.runner import checkpoint
 from sparsebalance.runner.attention import BACKENDS, make_attention
 from sparsebalance.runner.data import pack
+from sparsebalance.runner.device import DEVICES, check_attention, device_type
 from sparsebalance.runner.task import TaskConfig
-from sparsebalance.runner.model import ModelShape, TinyLlama
 from sparsebalance.sim.config import ModelConfig, validate
 from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, number_list,
                                     one_line_errors)
@@ -47,7 +48,6 @@ from sparsebalance.sim.workload import Sequence, truth_of
 # Held out by default; refused only when it is the checkpoint's own training seed (then pass --seed).
 HELD_OUT_SEED = 1_000_003
 CONFIDENCE = 0.95
-DEVICES = ("auto", "cpu", "cuda")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,10 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad_p = [p for p in args.p if not 0.0 < p <= 1.0]  # NaN fails the comparison too
     if bad_p:
         raise ConfigError(f"--p {bad_p[0]}: allowed: budgets in (0, 1]")
-    if args.device not in DEVICES:
-        raise ConfigError(f"--device {args.device!r}: allowed: {', '.join(DEVICES)}")
-    if args.attention not in BACKENDS:
-        raise ConfigError(f"--attention {args.attention!r}: allowed: {', '.join(BACKENDS)}")
+    args.device = torch.device(device_type(args.device, "--device"))
+    check_attention(args.attention, args.device.type, "--attention")
     return args
 
 
@@ -126,24 +124,13 @@ def load(path: Path) -> Trained:
 
 def build_model(trained: Trained, path: Path, device: torch.device) -> TinyLlama:
     with torch.device("meta"):
-        model = TinyLlama(ModelShape.from_config(trained.model))
+        model = make_model(trained.model, trained.seed)
     try:
         model.load_state_dict(trained.weights, strict=True, assign=True)
     except RuntimeError as exc:
         raise ConfigError(f"{path}: its weights do not fit its model config ({' '.join(str(exc).split())})") from None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as trained (runner/loop.py)
     return model.to(device=device, dtype=dtype).eval()
-
-
-def pick_device(name: str) -> torch.device:
-    """``--device`` (auto, cuda, cpu) as a device, or one line saying why not."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name not in ("cuda", "cpu"):
-        raise ConfigError(f"--device {name!r}: unknown; allowed: auto, cuda, cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible; allowed here: auto, cpu")
-    return torch.device(name)
 
 
 # ---------------------------------------------------------------------- held-out data
@@ -232,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--seed {args.seed}: the checkpoint trained on that seed; allowed: any other")
     lengths = args.lengths or [trained.max_len]
     check_lengths(lengths, trained.model, task)
-    device = pick_device(args.device)
+    device = args.device
     model = build_model(trained, path, device)
     sequences = held_out(lengths, args.sequences, args.seed, trained.sensitivity)
     per_sequence = evaluate(model, task, sequences, args.p, args.seed, trained.block_size, args.attention,

@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 
 from sparsebalance.kernels.sparse_attention import compile_count
+from sparsebalance.model import make_model
 from sparsebalance.runner import checkpoint
 from sparsebalance.runner.attention import BACKENDS, make_attention
 from sparsebalance.runner.config import LRSchedule
@@ -46,7 +47,6 @@ from sparsebalance.runner.cp import make_cp_attention, shard_micro_batch
 from sparsebalance.runner.cp_kernel import make_cp_kernel_attention
 from sparsebalance.runner.data import n_answers, pack, placeholder
 from sparsebalance.runner.dist import Comm
-from sparsebalance.runner.model import ModelShape, StageSpan, TinyLlama
 from sparsebalance.runner.parallel import Replicated, merge_states
 from sparsebalance.runner.pipeline import Clock, Outcome, StageDriver, Work, most
 from sparsebalance.runner.records import SequenceRecord, TrainRecord
@@ -57,6 +57,7 @@ from sparsebalance.sim.cost import training_flops
 from sparsebalance.sim.memory import GB
 from sparsebalance.sim.progress import with_progress
 from sparsebalance.sim.results import FLOAT_FORMAT, MicroBatchRecord, Results, StepRecord, coverage_fields
+from sparsebalance.sim.shapes import StageSpan
 
 WRITE_EVERY_S = 10.0  # the longest a run's Results files lag its steps (they are rewritten whole)
 # Config keys a checkpoint must agree on to be resumed (steps may grow under a constant LR schedule; paths and
@@ -79,7 +80,7 @@ class Trainer:
         self.block_size = planner.cost.block_size
         # The calibrated layer times are bf16; the CPU path is fp32 (no bf16 in the reference kernel).
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = make_model(cfg, StageSpan(comm.stage, comm.layout.pp)).to(device=device, dtype=dtype)
+        model = make_model(cfg.model, cfg.seed, StageSpan(comm.stage, comm.layout.pp)).to(device=device, dtype=dtype)
         self.model = Replicated(model, cfg.runner.data_parallel, comm)
         # Fused AdamW takes plain device tensors; FSDP's parameters are DTensors (foreach instead).
         fused = device.type == "cuda" and cfg.runner.data_parallel == "ddp"
@@ -360,10 +361,6 @@ class Trainer:
         self.start_step = ckpt["next_step"]
 
 
-def make_model(cfg: DictConfig, stage: StageSpan = StageSpan()) -> TinyLlama:
-    return TinyLlama(ModelShape.from_config(cfg.model), stage, seed=cfg.seed)
-
-
 def merge_cp_ranks(rows: list[dict]) -> list[dict]:
     """One row per (dp rank, micro-batch, stage), as the simulator's engine writes them: under CP the cp ranks
     of a replica each run the micro-batch's shards, and its row takes the slowest of them (the most compute,
@@ -445,7 +442,7 @@ def check_continuation(ckpt: dict, path: Path, cfg: DictConfig, planner) -> None
                           f"already; allowed: steps > {done}")
     check_schedule_steps(ckpt, path, cfg)
     with torch.device("meta"):
-        model = make_model(cfg)
+        model = make_model(cfg.model, cfg.seed)
     # Fused AdamW takes device parameters only; the state dict's layout does not depend on it. The scheduler
     # adds its key (initial_lr) to the param groups, as the run that wrote the checkpoint had it.
     optimizer = make_optimizer(model.parameters(), cfg, fused=False)

@@ -22,8 +22,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from sparsebalance.model import TinyLlama
 from sparsebalance.runner.dist import Comm
-from sparsebalance.runner.model import TinyLlama
 
 DATA_PARALLEL = ("ddp", "fsdp")
 FULL = StateDictOptions(full_state_dict=True)

@@ -7,10 +7,10 @@ For a config of ``sim.run`` (the same overrides) each policy's Plans are made ex
 with pipeline stages, every stage's share of the layers run one after another: the forward through the stages
 in order, the backward in reverse, each stage's forward and backward timed apart (CUDA events; the host clock
 on the CPU) after ``--warmup`` untimed runs of the same micro-batch, which compile the kernels' specialisations
-off the clock. They run the runner's model layers on the micro-batch packed as the runner packs it, with the
-Plan's per-sequence budgets, through the real attention backend; where the cost model charges activation
-checkpointing (``cost.recompute``), every layer's backward recomputes its forward with the blocks its forward
-selected. ``sim.engine.Engine`` then composes each step from those measured per-(rank, stage, micro-batch)
+off the clock. They run the runner's own model stages (``runner.staged``: built as ``runner.train`` builds them,
+the same weights) on the micro-batch packed as the runner packs it, with the Plan's per-sequence budgets,
+through the real attention backend; where the cost model charges activation checkpointing (``cost.recompute``),
+every layer's backward recomputes its forward with the blocks its forward selected. ``sim.engine.Engine`` then composes each step from those measured per-(rank, stage, micro-batch)
 times instead of the cost model's: 1F1B, the barrier, and the communication -- stage hand-offs and the
 gradient all-reduce -- which is modelled (sim.cluster's alpha-beta model), not run. Nothing else runs on the
 clock either: no optimiser step, no data loading.
@@ -32,7 +32,6 @@ before anything runs or is written.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import re
@@ -41,24 +40,19 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator, Protocol
 
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from sparsebalance.kernels.sparse_attention import sparse_attention
-from sparsebalance.runner.attention import BACKENDS, budget_keywords
-from sparsebalance.runner.data import MicroBatch, pack
-from sparsebalance.runner.model import Block, packed_positions, rope_angles
+from sparsebalance.runner.attention import BACKENDS
+from sparsebalance.runner.data import pack
+from sparsebalance.runner.device import check_attention, device_type
+from sparsebalance.runner.staged import Clock, Measured, StagedModel, clock_name, make_clock, replay_step
 from sparsebalance.runner.task import TaskConfig
-from sparsebalance.runner.train import check_attention, device_type
 from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.compare import BASELINES, label, names, policy_variant
 from sparsebalance.sim.config import PolicyConfig, RunConfig, compose_config
@@ -69,208 +63,11 @@ from sparsebalance.sim.plan import Budget, Plan
 from sparsebalance.sim.planner import Planner
 from sparsebalance.sim.results import FLOAT_FORMAT, Results
 from sparsebalance.sim.setup import Setup, load_policy, make_planner, prepare
-from sparsebalance.sim.workload import requests, truth_of
 from sparsebalance.sim.shapes import ModelShape
+from sparsebalance.sim.workload import requests, truth_of
 
 COMMUNICATION_NOTE = ("communication is modelled, not run: stage hand-offs and the gradient all-reduce come from "
                       "sim.cluster's alpha-beta model; only compute is measured")
-# (policy label, step, dp_rank, micro_batch, stage, 'F' | 'B'): one timed pass of one stage
-Span = tuple[str, int, int, int, int, str]
-
-
-# ----------------------------------------------------------------------------- clocks
-class Clock(Protocol):
-    def span(self, key: Span) -> contextlib.AbstractContextManager: ...
-
-    def read(self) -> dict[Span, float]:
-        """Milliseconds of every span since the last read, once the device has finished them."""
-
-
-class CudaClock:
-    """CUDA events around each span (device time, no host sync inside a step), read after one synchronise."""
-
-    name = "CUDA events"
-
-    def __init__(self) -> None:
-        self._spans: list = []
-
-    @contextlib.contextmanager
-    def span(self, key: Span) -> Iterator[None]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield
-        end.record()
-        self._spans.append((key, start, end))
-
-    def read(self) -> dict[Span, float]:
-        torch.cuda.synchronize()
-        times = {key: start.elapsed_time(end) for key, start, end in self._spans}
-        self._spans = []
-        return times
-
-
-class HostClock:
-    """``time.perf_counter`` around each span: the CPU runs the work synchronously."""
-
-    name = "host clock"
-
-    def __init__(self) -> None:
-        self._times: dict[Span, float] = {}
-
-    @contextlib.contextmanager
-    def span(self, key: Span) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self._times[key] = (time.perf_counter() - start) * 1e3
-
-    def read(self) -> dict[Span, float]:
-        times, self._times = self._times, {}
-        return times
-
-
-class Untimed:
-    """The warm-up runs' clock."""
-
-    def span(self, key: Span) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def read(self) -> dict[Span, float]:
-        return {}
-
-
-def make_clock(device: torch.device) -> Clock:
-    return CudaClock() if device.type == "cuda" else HostClock()
-
-
-# ----------------------------------------------------------------------------- execution
-class KeptSelection:
-    """One layer's attention (what runner.attention gives the model), keeping the block selection of its first
-    call: the recomputation in the backward (activation checkpointing) attends to the same blocks without
-    selecting them again, as the cost model charges it."""
-
-    def __init__(self, backend: str, block_size: int) -> None:
-        self.backend, self.block_size = BACKENDS[backend], block_size
-        self.selection = None
-
-    def __call__(self, q, k, v, cu_seqlens, budgets):
-        if self.selection is None:
-            o, self.selection = sparse_attention(q, k, v, cu_seqlens, **budget_keywords(budgets),
-                                                 block_size=self.block_size, return_selection=True,
-                                                 backend=self.backend)
-        else:
-            o = sparse_attention(q, k, v, cu_seqlens, selection=self.selection, backend=self.backend)
-        return o, self.selection.kept_fraction, self.selection.coverage
-
-
-class StagedModel:
-    """The runner's model layers (``runner.model.Block``) cut into ``pp`` stages of equal layer counts, the
-    first also embedding, the last also projecting the answer positions and taking the loss, as a pipeline
-    splits the model. Weights N(0, 0.02) from ``seed``, norms 1, the LM head tied to the embedding where
-    the model ties them."""
-
-    def __init__(self, shape: ModelShape, pp: int, seed: int, device: torch.device, backend: str, block_size: int,
-                 recompute: bool) -> None:
-        torch.manual_seed(seed)
-        self.shape = shape
-        self.modules = nn.ModuleDict({
-            "embed": nn.Embedding(shape.vocab, shape.hidden),
-            "blocks": nn.ModuleList(Block(shape) for _ in range(shape.layers)),
-            "norm": nn.RMSNorm(shape.hidden),
-            "lm_head": nn.Linear(shape.hidden, shape.vocab, bias=False),
-        })
-        for module in self.modules.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-        if shape.tie_embeddings:
-            self.modules["lm_head"].weight = self.modules["embed"].weight
-        # bf16 on the GPU, as calibrated and as runner.train runs it; fp32 on the CPU (the reference kernel)
-        self.modules.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        per_stage = shape.layers // pp
-        blocks = list(self.modules["blocks"])
-        self.stages = [blocks[s * per_stage:(s + 1) * per_stage] for s in range(pp)]
-        self.backend, self.block_size, self.recompute = backend, block_size, recompute
-        for param in self.modules.parameters():
-            param.grad = torch.zeros_like(param)  # accumulated into from the first backward on, as in training
-
-    def zero_grad(self) -> None:
-        for param in self.modules.parameters():
-            param.grad.zero_()
-
-    def run(self, batch: MicroBatch, clock: Clock, key: tuple[str, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward of every stage in order, then backward in reverse, each stage's pass one span of ``clock``
-        (``(*key, stage, 'F' | 'B')``); the kernel's kept fraction and coverage per sequence, mean over layers."""
-        inputs, outputs = [], []
-        kept = coverage = 0.0
-        x = None
-        for stage in range(len(self.stages)):
-            with clock.span((*key, stage, "F")):
-                x_in = None if stage == 0 else x.detach().requires_grad_()
-                x, stage_kept, stage_coverage = self._forward(stage, x_in, batch)
-            inputs.append(x_in)
-            outputs.append(x)
-            kept, coverage = kept + stage_kept, coverage + stage_coverage
-        grad = None
-        for stage in reversed(range(len(self.stages))):
-            with clock.span((*key, stage, "B")):
-                outputs[stage].backward(grad)
-            grad = inputs[stage].grad if stage else None
-            inputs[stage] = outputs[stage] = None  # this stage's activations go
-        return kept / self.shape.layers, coverage / self.shape.layers
-
-    def _forward(self, stage: int, x_in, batch: MicroBatch):
-        modules = self.modules
-        positions = packed_positions(batch.cu_seqlens.to(batch.tokens.device, non_blocking=True), batch.n_tokens)
-        rotary = rope_angles(positions, self.shape.head_dim, self.shape.rope_theta)
-        x = modules["embed"](batch.tokens) if stage == 0 else x_in
-        kept = coverage = 0.0
-        for block in self.stages[stage]:
-            x, block_kept, block_coverage = self._layer(block, x, rotary, batch)
-            kept, coverage = kept + block_kept.float(), coverage + block_coverage.float()
-        if stage == len(self.stages) - 1:
-            logits = modules["lm_head"](modules["norm"](x[batch.target_positions]))
-            x = F.cross_entropy(logits.float(), batch.targets, reduction="sum")
-        return x, kept, coverage
-
-    def _layer(self, block, x, rotary, batch: MicroBatch):
-        attention = KeptSelection(self.backend, self.block_size)
-        budgets = batch.budgets
-        if self.recompute:
-            return checkpoint(block, x, rotary, batch.cu_seqlens, budgets, attention, use_reentrant=False)
-        return block(x, rotary, batch.cu_seqlens, budgets, attention)
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One step of one policy as it ran: busy ms per [dp, m, pp] and the kernel's stats per sequence."""
-
-    fwd_ms: np.ndarray
-    bwd_ms: np.ndarray
-    kept: dict[int, float]  # seq_id -> kept fraction, mean over layers
-    coverage: dict[int, float]
-
-
-def replay_step(staged: StagedModel, name: str, plan: Plan, pp: int, clock: Clock, warmup: int,
-                packer) -> Measured:
-    """Every (rank, micro-batch) of the Plan, one after another; empty micro-batches take no time."""
-    fwd, bwd = np.zeros((plan.dp, plan.micro_batches, pp)), np.zeros((plan.dp, plan.micro_batches, pp))
-    stats = []
-    staged.zero_grad()
-    for rank in range(plan.dp):
-        for mb in range(plan.micro_batches):
-            assignments = plan.micro_batch(rank, mb)
-            if not assignments:
-                continue
-            batch = packer(assignments)  # off the clock, as a prefetching loader does it
-            for _ in range(warmup):
-                staged.run(batch, Untimed(), (name, plan.step, rank, mb))
-            stats.append((assignments, *staged.run(batch, clock, (name, plan.step, rank, mb))))
-    for (_, _, rank, mb, stage, phase), ms in clock.read().items():
-        (fwd if phase == "F" else bwd)[rank, mb, stage] = ms
-    kept, coverage = {}, {}
-    for assignments, kf, cov in stats:
-        for a, k, c in zip(assignments, kf.cpu().tolist(), cov.cpu().tolist()):
-            kept[a.seq_id], coverage[a.seq_id] = k, c
-    return Measured(fwd, bwd, kept, coverage)
 
 
 # ----------------------------------------------------------------------------- composition
@@ -387,8 +184,8 @@ def load_inputs(overrides: list[str], policies: str | None, baselines: str | Non
             if name not in labels:
                 raise ConfigError(f"--baselines={baselines}: {name!r} is not among the replayed policies; "
                                   f"allowed: {', '.join(labels)}")
-    kind = device_type(device)
-    check_attention(attention, kind)
+    kind = device_type(device, "--device")
+    check_attention(attention, kind, "--attention")
     return Inputs(cfg, setup.layout, chosen, baselines_list, torch.device(kind), attention)
 
 
@@ -485,10 +282,6 @@ def run_replay(inputs: Inputs, out: Path, warmup: int, deadline_s: float | None,
         log(gains.round(3).to_string(index=False))
     log(f"results: {out}  ({', '.join(r.name for r in replays)}, comparison.csv, comparison.json)")
     return table
-
-
-def clock_name(clock: Clock) -> str:
-    return getattr(clock, "name", type(clock).__name__)
 
 
 def comparison(replays: list[PolicyReplay], baselines: list[str]) -> pd.DataFrame:

@@ -32,12 +32,11 @@ import torch
 from omegaconf import OmegaConf
 
 from sparsebalance.kernels.sparse_attention import BLOCK_SIZES
+from sparsebalance.model import TinyLlama, make_model
 from sparsebalance.runner import checkpoint
 from sparsebalance.runner.attention import BACKENDS, make_attention
+from sparsebalance.runner.device import check_attention, device_type
 from sparsebalance.runner.task import TaskConfig, make_example
-from sparsebalance.runner.evaluate import pick_device
-from sparsebalance.runner.loop import make_model
-from sparsebalance.runner.model import TinyLlama
 from sparsebalance.sim.cluster import Cluster
 from sparsebalance.sim.config import ClusterConfig, CostConfig, ModelConfig, WorkloadConfig
 from sparsebalance.sim.core import (ConfigError, atomic_path, check_writable, one_line_errors, parse_numbers,
@@ -86,7 +85,7 @@ def load_trained(source: Path, device: torch.device, dtype: torch.dtype) -> Trai
     except checkpoint.Invalid as exc:
         raise ConfigError(f"checkpoint {path}: {exc}") from None
     cfg = ckpt["config"]
-    model = make_model(OmegaConf.create({"model": cfg["model"], "seed": cfg["seed"]}))
+    model = make_model(OmegaConf.create(cfg["model"]), cfg["seed"])
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
@@ -248,8 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag in ("sequences", "max_tokens"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: allowed: a whole number >= 1")
-    if args.attention not in BACKENDS:
-        raise ConfigError(f"--attention {args.attention!r}: unknown; allowed: {', '.join(BACKENDS)}")
+    args.device = torch.device(device_type(args.device, "--device"))
+    check_attention(args.attention, args.device.type, "--attention")
     if args.block_size is not None and args.block_size not in BLOCK_SIZES:
         raise ConfigError(f"--block-size {args.block_size}: allowed: {', '.join(map(str, BLOCK_SIZES))}")
     return args
@@ -276,9 +275,7 @@ def run_facts(args: argparse.Namespace, trained: Trained, device: torch.device, 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_writable(args.out, "--out")  # its .meta.json goes beside it
-    device = pick_device(args.device)
-    if device.type == "cpu" and args.attention == "triton":
-        raise ConfigError("--attention triton on the CPU needs the Triton interpreter; allowed here: kernel, naive")
+    device = args.device
     # The trainer's precisions: bf16 as the calibrated kernel runs on the GPU, fp32 in the CPU reference.
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     trained = load_trained(args.source, device, dtype)

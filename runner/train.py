@@ -18,7 +18,6 @@ process group exists; a rank that dies or hangs ends the job with a ``RankFailur
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +29,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sparsebalance.runner.attention import BACKENDS
 from sparsebalance.runner.capacity import check_fits, device_capacity
 from sparsebalance.runner.config import register
+from sparsebalance.runner.device import check_attention, device_type
 from sparsebalance.runner.dist import Comm, RankFailure, World, check_world
 from sparsebalance.runner.loop import Trainer, check_resume
 from sparsebalance.runner.parallel import DATA_PARALLEL
@@ -109,16 +108,6 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[StepPlanner, Cluster]:
     return StepPlanner(setup.workload, make_planner(OmegaConf.to_object(cfg), setup)), setup.cluster
 
 
-def check_attention(backend: str, device: str) -> None:
-    if backend not in BACKENDS:
-        raise ConfigError(f"runner.attention={backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
-    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(
-            "runner.attention='triton' on the CPU runs only under TRITON_INTERPRET=1 (the Triton interpreter); "
-            f"allowed on the CPU: {', '.join(b for b in BACKENDS if b != 'triton')}"
-        )
-
-
 def process_layout(cfg: DictConfig, layout: Layout) -> Layout:
     """The processes' layout: the Plans' own, or under ``runner.one_process`` one process with the whole model."""
     return Layout(dp=1, micro_batches=layout.micro_batches) if cfg.runner.one_process else layout
@@ -131,17 +120,6 @@ def check_context_parallel(cp: int, cfg: DictConfig) -> None:
     if cfg.workload.min_len < 2 * cp:
         raise ConfigError(f"workload.min_len={cfg.workload.min_len} is shorter than 2 x layout.cp = {2 * cp} "
                           f"tokens; allowed: >= {2 * cp} (every sequence is cut into 2 x cp zigzag chunks)")
-
-
-def device_type(name: str) -> str:
-    """``runner.device`` as the device type this machine gives it."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name not in ("cuda", "cpu"):
-        raise ConfigError(f"runner.device={name!r} is unknown; allowed: auto, cuda, cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("runner.device=cuda but no CUDA device is visible; allowed here: auto, cpu")
-    return name
 
 
 def pick_device(name: str, world: World) -> torch.device:

@@ -279,7 +279,7 @@ class TokenBytes:
 @dataclass
 class MemoryConfig:
     """The memory model of sim/memory.py. The per-token defaults count, from first principles, what the
-    runner's layer (runner/model.py, bf16, fused RMSNorm) and the sparse-attention kernel keep; a measured
+    runner's layer (sparsebalance.model.Block, bf16, fused RMSNorm) and the sparse-attention kernel keep; a measured
     ``profile`` (``python -m calibrate.memory``) replaces them for the layer shapes it was fitted on."""
 
     overflow: Overflow = Overflow.repair

@@ -27,6 +27,7 @@ from sparsebalance.sim.config import CostConfig, ModelConfig
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.cp_shards import kept_in_row, kept_rows, slowest_rank_extra
 from sparsebalance.sim.profile import ATTENTION_FEATURES, DKDV_SLOTS, PROFILE_FEATURES, WAVE, load_profile
+from sparsebalance.sim.shapes import ModelShape
 from sparsebalance.sim.workload import Sequence
 
 # Launch rules of the calibrated kernel, mirrored from kernels/sparse_attention/launch.py (tests check they
@@ -45,23 +46,6 @@ OVERLAP_MAX_PROGRAMS_PER_SM = 16
 # timings. A learned selection that every row shares (an attention sink) makes that block's count the rows.
 BUSIEST_Z = 0.75
 BF16 = 2  # bytes per element of activations, K/V and weights
-
-
-# ----------------------------------------------------------------------------- model shape
-def params_per_layer(model: ModelConfig) -> float:
-    """Q/O projections, K/V projections (GQA) and a SwiGLU MLP (three matrices)."""
-    attn = 2 * model.hidden * model.heads * model.head_dim + 2 * model.hidden * model.kv_heads * model.head_dim
-    return float(attn + 3 * model.hidden * model.ffn)
-
-
-def embedding_params(model: ModelConfig) -> float:
-    """The input embedding and the LM head: one matrix when they are tied (Qwen2.5-3B), two otherwise."""
-    return (1.0 if model.tie_embeddings else 2.0) * model.vocab * model.hidden
-
-
-def total_params(model: ModelConfig) -> float:
-    """Layers plus the embedding and LM head (norms and biases, under 0.1%, are left out)."""
-    return model.layers * params_per_layer(model) + embedding_params(model)
 
 
 # ----------------------------------------------------------------------------- features
@@ -193,7 +177,8 @@ def dense_features(lengths, model: ModelConfig, block_size: int) -> dict[str, fl
 def layer_features(tokens: float, model: ModelConfig) -> dict[str, float]:
     """Features of one layer's non-attention work (forward). The LM head's matmul is spread over the layers;
     the input embedding is a lookup and costs no FLOPs."""
-    per_token = 2.0 * (params_per_layer(model) + model.vocab * model.hidden / model.layers)
+    shape = ModelShape.from_config(model)
+    per_token = 2.0 * (shape.params_per_layer + shape.lm_head_params / shape.layers)
     return {"const": float(tokens > 0), "tokens": float(tokens), "flops": per_token * tokens}
 
 
@@ -454,7 +439,7 @@ class RooflineCost(CostModel):
             scores = 2.0 * self.model.head_dim * feats["blocks"] / self.attn_flops_per_ms
             pooled = feats["tokens"] * (self.model.heads + self.model.kv_heads) * self.model.head_dim * BF16
             return launch + scores + pooled / self.hbm_bytes_per_ms
-        weights = feats["const"] * params_per_layer(self.model) * BF16 / self.hbm_bytes_per_ms
+        weights = feats["const"] * ModelShape.from_config(self.model).params_per_layer * BF16 / self.hbm_bytes_per_ms
         passes = 1.0 if term == "layer_fwd" else 2.0  # backward: activation and weight gradients
         return launch + passes * np.maximum(feats["flops"] / self.mm_flops_per_ms, weights)
 

@@ -29,10 +29,11 @@ import simpy
 
 from sparsebalance.sim.plan import BudgetArrays, Plan
 from sparsebalance.sim.cluster import Cluster, Layout
-from sparsebalance.sim.cost import CostModel, total_params, training_flops
+from sparsebalance.sim.cost import CostModel, training_flops
 from sparsebalance.sim.memory import GB, MemoryModel
 from sparsebalance.sim.pipeline import last_micro_batches, one_f_one_b, stage_finish_ms
 from sparsebalance.sim.results import StepRecord, coverage_fields
+from sparsebalance.sim.shapes import ModelShape
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class Engine:
         self.cost = cost
         self.cluster = cluster
         self.memory = memory  # None: no memory figures (NaN in the records)
-        params = total_params(cost.model) / layout.pp
+        params = ModelShape.from_config(cost.model).total_params / layout.pp
         self.buckets = cluster.grad_buckets(params)
         self.bucket_ms = cluster.grad_allreduce_ms(params / self.buckets, layout)
 

@@ -40,8 +40,9 @@ import numpy as np
 
 from sparsebalance.sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
 from sparsebalance.sim.core import ConfigError, read_checked_json
-from sparsebalance.sim.cost import BF16, embedding_params, params_per_layer
+from sparsebalance.sim.cost import BF16
 from sparsebalance.sim.plan import Assignment, BudgetArrays, Plan
+from sparsebalance.sim.shapes import ModelShape, StageSpan
 
 if TYPE_CHECKING:
     from sparsebalance.sim.cluster import Layout
@@ -140,12 +141,9 @@ def profile_problem(profile) -> str | None:
 
 # ----------------------------------------------------------------------------- static bytes
 def stage_params(model: ModelConfig, pp: int) -> np.ndarray:
-    """Parameters held by each pipeline stage: its layers, the embedding on the first, the LM head on the last."""
-    params = np.full(pp, model.layers // pp * params_per_layer(model))
-    matrix = embedding_params(model) / (1.0 if model.tie_embeddings else 2.0)
-    params[0] += matrix
-    params[-1] += matrix if (pp > 1 or not model.tie_embeddings) else 0.0
-    return params
+    """Parameters held by each pipeline stage (``ModelShape.stage_params``)."""
+    shape = ModelShape.from_config(model)
+    return np.array([shape.stage_params(StageSpan(s, pp)) for s in range(pp)], dtype=np.float64)
 
 
 def static_bytes(cfg: MemoryConfig, model: ModelConfig, layout: Layout) -> np.ndarray:
@@ -157,7 +155,7 @@ def static_bytes(cfg: MemoryConfig, model: ModelConfig, layout: Layout) -> np.nd
     share = 1.0 / replicas if sharding is Sharding.fsdp else 1.0
     total = params * (share * (cfg.weight_bytes + cfg.grad_bytes) + opt_share * cfg.optimizer_bytes)
     if sharding is Sharding.fsdp:
-        total += params_per_layer(model) * (2 * cfg.weight_bytes + cfg.grad_bytes)
+        total += ModelShape.from_config(model).params_per_layer * (2 * cfg.weight_bytes + cfg.grad_bytes)
     return total
 
 

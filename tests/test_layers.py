@@ -1,5 +1,5 @@
-"""Layers go one way: ``kernels`` and ``sim`` at the bottom, then ``policies``, then ``calibrate`` and
-``runner``, then ``viz`` and ``benchmarks`` on top; no two modules import each other, through any path. Every
+"""Layers go one way: ``kernels`` and ``sim`` at the bottom, then ``policies`` and ``model``, then ``calibrate``
+and ``runner``, then ``viz`` and ``benchmarks`` on top; no two modules import each other, through any path. Every
 import counts, also one inside a function. The project imports itself as ``sparsebalance.<package>`` only."""
 import ast
 from collections import defaultdict
@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "sparsebalance."
-LAYER = {"kernels": 0, "sim": 0, "policies": 1, "calibrate": 2, "runner": 2, "viz": 3, "benchmarks": 3}
+LAYER = {"kernels": 0, "sim": 0, "policies": 1, "model": 1, "calibrate": 2, "runner": 2, "viz": 3, "benchmarks": 3}
 # Inside a package, module pairs that must not depend on each other in this direction.
 FORBIDDEN_MODULES = [("sim.cost", "sim.run")]
 
@@ -137,10 +137,11 @@ def test_no_import_circle_between_modules():
     assert not circles_of(graph), f"modules on an import circle: {circles_of(graph)}"
 
 
-def test_no_package_imports_one_above_it_or_beside_it_at_the_bottom():
+def test_no_package_imports_one_above_it_or_beside_it_in_the_two_lowest_layers():
+    """``policies`` and ``model`` build on ``kernels`` and ``sim`` only; ``calibrate`` may use ``runner``'s attention."""
     bad = [
         via for (src, dst), vias in package_edges().items() for via in vias
-        if LAYER[dst] > LAYER[src] or (LAYER[dst] == LAYER[src] == 0)
+        if LAYER[dst] > LAYER[src] or (LAYER[dst] == LAYER[src] <= 1)
     ]
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
 

@@ -26,7 +26,7 @@ from pinned import PINNED_PROFILE
 from sparsebalance.runner.attention import make_attention
 from sparsebalance.runner.config import TrainConfig, register
 from sparsebalance.runner.data import n_answers, pack
-from sparsebalance.runner.model import ModelShape, TinyLlama
+from sparsebalance.model import make_model
 from sparsebalance.runner.task import TaskConfig
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.plan import Plan
@@ -99,7 +99,7 @@ def one_process(plans: list[Plan], truth: dict[int, float]) -> tuple[list[float]
     register()
     cfg = compose_config([*SHARED, *RUNNER, "cluster.gpus_per_node=1", f"runner.lr={LR}"], config_name="runner")
     task = TaskConfig(**cfg.runner.task)
-    model = TinyLlama(ModelShape.from_config(cfg.model), seed=cfg.seed)
+    model = make_model(cfg.model, cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.runner.lr, weight_decay=cfg.runner.weight_decay)
     attend = make_attention("kernel", cfg.cost.block_size)
     losses, first = [], None
@@ -130,7 +130,7 @@ def first_step_selection(plan: Plan, truth: dict[int, float]) -> dict[int, tuple
     register()
     cfg = compose_config([*SHARED, *RUNNER, "cluster.gpus_per_node=1"], config_name="runner")
     task = TaskConfig(**cfg.runner.task)
-    model = TinyLlama(ModelShape.from_config(cfg.model), seed=cfg.seed)
+    model = make_model(cfg.model, cfg.seed)
     attend = make_attention("kernel", cfg.cost.block_size)
     stats = {}
     for rank in range(plan.dp):

@@ -110,7 +110,7 @@ def test_the_same_inputs_write_the_same_files(run_dir, evaluated, tmp_path):
     (["--seed", "5"], "--seed 5: the checkpoint trained on that seed; allowed: any other"),
     (["--seed", "-1"], "--seed -1: allowed: a whole number >= 0 other than the training seed"),
     (["--out", "/proc"], "--out='/proc' cannot be written (No such file or directory)"),
-    (["--device", "tpu"], "--device 'tpu': allowed: auto, cpu, cuda"),
+    (["--device", "tpu"], "--device='tpu' is unknown; allowed: auto, cuda, cpu"),
 ])
 def test_a_bad_option_is_one_line_and_writes_nothing(run_dir, tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from pinned import PINNED_PROFILE
+from sparsebalance.model import TinyLlama
 from sparsebalance.runner.attention import make_attention
-from sparsebalance.runner.model import ModelShape, TinyLlama
+from sparsebalance.sim.shapes import ModelShape
 from tiny import TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]

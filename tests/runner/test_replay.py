@@ -192,15 +192,17 @@ def times_grid(times, step, grid, phase):
 
 def test_stages_and_recomputation_do_the_whole_models_work():
     """Cut into two stages with every layer's forward recomputed in its backward (from the blocks its forward
-    selected), one micro-batch gives the gradients and kernel stats of the uncut model without recomputation."""
+    selected), one micro-batch gives the gradients and kernel stats of the uncut model without recomputation
+    (the tied LM head's copy on the last stage adds its gradient to the embedding's, as the runner sums them)."""
     import torch
 
     from sparsebalance.runner.data import pack
     from sparsebalance.runner.task import TaskConfig
-    from sparsebalance.runner.replay import StagedModel, Untimed
+    from sparsebalance.runner.staged import StagedModel, Untimed
     from sparsebalance.sim.shapes import ModelShape
 
     cfg = compose_typed(TINY)
+    assert cfg.model.tie_embeddings
     plan, truth = simulated_plans(TINY, "sparsebalance")[0]
     batch = pack(plan.micro_batch(0, 0), truth, TaskConfig(), cfg.model.vocab, cfg.seed, torch.device("cpu"))
     runs = []
@@ -208,13 +210,37 @@ def test_stages_and_recomputation_do_the_whole_models_work():
         staged = StagedModel(ModelShape.from_config(cfg.model), pp, cfg.seed, torch.device("cpu"), "kernel",
                              cfg.cost.block_size, recompute)
         kept, coverage = staged.run(batch, Untimed(), ("sparsebalance", 0, 0, 0))
-        runs.append((kept, coverage, {n: p.grad.clone() for n, p in staged.modules.named_parameters()}))
+        grads = {n: p.grad.clone() for n, p in staged.named_parameters()}
+        if pp > 1:
+            grads["embed.weight"] += grads.pop("lm_head.weight")
+        runs.append((kept, coverage, grads))
     (kept1, cov1, grads1), (kept2, cov2, grads2) = runs
     assert torch.equal(kept1, kept2) and torch.equal(cov1, cov2) and (kept1 < 1).any()
     assert grads1.keys() == grads2.keys()
     for name in grads1:
         assert grads1[name].abs().sum() > 0, name
         torch.testing.assert_close(grads1[name], grads2[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_replay_runs_the_runners_weights(pp):
+    """Each replayed stage holds the weights runner.train starts that stage from (sparsebalance.model.make_model),
+    so that the kernel selects what the runner's first step selects."""
+    import torch
+
+    from sparsebalance.model import make_model
+    from sparsebalance.runner.staged import StagedModel
+    from sparsebalance.sim.shapes import ModelShape, StageSpan
+
+    cfg = compose_typed(TINY)
+    staged = StagedModel(ModelShape.from_config(cfg.model), pp, cfg.seed, torch.device("cpu"), "kernel",
+                         cfg.cost.block_size, recompute=False)
+    for s, stage in enumerate(staged.stages):
+        runner = make_model(cfg.model, cfg.seed, StageSpan(s, pp)).state_dict()
+        replayed = stage.state_dict()
+        assert replayed.keys() == runner.keys()
+        for name, weights in runner.items():
+            assert torch.equal(replayed[name], weights), name
 
 
 def test_host_clock_and_deadline_end_to_end(tmp_path, capsys):
@@ -245,8 +271,8 @@ def test_host_clock_and_deadline_end_to_end(tmp_path, capsys):
     (["layout.cp=2", "layout.pp=1"], "layout.cp=2"),
     (["model.vocab=100"], "model.vocab=100 is too small"),
     (["layout.dp=3"], "layout dp=3"),
-    (["--device", "tpu"], "runner.device='tpu'"),
-    (["--attention", "flash"], "runner.attention='flash'"),
+    (["--device", "tpu"], "--device='tpu' is unknown; allowed: auto, cuda, cpu"),
+    (["--attention", "flash"], "--attention='flash' is unknown; allowed: kernel, triton, naive"),
     (["no_such_key=1"], "no_such_key"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):

@@ -186,8 +186,8 @@ def test_a_checkpoint_whose_history_an_older_runner_wrote_is_measured(checkpoint
     (lambda d, t: d, ["--p", "0,0.5"], "--p '0,0.5': 0.0 is not allowed; allowed: coverage targets in (0, 1]"),
     (lambda d, t: d, ["--kept", "1"], "--kept '1': 1.0 is not allowed; allowed: kept fractions in (0, 1)"),
     (lambda d, t: d, ["--sequences", "0"], "--sequences 0: allowed: a whole number >= 1"),
-    (lambda d, t: d, ["--attention", "flash"], "--attention 'flash': unknown; allowed: kernel, triton, naive"),
-    (lambda d, t: d, ["--device", "tpu"], "--device 'tpu': unknown; allowed: auto, cuda, cpu"),
+    (lambda d, t: d, ["--attention", "flash"], "--attention='flash' is unknown; allowed: kernel, triton, naive"),
+    (lambda d, t: d, ["--device", "tpu"], "--device='tpu' is unknown; allowed: auto, cuda, cpu"),
     (lambda d, t: d, ["--block-size", "48"], "--block-size 48: allowed: 16, 32, 64, 128"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(checkpoint_dir, tmp_path, capsys, source, args, needle):

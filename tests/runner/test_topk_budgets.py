@@ -209,7 +209,8 @@ def test_cp_attention_selects_top_k_as_one_process(case, impl, cp_outputs):
 def test_the_replay_runs_top_k_and_records_what_ran():
     """runner.replay's staged model takes a top-k micro-batch (the closed form's kept fraction per sequence),
     and the replayed Plan's budgets are the kept fractions that ran."""
-    from sparsebalance.runner.replay import Measured, StagedModel, Untimed, kernel_budgets
+    from sparsebalance.runner.replay import kernel_budgets
+    from sparsebalance.runner.staged import Measured, StagedModel, Untimed
     from sparsebalance.sim.shapes import ModelShape
 
     lengths = (64, 300, 150)
