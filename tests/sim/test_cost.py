@@ -43,11 +43,35 @@ def test_attention_is_proportional_to_kept_blocks_and_layers_to_tokens():
 
 
 def test_cp_splits_work_and_overlaps_the_ring():
-    cost = cost_for("cost=roofline")
+    """Under CP each rank does 1/cp of a long dense sequence's attention and other work; the ring passes K and V
+    shards (forward) and them plus their gradients (backward) over cp - 1 hops, and a layer pays the larger of
+    its attention and its transfer: a long sequence hides the ring, a short one waits for it. Activation
+    checkpointing adds the forward, ring wait included, to the backward."""
+    cfg = compose_config(["cost=roofline"])
+    cluster, model, cp = Cluster.from_config(cfg.cluster), cfg.model, 4
+    cost, recomputing = (make_cost(cfg.cost, model, cluster, recompute=r) for r in (False, True))
+    tier = cluster.tier(cp)
+
+    def ring_ms(length, shards):  # all layers, one direction: K and V (and their gradients) in bf16
+        shard_bytes = length / cp * model.kv_heads * model.head_dim * 2 * 2
+        return model.layers * (cp - 1) * (tier.latency_us * 1e-3 + shards * shard_bytes / (tier.bandwidth_gbps * 1e6))
+
     one = cost.micro_batch_cost([32768], [1.0], Layout(dp=1, cp=1))
-    four = cost.micro_batch_cost([32768], [1.0], Layout(dp=1, cp=4))
-    assert four.attn_fwd_ms == pytest.approx(one.attn_fwd_ms / 4)
-    assert four.cp_comm_ms > 0 and four.fwd_ms >= four.attn_fwd_ms + four.other_fwd_ms
+    long = cost.micro_batch_cost([32768], [1.0], Layout(dp=1, cp=cp))
+    for part in ("attn_fwd_ms", "attn_bwd_ms", "other_fwd_ms", "other_bwd_ms"):
+        assert getattr(long, part) == pytest.approx(getattr(one, part) / cp), part
+    assert one.cp_comm_ms == 0 and long.cp_comm_ms == pytest.approx(ring_ms(32768, 1) + ring_ms(32768, 2))
+    assert long.attn_fwd_ms > ring_ms(32768, 1) and long.attn_bwd_ms > ring_ms(32768, 2)
+    assert long.fwd_ms == pytest.approx(long.attn_fwd_ms + long.other_fwd_ms)  # the ring costs nothing
+    assert long.bwd_ms == pytest.approx(long.attn_bwd_ms + long.other_bwd_ms)
+    short = cost.micro_batch_cost([512], [1.0], Layout(dp=1, cp=cp))
+    assert short.attn_fwd_ms < ring_ms(512, 1) and short.attn_bwd_ms < ring_ms(512, 2)
+    assert short.fwd_ms == pytest.approx(ring_ms(512, 1) + short.other_fwd_ms)  # attention waits for the ring
+    assert short.bwd_ms == pytest.approx(ring_ms(512, 2) + short.other_bwd_ms)
+    for length, plain in ((32768, long), (512, short)):
+        again = recomputing.micro_batch_cost([length], [1.0], Layout(dp=1, cp=cp))
+        assert again.fwd_ms == pytest.approx(plain.fwd_ms)
+        assert again.bwd_ms == pytest.approx(plain.bwd_ms + plain.fwd_ms)
 
 
 def test_features_count_causal_blocks():
