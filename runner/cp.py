@@ -15,7 +15,7 @@ Attention (``make_cp_attention``), per layer:
 1. Selection, without gradients: each rank sums its tokens' queries and keys per block of the whole
    micro-batch; one all-reduce over the cp group gives every rank the pooled query and key of every block
    (``[2, blocks, kv heads, head dim]`` floats, small next to a K/V shard). Each rank scores the rows of the
-   query blocks it holds tokens of, with the kernel's own rule (``kernels.sparse_attention.rules``: top-p, kept
+   query blocks it holds tokens of, with the kernel's own rule (``kernels.sparse_attention.row_rule``: top-p, kept
    fraction or top-k, with its floor, over softmax-normalised block scores, the diagonal always kept), so it
    attends under the sequence's selection. The rank holding a block's first token counts its row in the
    per-sequence kept fraction and coverage, and a second all-reduce sums those: the stats are the whole
@@ -48,8 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sparsebalance.kernels.sparse_attention import VarlenBatch
-from sparsebalance.kernels.sparse_attention.rules import keeps_every_block, row_rule
+from sparsebalance.kernels.sparse_attention import VarlenBatch, keeps_every_block, row_rule
 from sparsebalance.runner.attention import budget_keywords
 
 __all__ = ["Ring", "Shards", "attention_piece", "make_cp_attention", "merge_pieces", "shard_bounds"]

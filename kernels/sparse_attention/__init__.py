@@ -16,6 +16,9 @@ Usage::
     sel.kept_fraction, sel.coverage                         # [n] per-sequence stats
     docs = VarlenBatch.from_cu_seqlens(cu)                  # once per micro-batch, for every layer's calls
     compile_count()                                         # Triton variants compiled so far (per step: 0)
+    rule = row_rule(n, device, top_k=8, p=0.5)              # the rule rows keep blocks by, for a caller that
+    rule.at(docs_index).keep(prob, rows, cols, isdiag, valid)  # scores rows itself (runner/cp.py)
+    keeps_every_block(doc_nblocks, p=p)                     # a budget that keeps every causal block: no scoring
 
 Backends: ``backend="triton"`` runs the Triton kernels (GPU; on CPU only under ``TRITON_INTERPRET=1``, slow,
 for tests); ``backend="naive"`` is the pure-PyTorch reference (:mod:`.naive`), differentiable by autograd,
@@ -40,9 +43,10 @@ from .interface import BLOCK_SIZES, select_blocks, sparse_attention, validate_in
 from .layout import BlockLayout, block_layout
 from .naive import dense_causal_varlen, select_blocks_naive, sparse_attention_naive
 from .options import KernelOptions
+from .rules import RowRule, keeps_every_block, row_rule
 from .selection import BlockSelection, SelectionFallbackWarning, restrict_rows, selection_from_mask
 
 __all__ = ["BLOCK_SIZES", "sparse_attention", "select_blocks", "BlockSelection", "BlockLayout", "block_layout",
            "selection_from_mask", "restrict_rows", "sparse_attention_naive", "dense_causal_varlen", "select_blocks_naive",
            "validate_inputs", "KernelOptions", "SelectionFallbackWarning", "VarlenBatch", "compile_count",
-           "compiled_variants"]
+           "compiled_variants", "RowRule", "row_rule", "keeps_every_block"]
