@@ -1,19 +1,52 @@
 """The attention the model calls: ``kernels.sparse_attention`` through its pinned API, with the Plan's
-per-sequence budgets, returning the kernel's selection stats alongside the output.
+per-sequence budgets, returning the kernel's selection stats alongside the output; or, for a micro-batch that
+``cost.attention_backend`` puts on a dense backend (``kernels.backends``: cuDNN, FlashAttention), that backend.
 
-Backends: ``kernel`` lets the kernel package choose (Triton on CUDA tensors, its PyTorch reference on CPU
-tensors, so CPU training never goes through the Triton interpreter); ``triton`` and ``naive`` force one.
+Backends of our kernel: ``kernel`` lets the kernel package choose (Triton on CUDA tensors, its PyTorch reference
+on CPU tensors, so CPU training never goes through the Triton interpreter); ``triton`` and ``naive`` force one.
+
+Which kernel runs a micro-batch is the cost model's choice (``sim.backends.choose``, the simulator's), made at
+the kept fractions the planner expects of its budgets (:func:`micro_batch_backends`): ``ours`` everywhere by
+default; ``dense_best`` the dense backend the profile prices fastest; ``hybrid`` the faster of that and ours at
+the budgets. A dense backend keeps every causal block, so its sequences report kept fraction and coverage 1.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparsebalance.kernels.backends import BackendAbsent, load
 from sparsebalance.kernels.sparse_attention import sparse_attention
+from sparsebalance.sim.backends import OURS
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.cost import CostModel
+from sparsebalance.sim.estimate import Belief
+from sparsebalance.sim.plan import BudgetArrays, Plan
 
 BACKENDS = {"kernel": "auto", "triton": "triton", "naive": "naive"}
 
 
+@dataclass(frozen=True)
+class DenseRun:
+    """A micro-batch's attention on a dense backend instead of our kernel: the loaded backend and its documents,
+    built once per micro-batch when it is packed (off the clock, as calibrate.run times the backend)."""
+
+    backend: object  # kernels.backends.AttentionBackend
+    docs: object  # backend.documents(lengths, device)
+    n_docs: int
+
+    @classmethod
+    def of(cls, backend, cu_seqlens: torch.Tensor, device: torch.device) -> DenseRun:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        return cls(backend, backend.documents(lengths, device), len(lengths))
+
+
 def budget_keywords(budgets) -> dict:
-    """The kernel's budget keywords from a micro-batch's budgets ``(p, kept_fraction[, top_k])``, ``[n]`` host
-    tensors or None (``runner.data.MicroBatch.budgets``): the kept fractions where given, else the top-k
+    """The kernel's budget keywords from a micro-batch's budgets ``(p, kept_fraction[, top_k[, dense]])``, ``[n]``
+    host tensors or None (``runner.data.MicroBatch.budgets``): the kept fractions where given, else the top-k
     counts with ``p`` as their coverage floor (None: none), else the coverage targets ``p``."""
     p, kept_fraction, top_k = (*budgets, None)[:3]
     if kept_fraction is not None:
@@ -21,17 +54,64 @@ def budget_keywords(budgets) -> dict:
     return {"p": p} if top_k is None else {"top_k": top_k, "p": p}
 
 
+def dense_run(budgets) -> DenseRun | None:
+    """The dense backend a micro-batch's budgets carry (their fourth item), or None: our kernel runs it."""
+    return budgets[3] if len(budgets) > 3 else None
+
+
 def make_attention(backend: str, block_size: int):
     """``attend(q, k, v, docs, budgets) -> (o, kept [n], coverage [n])``, ``budgets`` as
     :func:`budget_keywords` takes them; ``docs`` is a ``VarlenBatch`` (built once per micro-batch, so no layer
-    reads the offsets again) or a cu_seqlens tensor."""
+    reads the offsets again) or a cu_seqlens tensor. Where the budgets carry a :class:`DenseRun`, that backend
+    computes every causal block (kept fraction and coverage 1)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     kernel_backend = BACKENDS[backend]
 
     def attend(q, k, v, docs, budgets):
+        dense = dense_run(budgets)
+        if dense is not None:
+            every = torch.ones(dense.n_docs, device=q.device)
+            return dense.backend.attention(q, k, v, dense.docs), every, every
         o, sel = sparse_attention(q, k, v, docs, **budget_keywords(budgets), block_size=block_size,
                                   return_selection=True, backend=kernel_backend)
         return o, sel.kept_fraction, sel.coverage
 
     return attend
+
+
+def load_dense(cost: CostModel, key: str, cp: int) -> dict[str, object]:
+    """The dense backends a run's micro-batches may run on, loaded by name: under ``dense_best`` and ``hybrid``
+    every one the cost model prices (its choice may fall on any of them), under ``ours`` none. One ConfigError
+    line, naming ``key`` (the config key that chose the mode), where one cannot run here or the processes hold
+    CP shards (the dense backends run whole documents)."""
+    mode = cost.attention_backend
+    if mode == OURS:
+        return {}
+    if cp > 1:
+        raise ConfigError(f"{key}={mode} with layout.cp={cp}: the runner runs a dense backend on whole documents "
+                          f"only; allowed: {key}={OURS} with cp > 1, or layout.cp=1 (or runner.one_process=true)")
+    loaded = {}
+    for name in cost.dense_backends():
+        try:
+            loaded[name] = load(name)
+        except (BackendAbsent, ValueError) as exc:
+            raise ConfigError(f"{key}={mode}: the cost profile prices the dense backend {name}, which cannot run "
+                              f"here ({exc}); allowed: {key}={OURS}, or a machine where "
+                              f"{', '.join(cost.dense_backends())} load (the peers extra on a GPU)") from None
+    return loaded
+
+
+def micro_batch_backends(plan: Plan, cost: CostModel, layout: Layout, belief: Belief | None) -> np.ndarray:
+    """``[dp, m]``: the backend that runs each micro-batch's attention, as the cost model decides it
+    (``MicroBatchCosts.backend``: the simulator's decision) at the kept fractions the planner expects of the
+    Plan's budgets, the mean over its belief's samples. (The simulator's engine decides at the data's truth,
+    which the runner's planner does not know.)"""
+    dp, m = layout.dp, layout.micro_batches
+    if cost.attention_backend == OURS:
+        return np.full((dp, m), OURS)
+    rank, mb, lengths, ids = (np.array([getattr(a, f) for a in plan.assignments], dtype=np.int64)
+                              for f in ("dp_rank", "micro_batch", "length", "seq_id"))
+    kept = BudgetArrays.of(a.budget for a in plan.assignments).kept(cost, lengths[None], belief.at(ids))
+    costs = cost.micro_batch_costs(lengths, kept.mean(axis=0), rank * m + mb, dp * m, layout)
+    return costs.backend.reshape(dp, m)

@@ -44,7 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sparsebalance.runner.config import TrainConfig
 from sparsebalance.sim.cluster import Cluster, Layout
-from sparsebalance.sim.config import compose_config, validate
+from sparsebalance.sim.config import compose_config, policy_cost, validate
 from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, group_options,
                                     one_line_errors, write_json_atomic)
 from sparsebalance.sim.cost import make_cost
@@ -147,6 +147,7 @@ def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame,
                           "its times are not a distributed step's; allowed: a run with one process per GPU "
                           "(python -m runner.replay times a Plan's replicas on one GPU)")
     profile = profile_for(run_dir, str(run_summary.get("device", "")), profile)
+    cfg.cost = policy_cost(cfg.cost, cfg.policy)  # the attention backend the run trained on (runner.train's)
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
     # the run's own cost model: its block size is the one the kernel selected blocks at

@@ -41,7 +41,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from sparsebalance.kernels.sparse_attention import compile_count
 from sparsebalance.model import make_model
 from sparsebalance.runner import checkpoint
-from sparsebalance.runner.attention import BACKENDS, make_attention
+from sparsebalance.runner.attention import BACKENDS, DenseRun, make_attention
 from sparsebalance.runner.config import LRSchedule
 from sparsebalance.runner.cp import make_cp_attention, shard_micro_batch
 from sparsebalance.runner.cp_kernel import make_cp_kernel_attention
@@ -121,14 +121,16 @@ class Trainer:
 
     def step(self, step: int) -> dict | None:
         plan, truth = self.planner.plan(step)
+        backends = self.planner.backends(plan)  # [dp, m]: the kernel of each micro-batch's attention
         t0 = time.perf_counter()
         assigned = {r: [plan.micro_batch(r, mb) for mb in range(self.layout.micro_batches)] for r in self.dp_ranks}
         n_global = n_answers(plan.assignments, self.task, truth)
         # DDP and FSDP average over the replicas (dp x cp ranks: each CP rank scores the answers among its own
         # tokens); this weight turns that into the sum over the global batch.
         weight = self.model.replicas / n_global
-        work = {r: [Work(self._pack(a, truth), weight) if a else Work(self._pack(a, truth), 0.0, empty=True)
-                    for a in mine] for r, mine in assigned.items()}
+        work = {r: [Work(self._pack(a, truth, backends[r, mb]), weight) if a else
+                    Work(self._pack(a, truth, backends[r, mb]), 0.0, empty=True) for mb, a in enumerate(mine)]
+                for r, mine in assigned.items()}
         data_ms = (time.perf_counter() - t0) * 1e3
 
         self.comm.sync()
@@ -152,7 +154,7 @@ class Trainer:
                       optimizer_ms=clock.ms(end) - clock.ms(before_opt),
                       plan_sha256=hashlib.sha256(plan.to_json().encode()).hexdigest(),
                       compilations=compile_count() - compiled)
-        local = [{**self._local_record(step, plan, assigned[r], outcome, clock, r, truth), **shared,
+        local = [{**self._local_record(step, plan, assigned[r], outcome, clock, r, truth, backends[r]), **shared,
                   "peak_bytes": most(*outcome.peaks.values(), outcome.tail_peak, optimizer_peak)}
                  for r, outcome in outcomes.items()]
         if self.one_process:
@@ -191,14 +193,18 @@ class Trainer:
             return make_cp_attention(self.block_size, self.comm.ring)
         return make_cp_kernel_attention(self.block_size, self.comm.ring, BACKENDS[backend])
 
-    def _pack(self, assignments, truth):
-        """This rank's share of a micro-batch: all of it, or under CP its zigzag chunks of every sequence."""
+    def _pack(self, assignments, truth, backend: str):
+        """This rank's share of a micro-batch: all of it, or under CP its zigzag chunks of every sequence; with
+        the dense backend that runs its attention where ``backend`` names one (runner.attention.DenseRun)."""
         batch = (pack(assignments, truth, self.task, self.cfg.model.vocab, self.cfg.seed, self.device) if assignments
                  else placeholder(self.device, 2 * self.comm.layout.cp))
+        if backend in self.planner.dense:
+            batch.dense = DenseRun.of(self.planner.dense[backend], batch.cu_seqlens, self.device)
         return batch if self.comm.ring is None else shard_micro_batch(batch, self.comm.layout.cp, self.comm.cp_rank)
 
     # ------------------------------------------------------------------ records
-    def _local_record(self, step, plan, assigned, outcome: Outcome, clock: Clock, dp_rank: int, truth) -> dict:
+    def _local_record(self, step, plan, assigned, outcome: Outcome, clock: Clock, dp_rank: int, truth,
+                      backends) -> dict:
         """This rank's rows, as plain Python values (gathered to rank 0 as objects). The last micro-batch's
         wait and communication are filled in on rank 0, which sees every replica's end of compute."""
         m = self.layout.micro_batches
@@ -234,7 +240,7 @@ class Trainer:
                 compute_ms=float(compute[mb]) if assigned[mb] else 0.0, comm_ms=0.0, idle_ms=float(idle[mb]),
                 tokens=sum(a.length for a in assigned[mb]), kept_fraction=kept_mb, coverage=cov_mb,
                 # the field's "not measured" NaN on the CPU: an empty cell in micro_batches.csv
-                peak_memory_gb=math.nan if peak is None else peak / GB,
+                peak_memory_gb=math.nan if peak is None else peak / GB, attention_backend=str(backends[mb]),
             )))
         return {"rows": rows, "sequences": sequences, "loss_sum": loss_sum, "correct": correct,
                 "stage": self.comm.stage, "last_mb": last_mb, "compute_ms": float(compute.sum()),

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra
+import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from sparsebalance.runner.attention import load_dense, micro_batch_backends
 from sparsebalance.runner.capacity import check_fits, device_capacity
 from sparsebalance.runner.config import register
 from sparsebalance.runner.device import check_attention, device_type
@@ -38,7 +40,7 @@ from sparsebalance.runner.parallel import DATA_PARALLEL
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.core import (CONF_DIR, EXIT_INTERRUPTED, ConfigError, check_group_overrides, fail, hydra_reason,
                                     interrupted, preset_overrides)
-from sparsebalance.sim.config import compose_config
+from sparsebalance.sim.config import compose_config, policy_cost
 from sparsebalance.sim.outputs import Outputs, discard_outputs, pin_output_dir
 from sparsebalance.sim.results import FILES
 from sparsebalance.sim.plan import Plan
@@ -60,6 +62,8 @@ class StepPlanner:
 
     workload: Workload
     planner: Planner
+    # the dense attention backends the run's micro-batches may run on, loaded (runner.attention.load_dense)
+    dense: dict = field(default_factory=dict)
 
     @property
     def layout(self) -> Layout:
@@ -79,6 +83,11 @@ class StepPlanner:
         batch = self.workload.batch(step)
         return self.planner.plan(requests(batch), step), truth_of(batch)
 
+    def backends(self, plan: Plan) -> np.ndarray:
+        """``[dp, m]``: which backend runs each micro-batch's attention (``cost.attention_backend``: the cost
+        model's choice at the kept fractions the planner expects of the Plan, which it made last)."""
+        return micro_batch_backends(plan, self.cost, self.layout, self.planner.belief)
+
     def observe(self, plan: Plan, kept_fraction, coverage, step_ms: float, micro_batch_ms=None) -> None:
         self.planner.observe(plan, kept_fraction, coverage, step_ms, micro_batch_ms)
 
@@ -87,7 +96,10 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[StepPlanner, Cluster]:
     """Everything that can reject the config, before any process group or model exists: every key's
     range and the checks across groups (``sim.run.prepare``, which also checks the runner's keys and
     the task, see runner/config.py), the world size, the attention backend and device."""
-    setup = prepare(OmegaConf.to_object(cfg))
+    # priced as sim.run prices it: under the policy's attention backend where it names one (verl_dense: dense_best)
+    run = OmegaConf.to_object(cfg)
+    run = replace(run, cost=policy_cost(run.cost, run.policy))
+    setup = prepare(run)
     layout = setup.layout
     if cfg.runner.one_process:
         if world.size != 1:
@@ -105,7 +117,11 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[StepPlanner, Cluster]:
         raise ConfigError(f"runner.data_parallel={cfg.runner.data_parallel!r} is unknown; allowed: "
                           f"{', '.join(DATA_PARALLEL)}")
     # no truth: the runner has none to give, so the oracle estimator is refused here
-    return StepPlanner(setup.workload, make_planner(OmegaConf.to_object(cfg), setup)), setup.cluster
+    planner = make_planner(run, setup)
+    # the policy's attention_backend (verl_dense: dense_best) where it sets one, else cost.attention_backend
+    key = "cost.attention_backend" if cfg.policy.get("attention_backend") is None else "policy.attention_backend"
+    dense = load_dense(planner.cost, key, process_layout(cfg, layout).cp)
+    return StepPlanner(setup.workload, planner, dense), setup.cluster
 
 
 def process_layout(cfg: DictConfig, layout: Layout) -> Layout:

@@ -55,9 +55,24 @@ def linear_ms(coefs: dict[str, float], feats: dict[str, np.ndarray]) -> np.ndarr
     return sum((c * feats[f] for f, c in coefs.items()), np.zeros_like(feats["const"]))
 
 
-def fastest(times: np.ndarray) -> np.ndarray:
-    """Index of the fastest option per micro-batch (``times`` [options, groups]); a tie goes to the first."""
-    return np.argmin(times, axis=0)
+def choose(mode: str, times: dict[str, np.ndarray]) -> np.ndarray:
+    """The backend that runs each micro-batch's attention under ``mode`` (``cost.attention_backend``), by name.
+
+    ``times`` maps ``ours`` and each dense backend priced to its attention time per micro-batch (what it adds to
+    the micro-batch: ``CostModel._attention_ms``). ``ours``: ours everywhere; ``dense_best``: the fastest dense
+    backend; ``hybrid``: the fastest of all. A tie goes to the first in ``times`` (ours, then the dense backends
+    by name). The simulator's cost model decides with it, and so do the runner (at the kept fractions its
+    planner expects) and the attention benchmark's hybrid column (at the measured ones)."""
+    if mode not in (OURS, "dense_best", "hybrid"):
+        raise ValueError(f"attention backend mode {mode!r} is unknown; allowed: {OURS}, dense_best, hybrid")
+    n_groups = np.shape(times[OURS])
+    if mode == OURS:
+        return np.full(n_groups, OURS)
+    names = [name for name in times if mode == "hybrid" or name != OURS]
+    if not names:
+        raise ValueError(f"attention backend mode {mode}: no dense backend is priced")
+    fastest = np.argmin(np.array([np.broadcast_to(times[name], n_groups) for name in names]), axis=0)
+    return np.array(names)[fastest]
 
 
 def backends_problem(section) -> str | None:

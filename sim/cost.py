@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, fastest, grouped_dense, linear_ms
+from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, choose, grouped_dense, linear_ms
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.config import CostConfig, ModelConfig
 from sparsebalance.sim.core import ConfigError
@@ -209,6 +209,7 @@ class MicroBatchCost:
     cp_comm_ms: float
     tokens: int
     dense: bool = False  # its attention runs on a dense backend (cost.attention_backend): kept 1, coverage 1
+    backend: str = OURS  # the backend that runs its attention: ours or a dense backend's name (sim.backends.choose)
 
 
 @dataclass(frozen=True)
@@ -225,10 +226,15 @@ class MicroBatchCosts:
     cp_comm_ms: np.ndarray
     tokens: np.ndarray
     dense: np.ndarray  # bool per group: its attention runs on a dense backend (kept 1, coverage 1)
+    backend: np.ndarray  # str per group: the backend that runs its attention (ours or a dense backend's name)
 
     def __getitem__(self, group: int) -> MicroBatchCost:
-        values = {f.name: float(getattr(self, f.name)[group]) for f in fields(self)}
-        return MicroBatchCost(**values | {"tokens": int(self.tokens[group]), "dense": bool(self.dense[group])})
+        values = {f.name: float(getattr(self, f.name)[group]) for f in fields(self) if f.name not in NOT_TIMES}
+        return MicroBatchCost(**values, tokens=int(self.tokens[group]), dense=bool(self.dense[group]),
+                              backend=str(self.backend[group]))
+
+
+NOT_TIMES = ("tokens", "dense", "backend")  # the MicroBatchCosts fields that are no times
 
 
 # ----------------------------------------------------------------------------- models
@@ -310,14 +316,13 @@ class CostModel(ABC):
         comm_f, comm_b = self._cp_comm(tokens, layout)
         a_f, a_b = self._term("attn_fwd", attn), self._term("attn_bwd", attn)
         sel = self._term("select", select)
-        dense = np.full(n_groups, self.attention_backend != OURS)
+        backend = np.full(n_groups, OURS)
         if self.attention_backend != OURS:
-            options = self._dense_options(per_seq, group, n_groups, layout.cp)
-            if self.attention_backend == "hybrid":
-                options.insert(0, (a_f, a_b, sel))
-            choice = fastest(np.array([self._attention_ms(o, comm_f, comm_b) for o in options]))
-            a_f, a_b, sel = (np.choose(choice, [o[i] for o in options]) for i in range(3))
-            dense = choice > 0 if self.attention_backend == "hybrid" else dense
+            options = {OURS: (a_f, a_b, sel), **self._dense_options(per_seq, group, n_groups, layout.cp)}
+            backend = choose(self.attention_backend,
+                             {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()})
+            runs = [backend == name for name in options]
+            a_f, a_b, sel = (np.select(runs, [o[i] for o in options.values()]) for i in range(3))
         o_f, o_b = self._term("layer_fwd", layer), self._term("layer_bwd", layer)
         n_layers = self.model.layers / layout.pp
         recomputed = np.maximum(a_f, comm_f) + o_f if self.recompute else 0.0
@@ -331,21 +336,22 @@ class CostModel(ABC):
             other_bwd_ms=n_layers * o_b,
             cp_comm_ms=n_layers * (comm_f + comm_b),
             tokens=tokens.astype(np.int64),
-            dense=dense,
+            dense=backend != OURS,
+            backend=backend,
         )
 
     def dense_backends(self) -> tuple[str, ...]:
         """The dense backends this model prices (a profile's ``backends``), by name."""
         return tuple(sorted(self.dense_terms))
 
-    def _dense_options(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int) -> list[tuple]:
-        """(attn_fwd, attn_bwd, select) per layer of each micro-batch on every dense backend: all its causal
+    def _dense_options(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int) -> dict[str, tuple]:
+        """Per dense backend, by name, (attn_fwd, attn_bwd, select) per layer of each micro-batch: all its causal
         blocks, no selection."""
         feats = grouped_dense(per_seq, group, n_groups, _head_pair_flops(self.model, self.block_size), self.model.heads,
                               self.model.kv_heads, cp)
         zero = np.zeros(n_groups)
-        return [tuple(linear_ms(self.dense_terms[name][t], feats) for t in DENSE_TERMS) + (zero,)
-                for name in self.dense_backends()]
+        return {name: tuple(linear_ms(self.dense_terms[name][t], feats) for t in DENSE_TERMS) + (zero,)
+                for name in self.dense_backends()}
 
     def _attention_ms(self, option: tuple, comm_f: np.ndarray, comm_b: np.ndarray) -> np.ndarray:
         """What an option's attention adds to a micro-batch per layer: its forward behind the CP ring (again
@@ -365,9 +371,8 @@ class CostModel(ABC):
         select = summed_features({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n, layout.cp)
         comm_f, comm_b = self._cp_comm(attn["tokens"] * layout.cp, layout)
         ours = (self._term("attn_fwd", attn), self._term("attn_bwd", attn), self._term("select", select))
-        options = [ours, *self._dense_options(per_seq, group, n, layout.cp)]
-        return {name: self._attention_ms(o, comm_f, comm_b)
-                for name, o in zip((OURS, *self.dense_backends()), options)}
+        options = {OURS: ours, **self._dense_options(per_seq, group, n, layout.cp)}
+        return {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()}
 
     def _term(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
         """``term_ms`` on the features that term is priced on (PROFILE_FEATURES)."""

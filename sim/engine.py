@@ -262,5 +262,6 @@ class Engine:
             "tokens": np.repeat(mb_cost.tokens, pp),
             "kept_fraction": np.repeat(mean_kept, pp),
             "coverage": np.repeat(mean_cov, pp),
+            "attention_backend": np.repeat(mb_cost.backend, pp),
         }
         return cols

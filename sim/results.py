@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sparsebalance.sim.backends import OURS
 from sparsebalance.sim.core import ConfigError, json_text, temporary_dir
 
 FLOAT_FORMAT = "%.9g"  # fixed formatting: same values -> same bytes
@@ -36,6 +37,8 @@ class MicroBatchRecord:
     coverage: float
     # GB on this (rank, stage) while this micro-batch's backward runs (sim.memory); NaN where not modelled
     peak_memory_gb: float = math.nan
+    # the kernel that runs its attention: ours, or the dense backend cost.attention_backend picks (sim.backends)
+    attention_backend: str = OURS
 
 
 @dataclass(frozen=True)

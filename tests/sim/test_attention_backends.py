@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from pinned import BACKENDS_PROFILE, PINNED_PROFILE
+from sparsebalance.sim.backends import choose
 from sparsebalance.sim.breakeven import ALWAYS, NEVER, break_even, table
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.compare import default_lists
@@ -57,9 +58,11 @@ def test_dense_best_prices_every_micro_batch_dense_on_its_fastest_backend():
                                                * _head_pair_flops(cost.model, cost.block_size))
         by_backend = {name: [sum(c * feats[f] for f, c in t[term].items()) for term in ("attn_fwd", "attn_bwd")]
                       for name, t in ((n, e["terms"]) for n, e in terms.items())}
-        best = min(by_backend.values(), key=lambda fb: fb[0] * 2 + fb[1])  # recompute: the forward twice
+        name = min(by_backend, key=lambda n: by_backend[n][0] * 2 + by_backend[n][1])  # recompute: forward twice
+        best = by_backend[name]
         assert mb.attn_fwd_ms[i] == pytest.approx(layers * best[0])
         assert mb.attn_bwd_ms[i] == pytest.approx(layers * best[1])
+        assert mb.backend[i] == name and mb[i].backend == name
 
 
 def test_hybrid_takes_the_faster_of_ours_and_the_best_dense_per_micro_batch():
@@ -70,6 +73,33 @@ def test_hybrid_takes_the_faster_of_ours_and_the_best_dense_per_micro_batch():
     # both kinds occur on this batch: the fixture's dense backends beat ours dense, not ours at kept 0.1
     assert hybrid.dense.any() and not hybrid.dense.all()
     assert hybrid.dense[0] and not hybrid.dense[3]
+    # a dense micro-batch runs on the dense backend dense_best picks for it, the others on ours
+    np.testing.assert_array_equal(hybrid.backend, np.where(hybrid.dense, dense.backend, "ours"))
+    assert (ours.backend == "ours").all()
+
+
+def test_choose_takes_the_fastest_allowed_option_and_the_first_on_a_tie():
+    times = {"ours": np.array([1.0, 5.0, 2.0, 3.0]), "cudnn": np.array([2.0, 4.0, 2.0, 3.0]),
+             "fa4": np.array([3.0, 3.0, 2.0, 1.0])}
+    assert choose("ours", times).tolist() == ["ours"] * 4
+    assert choose("dense_best", times).tolist() == ["cudnn", "fa4", "cudnn", "fa4"]
+    assert choose("hybrid", times).tolist() == ["ours", "fa4", "ours", "fa4"]
+    with pytest.raises(ValueError, match="no dense backend is priced"):
+        choose("dense_best", {"ours": times["ours"]})
+    with pytest.raises(ValueError, match="'flash' is unknown; allowed: ours, dense_best, hybrid"):
+        choose("flash", times)
+
+
+@pytest.mark.parametrize("mode", ["ours", "dense_best", "hybrid"])
+def test_the_engine_records_which_backend_ran_each_micro_batch(mode):
+    small = ["steps=2", "workload.global_batch=8", f"cost.profile={BACKENDS_PROFILE}", f"cost.attention_backend={mode}"]
+    rows = simulate(compose_config(small)).results.micro_batches().query("tokens > 0")
+    ran = set(rows.attention_backend)
+    assert ran == {"ours"} if mode == "ours" else ran <= {"ours", "cudnn", "fa4"}
+    dense = rows[rows.attention_backend != "ours"]
+    assert len(dense) == 0 if mode == "ours" else (dense.kept_fraction == 1.0).all() and (dense.coverage == 1.0).all()
+    assert mode != "dense_best" or len(dense) == len(rows)
+    assert mode != "hybrid" or 0 < len(dense) < len(rows)
 
 
 COSTS = {mode: cost_for(mode) for mode in ("ours", "dense_best", "hybrid")}
