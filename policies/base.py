@@ -12,11 +12,13 @@ from typing import ClassVar
 import numpy as np
 
 from sparsebalance.policies.pipeline_fit import fitted
+from sparsebalance.policies.repack import repack
 from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.cost import CostModel
 from sparsebalance.sim.estimate import Belief
+from sparsebalance.sim.memory import MemoryModel
 from sparsebalance.sim.pipeline import pipeline_ms
-from sparsebalance.sim.plan import Assignment, Budget, Plan
+from sparsebalance.sim.plan import Budget, BudgetArrays, Plan
 from sparsebalance.sim.workload import Request
 
 
@@ -87,14 +89,17 @@ class PartitionPolicy(ABC):
 
     def plan(self, batch: list[Request], layout: Layout, cost: CostModel, step: int, belief: Belief) -> Plan:
         costs = self.costs(batch, layout, cost, belief)
-        assignments = []
+        index, rank_of, mb_of = [], [], []  # per plan row: its sequence in the batch, rank and micro-batch
         ranks = self.partition(costs, layout.dp)
         for rank, (members, count) in enumerate(zip(ranks, self.micro_batch_counts(batch, ranks, layout))):
             for mb, sub in enumerate(self.rank_partition(costs[members], count, layout)):
-                for i in sub:
-                    seq = batch[members[i]]
-                    assignments.append(Assignment(seq.id, seq.length, rank, mb))
-        plan = Plan(step=step, dp=layout.dp, micro_batches=layout.micro_batches, assignments=tuple(assignments))
+                index.extend(members[i] for i in sub)
+                rank_of.extend([rank] * len(sub))
+                mb_of.extend([mb] * len(sub))
+        ids, lengths = batch_arrays(batch)
+        index = np.array(index, dtype=np.int64)
+        plan = Plan(step, layout.dp, layout.micro_batches, ids[index], lengths[index], rank_of, mb_of,
+                    BudgetArrays.uniform(Budget(), index.size))
         return self.ordered(plan, costs, batch, layout, cost, belief)
 
     def ordered(self, plan: Plan, costs: np.ndarray, batch: list[Request], layout: Layout, cost: CostModel,
@@ -103,28 +108,27 @@ class PartitionPolicy(ABC):
         if order is PipelineOrder.packed or layout.pp == 1 or layout.micro_batches == 1:
             return plan
         if order is PipelineOrder.verl:
-            by_id = {s.id: c for s, c in zip(batch, costs.tolist())}
-            loads = np.zeros((layout.dp, layout.micro_batches))
-            for a in plan.assignments:
-                loads[a.dp_rank, a.micro_batch] += by_id[a.seq_id]
-            return reorder(plan, np.array([verl_order(row) for row in loads]))
-        ids, lengths = plan_ids_lengths(plan)
-        kept = self.expected_kept(ids, lengths, belief, cost)
+            by_id = dict(zip(batch_arrays(batch)[0].tolist(), costs.tolist()))
+            m = layout.micro_batches
+            loads = np.bincount(plan.dp_ranks * m + plan.micro_batch_ids,
+                                weights=[by_id[i] for i in plan.seq_ids.tolist()], minlength=layout.dp * m)
+            return reorder(plan, np.array([verl_order(row) for row in loads.reshape(layout.dp, m)]))
+        kept = self.expected_kept(plan.seq_ids, plan.lengths, belief, cost)
         plan = reorder(plan, self.searched_orders(plan, layout, cost, kept))
         if order is PipelineOrder.fit:
-            ids, lengths = plan_ids_lengths(plan)
-            plan = fitted(plan, layout, cost, self.expected_kept(ids, lengths, belief, cost))
+            plan = fitted(plan, layout, cost, self.expected_kept(plan.seq_ids, plan.lengths, belief, cost))
         return plan
+
+    def fit_memory(self, plan: Plan, memory: MemoryModel, cost: CostModel) -> Plan:
+        """The plan repaired to fit the memory (sim.memory.MemoryModel.fitted asks for it): ``repack``."""
+        return repack(plan, memory, cost)
 
     def searched_orders(self, plan: Plan, layout: Layout, cost: CostModel, kept: np.ndarray) -> np.ndarray:
         """Per rank the micro-batch order with the shortest 1F1B time at the expected kept fractions:
         every order up to MAX_ORDERED micro-batches (ties keep the packed order), else pairwise swaps from
         the better of the packed and the verl order."""
         dp, m = layout.dp, layout.micro_batches
-        rank = np.array([a.dp_rank for a in plan.assignments], dtype=np.int64)
-        mb = np.array([a.micro_batch for a in plan.assignments], dtype=np.int64)
-        lengths = np.array([a.length for a in plan.assignments], dtype=np.int64)
-        mb_costs = cost.micro_batch_costs(lengths, kept, rank * m + mb, dp * m, layout)
+        mb_costs = cost.micro_batch_costs(plan.lengths, kept, plan.dp_ranks * m + plan.micro_batch_ids, dp * m, layout)
         fwd, bwd = mb_costs.fwd_ms.reshape(dp, m), mb_costs.bwd_ms.reshape(dp, m)
         p2p = cost.hand_off_ms(mb_costs.tokens, layout).reshape(dp, m)
 
@@ -157,14 +161,6 @@ def batch_arrays(batch: list[Request]) -> tuple[np.ndarray, np.ndarray]:
     return ids, lengths
 
 
-def plan_ids_lengths(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-    """Ids and lengths of a plan's sequences, in plan order."""
-    n = len(plan.assignments)
-    ids = np.fromiter((a.seq_id for a in plan.assignments), dtype=np.int64, count=n)
-    lengths = np.fromiter((a.length for a in plan.assignments), dtype=np.int64, count=n)
-    return ids, lengths
-
-
 def verl_order(loads) -> list[int]:
     """Micro-batches heaviest first, then every other one reversed followed by the rest: the lightest at
     both ends of the pipeline and the heaviest in the middle, where the steady state hides it (verl)."""
@@ -175,18 +171,10 @@ def verl_order(loads) -> list[int]:
 def reorder(plan: Plan, orders: np.ndarray) -> Plan:
     """The plan with rank r running its packed micro-batch orders[r, j] at position j."""
     position = np.argsort(orders, axis=1)  # [rank, packed micro-batch] -> position
-    moved = [Assignment(a.seq_id, a.length, a.dp_rank, int(position[a.dp_rank, a.micro_batch]), a.budget)
-             for a in plan.assignments]
-    moved.sort(key=lambda a: (a.dp_rank, a.micro_batch))
-    return replace(plan, assignments=tuple(moved))
+    return plan.placed(plan.dp_ranks, position[plan.dp_ranks, plan.micro_batch_ids])
 
 
 def uniform_budget_plan(plan: Plan, budget: Budget) -> Plan:
     """The plan with one budget for every sequence (a no-op when it already has it)."""
-    if all(a.budget == budget for a in plan.assignments):
-        return plan
-    # Plan.with_budgets without the id map: `fixed` runs this for every sequence of every step.
-    return replace(plan, assignments=tuple(
-        Assignment(a.seq_id, a.length, a.dp_rank, a.micro_batch, budget)
-        for a in plan.assignments
-    ))
+    budgets = BudgetArrays.uniform(budget, len(plan))
+    return plan if plan.budgets == budgets else replace(plan, budgets=budgets)

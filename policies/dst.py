@@ -62,7 +62,7 @@ from sparsebalance.sim.config import FRACTION, bounded
 from sparsebalance.sim.estimate import Belief
 from sparsebalance.sim.pipeline import pipeline_ms
 from sparsebalance.sim.policy import register_sparsity
-from sparsebalance.sim.plan import Assignment, Budget, BudgetArrays, Plan
+from sparsebalance.sim.plan import Budget, BudgetArrays, Plan
 from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.cost import CostModel
 
@@ -130,9 +130,9 @@ class DynamicSparsityTuning:
 
 
 def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost: CostModel, belief: Belief) -> Plan:
-    if not plan.assignments:
+    if not len(plan):
         return plan
-    longest = max(a.length for a in plan.assignments)
+    longest = int(plan.lengths.max())
     budgets, start_level = level_budgets(params, cost.block_size, longest)
     table = LevelTable.build(plan, layout, cost, budgets, belief, CoverageWeight(params.coverage_weight),
                              params.quantile)
@@ -186,13 +186,8 @@ def budget_grid(params: DynamicSparsityTuning.Params) -> np.ndarray:
 
 
 def with_levels(plan: Plan, levels: np.ndarray, budgets: list[Budget]) -> Plan:
-    """The plan with budgets[levels[i]] for its i-th assignment (Plan.with_budgets without the id map:
-    this runs for every sequence of every step)."""
-    assignments = tuple(
-        Assignment(a.seq_id, a.length, a.dp_rank, a.micro_batch, budgets[k])
-        for a, k in zip(plan.assignments, levels.tolist())
-    )
-    return replace(plan, assignments=assignments)
+    """The plan with budgets[levels[i]] for its i-th sequence."""
+    return replace(plan, budgets=BudgetArrays.of(budgets).take(levels))
 
 
 @dataclass(frozen=True)
@@ -213,9 +208,8 @@ class LevelTable:
     @classmethod
     def build(cls, plan: Plan, layout: Layout, cost: CostModel, budgets: list[Budget], belief: Belief,
               weight: CoverageWeight = CoverageWeight.sequence, quantile: float = 0.5) -> LevelTable:
-        rank, mb, lengths, ids = (np.array(c, dtype=np.int64) for c in zip(
-            *((a.dp_rank, a.micro_batch, a.length, a.seq_id) for a in plan.assignments)))
-        samples = belief.at(ids)  # [S, n]
+        rank, mb, lengths = plan.dp_ranks, plan.micro_batch_ids, plan.lengths
+        samples = belief.at(plan.seq_ids)  # [S, n]
         dp, m, n, g, s = layout.dp, layout.micro_batches, lengths.size, len(budgets), samples.shape[0]
         cols = BudgetArrays.of(budgets)
         # One CostModel call for every (level, sample, micro-batch): the sequences repeated per level and sample.

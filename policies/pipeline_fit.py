@@ -20,7 +20,6 @@ Every accepted step strictly shortens a rank (step 1) or the slowest rank (step 
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import combinations
 
 import numpy as np
@@ -28,7 +27,7 @@ import numpy as np
 from sparsebalance.sim.pipeline import pipeline_ms
 from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.cost import CostModel
-from sparsebalance.sim.plan import Assignment, Plan
+from sparsebalance.sim.plan import Plan
 
 MAX_ROUNDS = 64  # of each of the two steps
 TOLERANCE = 1e-9  # relative: an improvement smaller than this is none
@@ -124,14 +123,9 @@ def swap_between_ranks(timer: RankTimer, rank: np.ndarray, mb: np.ndarray, dp: i
 
 def fitted(plan: Plan, layout: Layout, cost: CostModel, kept: np.ndarray) -> Plan:
     """The plan after steps 1 and 2; ``kept``: each assignment's expected kept fraction (plan order)."""
-    a = plan.assignments
-    rank = np.array([x.dp_rank for x in a], dtype=np.int64)
-    mb = np.array([x.micro_batch for x in a], dtype=np.int64)
-    timer = RankTimer(np.array([x.length for x in a], dtype=np.int64), np.asarray(kept, dtype=np.float64), layout, cost)
+    rank, mb = plan.dp_ranks.copy(), plan.micro_batch_ids.copy()
+    timer = RankTimer(plan.lengths, np.asarray(kept, dtype=np.float64), layout, cost)
     improve_ranks(timer, rank, mb, list(range(layout.dp)))
     if layout.dp > 1:
         swap_between_ranks(timer, rank, mb, layout.dp)
-    moved = [Assignment(x.seq_id, x.length, int(r), int(j), x.budget)
-             for x, r, j in zip(a, rank.tolist(), mb.tolist())]
-    moved.sort(key=lambda x: (x.dp_rank, x.micro_batch))
-    return replace(plan, assignments=tuple(moved))
+    return plan.placed(rank, mb)

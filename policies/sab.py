@@ -84,16 +84,16 @@ class SparsityAwareBatching(PartitionPolicy):
 
     def observe(self, observation: Observation) -> None:
         """Fold the budgets of the step that ran into the per-bucket EMA (of k, where they are top-k budgets)."""
-        plan = observation.plan
-        lengths = np.array([a.length for a in plan.assignments], dtype=np.int64)
-        budgets = [a.budget for a in plan.assignments]
-        self.top_k = any(b.top_k is not None for b in budgets)
+        budgets = observation.plan.budgets
+        top_k = np.flatnonzero(~np.isnan(budgets.top_k))
+        self.top_k = bool(top_k.size)
         if self.top_k:
-            self.p_floor = next((b.p_floor for b in budgets if b.top_k is not None), None)
-            value = np.array([b.top_k for b in budgets], dtype=np.float64)
+            p_floor = float(budgets.p_floor[top_k[0]])
+            self.p_floor = None if np.isnan(p_floor) else p_floor
+            value = budgets.top_k
         else:
-            value = np.array([b.p for b in budgets])
-        buckets = self.bucket(lengths)
+            value = budgets.p
+        buckets = self.bucket(observation.plan.lengths)
         for b in np.unique(buckets).tolist():
             mean = float(value[buckets == b].mean())
             old = self.expected_p.get(b)

@@ -152,9 +152,9 @@ def balance_bounds(cfg: DictConfig, plans: list[str], kept_per_step: list[np.nda
     slots = layout.dp * layout.micro_batches
     evens, bounds = [], []
     for text, kept in zip(plans, kept_per_step):
-        rank, micro_batch, length = (np.array(c, dtype=np.int64) for c in zip(
-            *((a.dp_rank, a.micro_batch, a.length) for a in Plan.from_json(text).assignments)))
-        group = rank * layout.micro_batches + micro_batch
+        plan = Plan.from_json(text)
+        length = plan.lengths
+        group = plan.dp_ranks * layout.micro_batches + plan.micro_batch_ids
         mb = cost.micro_batch_costs(length, kept, group, slots, layout)
         even = np.full((1, layout.micro_batches), 1.0 / slots)
         p2p = cost.hand_off_ms(mb.tokens, layout).sum() * even

@@ -49,16 +49,12 @@ class PlanArrays:
     @classmethod
     def from_plan(cls, plan: Plan, truth: Mapping[int, float]) -> PlanArrays:
         """``truth``: sequence id -> sensitivity (sim.workload.truth_of); every planned sequence needs one."""
-        a = plan.assignments
-        n = len(a)
-        missing = [x.seq_id for x in a if x.seq_id not in truth]
+        ids = plan.seq_ids.tolist()
+        missing = [i for i in ids if i not in truth]
         if missing:
             raise ValueError(f"no sensitivity for sequence {missing[0]} of the step {plan.step} plan")
-        return cls(np.fromiter((x.dp_rank for x in a), dtype=np.int64, count=n),
-                   np.fromiter((x.micro_batch for x in a), dtype=np.int64, count=n),
-                   np.fromiter((x.length for x in a), dtype=np.int64, count=n),
-                   np.fromiter((truth[x.seq_id] for x in a), dtype=np.float64, count=n),
-                   BudgetArrays.of(x.budget for x in a))
+        return cls(plan.dp_ranks, plan.micro_batch_ids, plan.lengths,
+                   np.fromiter((truth[i] for i in ids), dtype=np.float64, count=len(ids)), plan.budgets)
 
     def kept(self, cost: CostModel) -> np.ndarray:
         return self.budgets.kept(cost, self.length, self.sensitivity)
@@ -178,12 +174,9 @@ class Engine:
         same pipeline and gradient reduction as ``step``, in closed form (sim.pipeline)."""
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
-        s, n = kept.shape
-        rank = np.fromiter((a.dp_rank for a in plan.assignments), dtype=np.int64, count=n)
-        mb = np.fromiter((a.micro_batch for a in plan.assignments), dtype=np.int64, count=n)
-        lengths = np.fromiter((a.length for a in plan.assignments), dtype=np.int64, count=n)
-        group = (np.arange(s)[:, None] * dp * m + rank * m + mb).ravel()
-        costs = cost.micro_batch_costs(np.tile(lengths, s), kept.ravel(), group, s * dp * m, layout)
+        s = kept.shape[0]
+        group = (np.arange(s)[:, None] * dp * m + plan.dp_ranks * m + plan.micro_batch_ids).ravel()
+        costs = cost.micro_batch_costs(np.tile(plan.lengths, s), kept.ravel(), group, s * dp * m, layout)
         fwd, bwd = costs.fwd_ms.reshape(s, dp, m), costs.bwd_ms.reshape(s, dp, m)
         p2p = cost.hand_off_ms(costs.tokens[: dp * m], layout).reshape(dp, m)
         finish = stage_finish_ms(fwd, bwd, p2p, pp)  # [S, dp, pp]

@@ -128,7 +128,7 @@ class OnlineEstimator(PriorEstimator):
 
     def observe(self, observation: Observation) -> None:
         s = observed_sensitivity(observation.kept_fraction, observation.coverage)
-        lengths = np.array([a.length for a in observation.plan.assignments], dtype=np.int64)
+        lengths = observation.plan.lengths
         seen = ~np.isnan(s)
         logits = special.logit(s[seen])
         for b, x in zip(self.bucket(lengths[seen]).tolist(), logits.tolist()):

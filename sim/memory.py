@@ -33,7 +33,7 @@ measured profile (``memory.profile``, written by ``python -m calibrate.memory --
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,7 +41,7 @@ import numpy as np
 from sparsebalance.sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
 from sparsebalance.sim.core import ConfigError, read_checked_json
 from sparsebalance.sim.cost import BF16
-from sparsebalance.sim.plan import Assignment, BudgetArrays, Plan
+from sparsebalance.sim.plan import Plan
 from sparsebalance.sim.shapes import ModelShape, StageSpan
 
 if TYPE_CHECKING:
@@ -322,14 +322,18 @@ class MemoryModel:
 
     def fitted(self, plan: Plan, batching, cost: CostModel) -> Plan:
         """The batching policy's plan if it fits; else, under ``overflow=repair``, the policy's repair of it
-        (its ``fit_memory(plan, memory, cost)``, or ``repack``); an error when it still does not fit."""
+        (its ``fit_memory(plan, memory, cost)``; the built-in policies move sequences, policies.repack); an
+        error when it still does not fit or the policy has no repair."""
         if self.overflow is Overflow.allow:
             return plan
         over, who = self.overfull(self.plan_bytes(plan, cost)), repr(getattr(batching, "name", type(batching).__name__))
         if over is not None and self.overflow is Overflow.repair:
             repair = getattr(batching, "fit_memory", None)
-            plan = repair(plan, self, cost) if repair is not None else repack(plan, self, cost)
-            over, who = self.overfull(self.plan_bytes(plan, cost)), f"{who} after its repair"
+            if repair is None:
+                who = f"{who} (which has no fit_memory to repair it)"
+            else:
+                plan = repair(plan, self, cost)
+                over, who = self.overfull(self.plan_bytes(plan, cost)), f"{who} after its repair"
         if over is not None:
             self._reject(plan, over, who)
         return plan
@@ -377,81 +381,5 @@ class PlanRows:
 def plan_rows(plan: Plan, cost: CostModel) -> PlanRows:
     """A plan's rows at the most blocks its budgets can keep: a planner does not know how a sequence's
     attention spreads, and the kept fraction grows with the sensitivity s (p ** (1 / s)), so s = 1 bounds it."""
-    a = plan.assignments
-    n = len(a)
-    rank = np.fromiter((x.dp_rank for x in a), dtype=np.int64, count=n)
-    mb = np.fromiter((x.micro_batch for x in a), dtype=np.int64, count=n)
-    length = np.fromiter((x.length for x in a), dtype=np.int64, count=n)
-    budgets = BudgetArrays.of(x.budget for x in a)
-    return PlanRows(rank, mb, length, budgets.kept(cost, length, np.ones(n)), budgets.fixes_blocks)
-
-
-MAX_TARGET_RANKS = 8  # a cross-rank move tries the ranks with the lowest peaks only
-
-
-def repack(plan: Plan, memory: MemoryModel, cost: CostModel) -> Plan:
-    """Move sequences off the most overfull rank until every rank fits or no move helps.
-
-    A rank's overflow is the sum, over its micro-batches and stages, of the bytes above the available ones.
-    Each move takes one sequence of the worst rank to another micro-batch, the one that lowers the two
-    ranks' overflow most (ties: the lower peak, then the first candidate in (longest sequence, rank,
-    micro-batch) order, so repairs are deterministic): first inside the rank, which leaves the DP split and
-    so the balance of the ranks' work untouched, and only when no such move helps to another rank (the
-    MAX_TARGET_RANKS with the lowest peaks). Every move lowers the total overflow, so the search ends."""
-    rows = plan_rows(plan, cost)
-    rank, mb = rows.rank.copy(), rows.micro_batch.copy()
-    state = [_rank_state(memory, rows, np.flatnonzero(rank == r), mb) for r in range(memory.layout.dp)]
-    for _ in range(4 * len(plan.assignments)):
-        worst = max(range(len(state)), key=lambda r: state[r][0])
-        if state[worst][0] <= 0:
-            break
-        move = _best_move(memory, rows, rank, mb, state, worst, inside=True) or \
-            _best_move(memory, rows, rank, mb, state, worst, inside=False)
-        if move is None:
-            break
-        i, target, j, new_worst, new_target = move
-        rank[i], mb[i] = target, j
-        state[worst], state[target] = new_worst, new_target
-    return _moved(plan, rank, mb)
-
-
-def _rank_state(memory: MemoryModel, rows: PlanRows, members: np.ndarray, mb: np.ndarray) -> tuple[float, float]:
-    """(overflow bytes, peak bytes) of one rank holding the sequences ``members`` at micro-batches ``mb``."""
-    m, pp = memory.layout.micro_batches, memory.layout.pp
-    held, transient = memory.micro_batch_bytes(rows.length[members], rows.kept[members], mb[members], m,
-                                               rows.topk[members])
-    nbytes = memory.stage_bytes(held.reshape(1, m, pp), transient.reshape(1, m, pp))
-    return float(np.maximum(nbytes - memory.available_bytes, 0.0).sum()), float(nbytes.max())
-
-
-def _best_move(memory, rows, rank, mb, state, worst: int, inside: bool):
-    """(sequence, target rank, target micro-batch, new worst-rank state, new target state) or None."""
-    mine = np.flatnonzero(rank == worst)
-    by_peak = sorted((r for r in range(len(state)) if r != worst), key=lambda r: state[r][1])
-    best, best_key = None, None
-    for i in mine[np.argsort(-rows.length[mine], kind="stable")].tolist():
-        for target in [worst] if inside else by_peak[:MAX_TARGET_RANKS]:
-            now = (state[worst][0] + (state[target][0] if target != worst else 0.0),
-                   max(state[worst][1], state[target][1]))
-            for j in range(memory.layout.micro_batches):
-                if target == worst and j == mb[i]:
-                    continue
-                trial = mb.copy()
-                trial[i] = j
-                if inside:
-                    new_worst = new_target = _rank_state(memory, rows, mine, trial)
-                    key = new_worst
-                else:
-                    new_worst = _rank_state(memory, rows, mine[mine != i], trial)
-                    new_target = _rank_state(memory, rows, np.append(np.flatnonzero(rank == target), i), trial)
-                    key = (new_worst[0] + new_target[0], max(new_worst[1], new_target[1]))
-                if key < now and (best_key is None or key < best_key):
-                    best, best_key = (i, target, j, new_worst, new_target), key
-    return best
-
-
-def _moved(plan: Plan, rank: np.ndarray, mb: np.ndarray) -> Plan:
-    moved = [Assignment(a.seq_id, a.length, int(r), int(j), a.budget)
-             for a, r, j in zip(plan.assignments, rank.tolist(), mb.tolist())]
-    moved.sort(key=lambda a: (a.dp_rank, a.micro_batch))  # stable: a micro-batch keeps its order
-    return replace(plan, assignments=tuple(moved))
+    return PlanRows(plan.dp_ranks, plan.micro_batch_ids, plan.lengths,
+                    plan.budgets.kept(cost, plan.lengths, np.ones(len(plan))), plan.budgets.fixes_blocks)

@@ -1,12 +1,13 @@
 """The Plan: what the simulator and the runner both consume for one global batch.
 
-Plain data, no tensors; serialised with sorted keys and fixed float formatting so that
+Plain data (numpy columns, no tensors); serialised with sorted keys and fixed float formatting so that
 the same inputs and seed give the same bytes (the runner test compares Plans byte for byte).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -49,14 +50,21 @@ class Budget:
                              "beside top_k")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BudgetArrays:
-    """Budgets as columns, NaN where a field is unset (what CostModel.kept_fractions takes)."""
+    """Budgets as columns, NaN where a field is unset (what CostModel.kept_fractions takes). The columns are
+    read-only float64 copies, so a Plan that holds them stays as it was built."""
 
     p: np.ndarray
     kept_fraction: np.ndarray
     top_k: np.ndarray
     p_floor: np.ndarray
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            column = np.array(getattr(self, f.name), dtype=np.float64)
+            column.setflags(write=False)
+            object.__setattr__(self, f.name, column)
 
     @classmethod
     def of(cls, budgets) -> BudgetArrays:
@@ -64,6 +72,45 @@ class BudgetArrays:
                           np.nan if b.top_k is None else b.top_k, np.nan if b.p_floor is None else b.p_floor)
                          for b in budgets], dtype=np.float64).reshape(-1, 4)
         return cls(*rows.T)
+
+    @classmethod
+    def uniform(cls, budget: Budget, n: int) -> BudgetArrays:
+        """``n`` rows of one budget."""
+        return cls.of([budget]).take(np.zeros(n, dtype=np.int64))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BudgetArrays):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, f.name), getattr(other, f.name), equal_nan=True)
+                   for f in fields(self))
+
+    def __len__(self) -> int:
+        return self.p.size
+
+    def take(self, index) -> BudgetArrays:
+        """The rows at ``index`` (an index array: reordered, repeated or a subset)."""
+        return BudgetArrays(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    def put(self, index, rows: BudgetArrays) -> BudgetArrays:
+        """A copy with the rows at ``index`` replaced by ``rows``."""
+        columns = [getattr(self, f.name).copy() for f in fields(self)]
+        for column, f in zip(columns, fields(self)):
+            column[index] = getattr(rows, f.name)
+        return BudgetArrays(*columns)
+
+    def budgets(self) -> list[Budget]:
+        """One Budget per row (rows alike share one object)."""
+        top_k = [None if k != k else int(k) for k in self.top_k.tolist()]  # k != k: NaN, unset
+        kept, p_floor = ([None if x != x else x for x in column.tolist()] for column in (self.kept_fraction,
+                                                                                         self.p_floor))
+        made: dict[tuple, Budget] = {}
+        out = []
+        for row in zip(self.p.tolist(), kept, top_k, p_floor):
+            budget = made.get(row)
+            if budget is None:
+                budget = made[row] = Budget(*row)
+            out.append(budget)
+        return out
 
     @property
     def fixes_blocks(self) -> np.ndarray:
@@ -76,9 +123,10 @@ class BudgetArrays:
         return cost.kept_fractions(lengths, sensitivities, self.p, self.kept_fraction, self.top_k, self.p_floor)
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Assignment:
-    """One sequence placed on (dp_rank, micro_batch) with its budget (every CP shard of it runs under it).
+    """One sequence placed on (dp_rank, micro_batch) with its budget (every CP shard of it runs under it): one
+    row of a Plan.
 
     A Plan holds what a trainer knows before the step: ids, lengths, placement and budgets; never how a
     sequence's attention will spread (its sensitivity, the data's truth)."""
@@ -89,65 +137,113 @@ class Assignment:
     micro_batch: int
     budget: Budget = Budget()
 
-    def __init__(self, seq_id: int, length: int, dp_rank: int, micro_batch: int, budget: Budget = Budget()) -> None:
-        # Written out instead of generated: a frozen dataclass's __init__ stores every field through
-        # object.__setattr__, and every step builds two Assignments per sequence (batching, then the
-        # budgets). Storing through the slot descriptors is ~40% cheaper and the class stays frozen.
-        seq_id_, length_, dp_rank_, micro_batch_, budget_ = _ASSIGNMENT_SLOTS
-        seq_id_(self, seq_id)
-        length_(self, length)
-        dp_rank_(self, dp_rank)
-        micro_batch_(self, micro_batch)
-        budget_(self, budget)
 
-
-# The slot descriptors' setters in field order (the test suite checks that __init__ takes exactly these fields).
-_ASSIGNMENT_SLOTS = tuple(Assignment.__dict__[f.name].__set__ for f in fields(Assignment))
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """Assignment of one global batch: sequence -> (dp_rank, micro_batch) and a budget each."""
+    """Assignment of one global batch: sequence -> (dp_rank, micro_batch) and a budget each, as columns in plan
+    order (one row per sequence, listed by (rank, micro-batch); inside a micro-batch, in execution order).
+
+    The columns are read-only int64 copies (``budgets``: float64, NaN where a field is unset); ``assignments``
+    gives the same rows as Assignment objects, for code that iterates them."""
 
     step: int
     dp: int
     micro_batches: int
-    assignments: tuple[Assignment, ...]
+    seq_ids: np.ndarray
+    lengths: np.ndarray
+    dp_ranks: np.ndarray
+    micro_batch_ids: np.ndarray
+    budgets: BudgetArrays
+
+    def __post_init__(self) -> None:
+        for name in COLUMNS:
+            column = np.array(getattr(self, name), dtype=np.int64).reshape(-1)
+            column.setflags(write=False)
+            object.__setattr__(self, name, column)
+        sizes = {getattr(self, name).size for name in COLUMNS} | {len(self.budgets)}
+        if len(sizes) > 1:
+            raise ValueError(f"plan columns of different sizes {sorted(sizes)}: "
+                             f"{', '.join(COLUMNS)} and budgets need one row per sequence")
+
+    @classmethod
+    def of(cls, step: int, dp: int, micro_batches: int, assignments) -> Plan:
+        """A Plan from its Assignments, in plan order."""
+        rows = tuple(assignments)
+        n = len(rows)
+        return cls(step, dp, micro_batches,
+                   np.fromiter((a.seq_id for a in rows), dtype=np.int64, count=n),
+                   np.fromiter((a.length for a in rows), dtype=np.int64, count=n),
+                   np.fromiter((a.dp_rank for a in rows), dtype=np.int64, count=n),
+                   np.fromiter((a.micro_batch for a in rows), dtype=np.int64, count=n),
+                   BudgetArrays.of(a.budget for a in rows))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return ((self.step, self.dp, self.micro_batches) == (other.step, other.dp, other.micro_batches)
+                and all(np.array_equal(getattr(self, name), getattr(other, name)) for name in COLUMNS)
+                and self.budgets == other.budgets)
+
+    def __len__(self) -> int:
+        return self.seq_ids.size
+
+    @cached_property
+    def assignments(self) -> tuple[Assignment, ...]:
+        """The rows as Assignments, in plan order (built once, on first use)."""
+        return tuple(map(Assignment, self.seq_ids.tolist(), self.lengths.tolist(), self.dp_ranks.tolist(),
+                         self.micro_batch_ids.tolist(), self.budgets.budgets()))
 
     def micro_batch(self, dp_rank: int, micro_batch: int) -> tuple[Assignment, ...]:
         """Assignments of one (rank, micro-batch), in plan order."""
-        return tuple(
-            a for a in self.assignments if a.dp_rank == dp_rank and a.micro_batch == micro_batch
-        )
+        rows = self.assignments
+        return tuple(rows[i] for i in np.flatnonzero((self.dp_ranks == dp_rank)
+                                                      & (self.micro_batch_ids == micro_batch)).tolist())
 
     def with_budgets(self, budgets: dict[int, Budget]) -> Plan:
         """A copy with the budgets of the given sequence ids replaced."""
-        # Direct construction: dataclasses.replace is ~8x slower and this runs for every sequence of every step.
-        return replace(
-            self,
-            assignments=tuple(
-                Assignment(a.seq_id, a.length, a.dp_rank, a.micro_batch,
-                           budgets.get(a.seq_id, a.budget))
-                for a in self.assignments
-            ),
-        )
+        ids = self.seq_ids.tolist()
+        rows = [i for i, seq_id in enumerate(ids) if seq_id in budgets]
+        return replace(self, budgets=self.budgets.put(rows, BudgetArrays.of(budgets[ids[i]] for i in rows)))
+
+    def placed(self, dp_ranks: np.ndarray, micro_batch_ids: np.ndarray) -> Plan:
+        """The plan with its i-th sequence on (dp_ranks[i], micro_batch_ids[i]), listed by (rank, micro-batch);
+        sequences that share a micro-batch keep their order (a stable sort)."""
+        dp_ranks = np.asarray(dp_ranks, dtype=np.int64)
+        micro_batch_ids = np.asarray(micro_batch_ids, dtype=np.int64)
+        order = np.lexsort((micro_batch_ids, dp_ranks))
+        return Plan(self.step, self.dp, self.micro_batches, self.seq_ids[order], self.lengths[order],
+                    dp_ranks[order], micro_batch_ids[order], self.budgets.take(order))
 
     def to_json(self) -> str:
-        raw = asdict(self)
-        for a in raw["assignments"]:  # unset budget fields stay out, so top-p plans read as before
-            a["budget"] = {k: v for k, v in a["budget"].items() if v is not None or k == "kept_fraction"}
+        """Sorted keys, no spaces; unset budget fields stay out (except ``kept_fraction``, null), so top-p plans
+        read as before."""
+        rows = [{"budget": budget, "dp_rank": rank, "length": length, "micro_batch": mb, "seq_id": seq_id}
+                for seq_id, length, rank, mb, budget in zip(
+                    self.seq_ids.tolist(), self.lengths.tolist(), self.dp_ranks.tolist(),
+                    self.micro_batch_ids.tolist(), _budget_objects(self.budgets))]
+        raw = {"assignments": rows, "dp": self.dp, "micro_batches": self.micro_batches, "step": self.step}
         return json.dumps(raw, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         raw = json.loads(text)
         assignments = tuple(_assignment_from_json(a) for a in raw["assignments"])
-        return cls(
-            step=raw["step"],
-            dp=raw["dp"],
-            micro_batches=raw["micro_batches"],
-            assignments=assignments,
-        )
+        return cls.of(raw["step"], raw["dp"], raw["micro_batches"], assignments)
+
+
+COLUMNS = ("seq_ids", "lengths", "dp_ranks", "micro_batch_ids")  # Plan's int64 columns
+
+
+def _budget_objects(budgets: BudgetArrays) -> list[dict]:
+    """Each row's budget as its JSON object (rows alike share one)."""
+    made: dict[Budget, dict] = {}
+    out = []
+    for budget in budgets.budgets():
+        raw = made.get(budget)
+        if raw is None:
+            raw = made[budget] = {k: v for k, v in asdict(budget).items() if v is not None or k == "kept_fraction"}
+        out.append(raw)
+    return out
 
 
 def _assignment_from_json(a: dict) -> Assignment:

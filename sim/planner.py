@@ -25,7 +25,7 @@ from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.cost import CostModel
 from sparsebalance.sim.estimate import Belief, Estimator, Observation
 from sparsebalance.sim.memory import MemoryModel
-from sparsebalance.sim.plan import BudgetArrays, Plan
+from sparsebalance.sim.plan import Plan
 from sparsebalance.sim.workload import Request
 
 
@@ -68,9 +68,7 @@ class Planner:
 
     def predict(self, plan: Plan, belief: Belief) -> float:
         """The step time the belief expects of a plan: the mean, over its samples, of the engine's step."""
-        lengths = np.array([a.length for a in plan.assignments], dtype=np.int64)
-        samples = belief.at([a.seq_id for a in plan.assignments])
-        kept = BudgetArrays.of(a.budget for a in plan.assignments).kept(self.cost, lengths[None], samples)
+        kept = plan.budgets.kept(self.cost, plan.lengths[None], belief.at(plan.seq_ids))
         return self.timer.expected_step_ms(plan, kept)
 
     def observe(self, plan: Plan, kept_fraction, coverage, step_ms: float, micro_batch_ms=None) -> None:

@@ -220,6 +220,6 @@ def test_the_replay_runs_top_k_and_records_what_ran():
     staged = StagedModel(shape, 2, 0, torch.device("cpu"), "kernel", BLOCK, recompute=True)
     kept, _ = staged.run(packed(budgets, lengths), Untimed(), ("topk", 0, 0, 0))
     np.testing.assert_allclose(kept, topk_kept_fraction(lengths, [1, 3, 2], BLOCK), rtol=1e-6)
-    plan = Plan(0, 1, 1, assignments(budgets, lengths))
+    plan = Plan.of(0, 1, 1, assignments(budgets, lengths))
     ran = kernel_budgets(plan, Measured(np.zeros((1, 1, 2)), np.zeros((1, 1, 2)), dict(enumerate(kept.tolist())), {}))
     assert [a.budget for a in ran.assignments] == [Budget(kept_fraction=k) for k in kept.tolist()]

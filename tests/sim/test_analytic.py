@@ -59,7 +59,7 @@ def hand_allreduce_ms(cfg, n):
 
 
 def two_rank_plan(lengths):
-    return Plan(0, 2, 1, tuple(Assignment(i, n, i, 0) for i, n in enumerate(lengths)))
+    return Plan.of(0, 2, 1, [Assignment(i, n, i, 0) for i, n in enumerate(lengths)])
 
 
 def half(plan):

@@ -118,7 +118,7 @@ def test_the_online_estimator_moves_from_the_prior_to_what_it_observed():
     lengths = np.full(4000, 8192)  # enough that the prior, worth 4 observations, no longer shows
     s = 1 / (1 + np.exp(-(truth_mean + truth_std * rng.standard_normal(lengths.size))))
     kept = np.full(lengths.size, 0.3)
-    plan = Plan(0, 1, 1, tuple(Assignment(i, 8192, 0, 0) for i in range(lengths.size)))
+    plan = Plan.of(0, 1, 1, [Assignment(i, 8192, 0, 0) for i in range(lengths.size)])
     estimator.observe(Observation(plan, kept, kept ** s, 1.0))
     mean, std = estimator.moments(np.array([8192, 1 << 20]))
     assert mean[0] == pytest.approx(truth_mean, abs=0.02) and std[0] == pytest.approx(truth_std, abs=0.02)
@@ -133,7 +133,7 @@ def test_the_oracle_needs_the_truth_that_only_the_simulator_has():
 
 
 def test_a_plan_carries_no_sensitivity_and_top_k_budgets_survive_json():
-    plan = Plan(3, 1, 1, (Assignment(1, 4096, 0, 0, Budget(top_k=32, p_floor=0.8)), Assignment(2, 512, 0, 0)))
+    plan = Plan.of(3, 1, 1, (Assignment(1, 4096, 0, 0, Budget(top_k=32, p_floor=0.8)), Assignment(2, 512, 0, 0)))
     text = plan.to_json()
     assert "sensitivity" not in text and "top_k" in text
     assert Plan.from_json(text) == plan

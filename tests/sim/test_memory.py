@@ -16,8 +16,9 @@ from pinned import PINNED_OVERRIDES, pinned
 from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes, compose_config
 from sparsebalance.sim.core import ConfigError
+from sparsebalance.policies.repack import repack
 from sparsebalance.sim.memory import (GB, MemoryLimitError, MemoryModel, first_principles_terms, load_profile_terms,
-                                      repack, static_bytes)
+                                      static_bytes)
 from sparsebalance.sim.plan import Assignment, Plan
 from sparsebalance.sim.policy import make_batching, make_sparsity
 from sparsebalance.sim.run import simulate, summary_table
@@ -115,7 +116,7 @@ def test_peak_is_reported_in_steps_rows_and_summary():
 def over_plan() -> Plan:
     """DP rank 0 of 2: one micro-batch of four 8K sequences, one empty; pp = 1, so one micro-batch in flight."""
     a = [Assignment(i, 8192, 0, 0) for i in range(4)] + [Assignment(4 + i, 1024, 1, i % 2) for i in range(2)]
-    return Plan(step=0, dp=2, micro_batches=2, assignments=tuple(a))
+    return Plan.of(step=0, dp=2, micro_batches=2, assignments=a)
 
 
 def qwen_memory(overflow: Overflow, fits: list[int], too_much: list[int]) -> tuple[MemoryModel, object]:
@@ -137,7 +138,7 @@ def test_overfull_plan_is_repaired_inside_its_rank():
     memory, cost = qwen_memory(Overflow.repair, [8192] * 2, [8192] * 3)
     plan = over_plan()
     assert memory.overfull(memory.plan_bytes(plan, cost)) is not None
-    fixed = memory.fitted(plan, object(), cost)
+    fixed = memory.fitted(plan, make_batching("sequential", {}), cost)  # its repair: policies.repack
     assert memory.overfull(memory.plan_bytes(fixed, cost)) is None
     assert sorted(a.seq_id for a in fixed.assignments) == list(range(6))
     # the DP split is untouched: the repair moved sequences between rank 0's micro-batches only
@@ -156,6 +157,13 @@ def test_a_policy_may_repair_its_own_plan():
             return repack(plan, memory_model, cost_model)
 
     assert memory.overfull(memory.plan_bytes(memory.fitted(over_plan(), Splitter(), cost), cost)) is None
+
+
+def test_a_policy_without_a_repair_is_rejected_under_repair():
+    memory, cost = qwen_memory(Overflow.repair, [8192] * 2, [8192] * 3)
+    with pytest.raises(MemoryLimitError, match=r"^step 0: the plan of 'plain' \(which has no fit_memory to repair "
+                                               r"it\) needs .* on DP rank 0, pipeline stage 0 "):
+        memory.fitted(over_plan(), type("P", (), {"name": "plain"})(), cost)
 
 
 def test_overfull_plan_is_rejected_in_one_line():
@@ -206,7 +214,7 @@ def test_sequence_that_fits_under_no_plan_is_named():
 
 def run_cli(*args, cwd):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "-m", "sim.run", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", *args], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=120)
 
 
