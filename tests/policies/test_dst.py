@@ -17,7 +17,7 @@ from sparsebalance.sim.engine import Engine, run_pipeline
 from sparsebalance.sim.pipeline import pipeline_ms
 from sparsebalance.sim.workload import Sequence, requests
 from oracle import oracle
-from pinned import pinned
+from pinned import BACKENDS_PROFILE, pinned
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +201,37 @@ def test_same_plan_same_budgets(world):
     plan, belief = plan_for(rng.integers(1024, 32768, 16), rng.uniform(0.05, 1, 16), layout, cost)
     first = make_sparsity("dst", {}).tune(plan, layout, cost, belief).to_json()
     assert make_sparsity("dst", {}).tune(plan, layout, cost, belief).to_json() == first
+
+
+def test_under_hybrid_dst_plans_dense_where_sparsity_buys_no_time():
+    """Under cost.attention_backend=hybrid a level's price is the faster of ours at its budget and the fastest dense
+    backend, with every block kept where that is the dense one: the p = 1 level runs at the dense backend's rate,
+    and a micro-batch that no budget makes faster on ours (rank 1's short sequences) is dense at every level, so
+    DST plans it dense, all its attention covered."""
+    costs = {}
+    for mode in ("ours", "dense_best", "hybrid"):
+        cfg = compose_config([f"cost.profile={BACKENDS_PROFILE}", f"cost.attention_backend={mode}", "cluster.nodes=2"])
+        cluster = Cluster.from_config(cfg.cluster)
+        costs[mode] = make_cost(cfg.cost, cfg.model, cluster, recompute=False)
+    layout = Layout(dp=2, micro_batches=2)
+    # rank 0: [32768], [16384, 1024]; rank 1: [1024], [2048, 1024]
+    plan, belief = plan_for([32768, 16384, 1024, 1024, 2048, 1024], [0.3, 0.3, 0.5, 0.5, 0.5, 0.5], layout,
+                            costs["ours"])
+    budgets, _ = level_budgets(make_sparsity("dst", {}).params, costs["hybrid"].block_size)
+    assert budgets[-1] == Budget(p=1.0)
+    tables = {mode: LevelTable.build(plan, layout, cost, budgets, belief) for mode, cost in costs.items()}
+    times = {mode: t.fwd + t.bwd for mode, t in tables.items()}  # [levels, samples, dp, m]
+    np.testing.assert_allclose(times["hybrid"], np.minimum(times["ours"], times["dense_best"]), rtol=1e-12)
+    np.testing.assert_allclose(times["hybrid"][-1], times["dense_best"][-1], rtol=1e-12)  # p = 1: the dense rate
+    np.testing.assert_allclose(times["hybrid"][:, :, 1], times["dense_best"][:, :, 1], rtol=1e-12)
+    assert (times["ours"][:-1, :, 1] > times["dense_best"][:-1, :, 1]).all()  # ours at any budget is slower there
+    np.testing.assert_allclose(tables["hybrid"].coverage[:, 1], tables["dense_best"].coverage[:, 1], rtol=1e-12)
+    assert (tables["hybrid"].coverage[0, 1] > tables["ours"].coverage[0, 1]).all()  # every block kept
+    tuned = make_sparsity("dst", {}).tune(plan, layout, costs["hybrid"], belief)
+    truth = dict(zip(belief.ids.tolist(), belief.samples[0].tolist()))
+    step = Engine(layout, costs["hybrid"], cluster).step(tuned, truth)
+    short = step.rows["dp_rank"] == 1
+    assert (step.rows["attention_backend"][short] == "fa4").all()
+    assert (step.rows["coverage"][short] == 1.0).all()
+    fixed = Engine(layout, costs["hybrid"], cluster).step(uniform_budget_plan(plan, Budget(p=0.9)), truth)
+    assert step.record.step_ms <= fixed.record.step_ms
