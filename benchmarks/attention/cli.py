@@ -11,7 +11,7 @@ from sparsebalance.sim.core import ArgumentParser, number_list, one_line_errors
 from .breakdown import kernel_breakdown
 from .check import check
 from .common import FLEX_MODES, log
-from .fair import FAIR_HEADS, FAIR_IMPLS, run_fair
+from .fair import FAIR_HEADS, FAIR_IMPLS, hybrid_costs, run_fair
 from .flex_variants import flex_variants
 from .grid import run_bench, selection_cost
 from .quick import quick
@@ -51,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                        "GQA 0,0.5,0.9); 0, where the dense backends are timed, always runs")
     ap.add_argument("--fair-impls", type=number_list(str, lambda x: x in FAIR_IMPLS, ", ".join(FAIR_IMPLS)),
                     default=",".join(FAIR_IMPLS), help="--fair's implementations (ours always runs)")
+    ap.add_argument("--profile", default=None,
+                    help="--fair: also time 'hybrid' at every sparsity, ours or the dense backend, whichever this cost "
+                         "profile (one with a 'backends' section, e.g. calibrate/profiles/h100.json) prices faster "
+                         "for the batch at ours' kept fractions: cost.attention_backend=hybrid's choice")
     ap.add_argument("--quick", action="store_true", help="short follow-up check + a few of our grid points")
     ap.add_argument("--short-vs-long", action="store_true", help="short- vs long-row configs, MHA and GQA")
     ap.add_argument("--kernels", action="store_true",
@@ -93,6 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not os.path.isfile(args.table):
             ap.error(f"--table {args.table!r}: no such file (a grid CSV of this benchmark)")
         return args
+    if args.profile is not None and not args.fair:
+        ap.error(f"--profile {args.profile!r} prices --fair's hybrid row; allowed: with --fair")
+    # checked before the GPU: a profile this benchmark cannot price the hybrid row with is one line anywhere
+    args.hybrid = hybrid_costs(args.profile) if args.profile is not None else None
     if not torch.cuda.is_available():
         ap.error("no CUDA GPU here: this benchmark times the kernels, FlexAttention and cuDNN on one (the CPU "
                  "correctness tests are `python -m pytest tests/kernels`)")

@@ -7,6 +7,10 @@ the block size with Flex handed exactly our kept blocks (BlockMask.from_kv_block
 unaligned documents each padded to a whole number of blocks (what a Flex user does, a few % more tokens).
 The dense kernels a user runs instead (``kernels.backends``: cuDNN, FlashAttention-4 and -3 where installed) are
 timed at sparsity 0 on the unaligned batch: their work does not depend on the sparsity.
+
+With ``--profile`` (a cost profile that prices dense backends) every sparsity also times ``hybrid``: ours or the
+dense backend, whichever the profile prices faster for this batch at ours' kept fractions (``backend`` names
+it): the choice ``cost.attention_backend=hybrid`` makes in the simulator and the runner (sim.backends.choose).
 """
 from __future__ import annotations
 
@@ -15,9 +19,13 @@ import dataclasses
 import json
 import time
 
+import numpy as np
 import torch
 
 from sparsebalance.kernels.backends import load, load_all
+from sparsebalance.sim.backends import OURS
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.core import ConfigError
 from sparsebalance.kernels.sparse_attention import VarlenBatch, select_blocks
 from .common import (B, D, compiled_flex, csv_emitter, cu_from_lens, flex_pair, heads_first, interleaved_ms,
                      kept_fwd_flops, log, long_tail_lengths, make_qkv, sparse_pair, timed_row, weighted_kept_fraction)
@@ -27,7 +35,7 @@ from .masks import exact_block_mask, flex_block_mask_packed
 FAIR_HEADS = {"mha": (16, 16), "gqa": (32, 4)}
 FAIR_SPARSITIES = {"mha": (0.0, 0.75, 0.9, 0.95), "gqa": (0.0, 0.5, 0.9)}
 FAIR_FIELDS = ["case", "heads", "T", "ndocs", "padded_T", "sparsity", "kept_fraction", "impl", "fwd_ms", "fwdbwd_ms",
-               "fwd_tflops", "fwdbwd_tflops", "error"]
+               "fwd_tflops", "fwdbwd_tflops", "error", "backend"]
 # (peer, ours) rows of each construction: ours on the batch the construction starts from
 # each dense backend's rows (kernels.backends name -> impl)
 DENSE_IMPLS = {"cudnn": "cudnn_per_document_dense", "fa4": "fa4_varlen_dense", "fa3": "fa3_varlen_dense"}
@@ -69,6 +77,45 @@ def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
         p[pos] = x.detach()
         out.append(p)
     return heads_first(*out)
+
+
+def hybrid_costs(profile: str) -> dict:
+    """Per head configuration, the cost model that prices the fair batch's attention under
+    ``cost.attention_backend=hybrid``: ``profile``'s terms at that configuration's heads and head dim (the model's
+    other sizes do not enter attention). One ConfigError line for a profile that prices no dense backend, one
+    that this benchmark does not time, or another block size than the batch's."""
+    from omegaconf import OmegaConf
+
+    from sparsebalance.sim.config import compose_config
+    from sparsebalance.sim.cost import make_cost
+
+    costs = {}
+    for heads, (hq, hkv) in FAIR_HEADS.items():
+        cfg = OmegaConf.to_object(compose_config([f"cost.profile={profile}", "cost.attention_backend=hybrid",
+                                                  f"model.heads={hq}", f"model.kv_heads={hkv}", f"model.head_dim={D}",
+                                                  f"model.hidden={hq * D}"]))
+        try:
+            costs[heads] = make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster), recompute=False)
+        except ConfigError as exc:
+            raise ConfigError(f"--profile {profile}: {exc}") from None
+    cost = costs[next(iter(FAIR_HEADS))]
+    untimed = [name for name in cost.dense_backends() if name not in DENSE_IMPLS]
+    if untimed:
+        raise ConfigError(f"--profile {profile}: it prices the dense backend {untimed[0]}, which this benchmark does "
+                          f"not time; allowed: a profile whose dense backends are among {', '.join(DENSE_IMPLS)}")
+    if cost.block_size != B:
+        raise ConfigError(f"--profile {profile}: its block size is {cost.block_size}, the fair batch's {B}; "
+                          f"allowed: a profile of block size {B}")
+    return costs
+
+
+def hybrid_choice(cost, lens, kept) -> str:
+    """The backend ``cost`` runs one micro-batch of the documents ``lens`` on, at ours' kept fractions ``kept``
+    (one per document): ours or a dense backend's name."""
+    lengths = np.asarray(lens, dtype=np.int64)
+    costs = cost.micro_batch_costs(lengths, np.asarray(kept, dtype=np.float64), np.zeros(lengths.size, dtype=np.int64),
+                                   1, Layout(dp=1))
+    return str(costs.backend[0])
 
 
 def dense_backend_fns(name: str, q, k, v, do, lens):
@@ -133,16 +180,21 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
     for name, impl in DENSE_IMPLS.items():
         if sp == 0.0 and impl in wanted:
             fns[impl] = sticky.fns(f"{impl}_{heads}", lambda name=name: probed(dense_backend_fns(name, *un[:4], un[5])))
+    if args.hybrid is not None:
+        choice = hybrid_choice(args.hybrid[heads], un[5], batch["unaligned_sel"].kept_fraction.cpu().numpy())
+        base["hybrid"] = dict(base["triton_sparse"], backend=choice)
+        fns["hybrid"] = fns["triton_sparse"] if choice == OURS else sticky.fns(
+            f"{DENSE_IMPLS[choice]}_{heads}", lambda: probed(dense_backend_fns(choice, *un[:4], un[5])))
     for impl, timed in interleaved_ms({n: f for n, f in fns.items() if not isinstance(f, Exception)},
                                       args.rounds).items():
         ours = "triton_sparse_aligned" if impl in ("flex_exact", "flex_flash_exact", "triton_sparse_aligned") \
             else "triton_sparse"
-        row = dict(base[ours], impl=impl, padded_T=batch["padded_T"] if impl == "flex_padded" else "")
+        row = dict(base.get(impl, base[ours]), impl=impl, padded_T=batch["padded_T"] if impl == "flex_padded" else "")
         emit(dict(row, error=repr(timed)[:300]) if isinstance(timed, Exception) else timed_row(row, *timed,
                                                                                               flops[ours]))
     for impl, err in fns.items():
         if isinstance(err, Exception):
-            emit(dict(base["triton_sparse"], impl=impl, error=f"absent: {err!r:.300}"))
+            emit(dict(base.get(impl, base["triton_sparse"]), impl=impl, error=f"absent: {err!r:.300}"))
 
 
 def probed(fns):
@@ -191,6 +243,7 @@ def run_fair(args):
         dense, absent = load_all(DENSE_IMPLS)
         log("META", json.dumps(dict(torch=torch.__version__, triton=triton.__version__,
                                     gpu=torch.cuda.get_device_name(), rounds=args.rounds, flex_mode=args.flex_mode,
+                                    profile=args.profile,
                                     backends={name: b.version() for name, b in dense.items()}, absent=absent)))
         for heads in args.fair_heads:
             batch = fair_batch(heads)

@@ -74,13 +74,18 @@ def fair_table(df) -> str:
     effective TFLOP/s on the unaligned and the aligned batch, and each other implementation's ms with its time
     over ours (above 1: ours is faster) against ours on the batch it starts from (FAIR_PAIRS); a dense backend,
     timed at sparsity 0, against ours at every sparsity. Columns of implementations the CSV never names are left
-    out; then why any is absent."""
+    out; then why any is absent. Where the CSV has ``hybrid`` rows (``--profile``), a last column: hybrid's ms and
+    the backend the profile chose, with the fastest dense kernel's time and ours' over hybrid's (at least 1:
+    hybrid is as fast), and a note at each point where the profile chose the slower option."""
     ours_of = {theirs: ours for theirs, ours in FAIR_PAIRS}
     columns = [(impl, title) for impl, title in FAIR_COLUMNS if impl in set(df.impl)]
+    hybrid = "hybrid" in set(df.impl)
+    titles = [title for _, title in columns] + ([HYBRID_TITLE] if hybrid else [])
     lines = ["| heads | sparsity | kept | ours, unaligned: ms (TFLOP/s) | ours, aligned: ms (TFLOP/s) | "
-             + " | ".join(title for _, title in columns) + " |", "| --- " * (5 + len(columns)) + "|"]
+             + " | ".join(titles) + " |", "| --- " * (5 + len(titles)) + "|"]
     timed = df[df.fwdbwd_ms.notna()]
     dense = timed[timed.impl.isin(DENSE_IMPLS.values())].set_index(["heads", "impl"]).fwdbwd_ms
+    notes = []
     for (heads, sp), g in timed.groupby(["heads", "sparsity"], sort=False):
         g = g.set_index("impl")
 
@@ -93,14 +98,44 @@ def fair_table(df) -> str:
                 f"{ms:.2f} ({ms / g.fwdbwd_ms[ours_of[impl]]:.2f}x)"
 
         kept = g.kept_fraction.get("triton_sparse", float("nan"))
+        cells = [peer(i) for i, _ in columns] + ([hybrid_cell(g, dense.get(heads))] if hybrid else [])
         lines.append(f"| {heads} | {sp:g} | {kept:.3f} | {ours('triton_sparse')} | {ours('triton_sparse_aligned')} | "
-                     + " | ".join(peer(i) for i, _ in columns) + " |")
+                     + " | ".join(cells) + " |")
+        notes += hybrid_note(g, dense.get(heads), heads, sp) if hybrid else []
     absent = df[df.error.fillna("").str.startswith("absent")].drop_duplicates("impl")
-    notes = [f"* {dict(FAIR_COLUMNS).get(r.impl, r.impl)}: {r.error}" for r in absent.itertuples()]
+    notes += [f"* {dict(FAIR_COLUMNS).get(r.impl, r.impl)}: {r.error}" for r in absent.itertuples()]
     padded = df[df.impl == "flex_padded"].dropna(subset=["padded_T"]).head(1)
     notes += [f"* padded batch: {int(r.padded_T)} tokens for {int(r.T)} ({r.padded_T / r.T - 1:.1%} more), "
               f"{int(r.ndocs)} documents" for r in padded.itertuples()]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+HYBRID_TITLE = "hybrid: ms, backend (fastest dense's ms / hybrid's, ours' / hybrid's)"
+
+
+def hybrid_cell(g, dense) -> str:
+    """Hybrid's cell at one point (``g``: its rows by impl; ``dense``: the dense kernels' ms by impl, or None)."""
+    if "hybrid" not in g.index:
+        return "-"
+    ms = g.fwdbwd_ms["hybrid"]
+    fastest = dense.min() if dense is not None else float("nan")
+    ours = g.fwdbwd_ms.get("triton_sparse", float("nan"))
+    ratios = ", ".join("-" if math.isnan(x) else f"{x / ms:.2f}x" for x in (fastest, ours))
+    return f"{ms:.2f} {g.backend['hybrid']} ({ratios})"
+
+
+def hybrid_note(g, dense, heads: str, sp: float) -> list[str]:
+    """A note where the option the profile chose ran slower than another that this point timed (ours here, a
+    dense kernel at sparsity 0)."""
+    if "hybrid" not in g.index or "triton_sparse" not in g.index:
+        return []
+    options = {"ours": g.fwdbwd_ms["triton_sparse"]}
+    options |= {name: dense[impl] for name, impl in DENSE_IMPLS.items() if dense is not None and impl in dense}
+    chosen, best = g.backend["hybrid"], min(options, key=options.get)
+    if chosen not in options or options[chosen] <= options[best]:
+        return []
+    return [f"* hybrid at {heads}, sparsity {sp:g}: the profile chose {chosen} ({options[chosen]:.2f} ms), {best} ran "
+            f"{options[best]:.2f} ms ({options[best] / options[chosen]:.2f}x)"]
 
 
 def selection_lines(df) -> list[str]:

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from benchmarks.attention import breakdown, cli, common, fair, flex_variants, grid, masks
+from pinned import BACKENDS_PROFILE, PINNED_PROFILE
+from sparsebalance.sim.cost import diag_fraction
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,6 +173,57 @@ def test_fair_table_from_a_fair_csv(tmp_path, capsys):
     assert lines[5:] == ["* Flex FLASH, aligned, exact blocks: absent: ModuleNotFoundError('flash_attn')",
                          "* FlashAttention-3 dense varlen: absent: BackendAbsent('fa3: absent (ModuleNotFoundError)')",
                          "* padded batch: 65536 tokens for 62567 (4.7% more), 49 documents"]
+
+
+FAIR_HYBRID_CSV = """case,heads,T,ndocs,padded_T,sparsity,kept_fraction,impl,fwd_ms,fwdbwd_ms,fwd_tflops,fwdbwd_tflops,error,backend
+packed64k,16:16,62567,49,,0.0,1.0,triton_sparse,2.0,8.0,300,360,,
+packed64k,16:16,62567,49,,0.0,1.0,fa4_varlen_dense,1.5,6.0,400,480,,
+packed64k,16:16,62567,49,,0.0,1.0,cudnn_per_document_dense,1.6,6.4,380,450,,
+packed64k,16:16,62567,49,,0.0,1.0,hybrid,1.5,6.1,400,470,,fa4
+packed64k,16:16,62567,49,,0.25,0.75,triton_sparse,1.8,7.0,250,300,,
+packed64k,16:16,62567,49,,0.25,0.75,hybrid,1.8,7.0,250,300,,ours
+packed64k,16:16,62567,49,,0.5,0.5,triton_sparse,1.2,5.0,200,250,,
+packed64k,16:16,62567,49,,0.5,0.5,hybrid,1.2,5.05,200,248,,ours
+"""
+
+
+def test_fair_table_shows_hybrid_against_the_fastest_dense_kernel_and_ours(tmp_path, capsys):
+    """--profile's hybrid rows: hybrid's time and choice, the fastest dense kernel's time (timed at sparsity 0)
+    and ours' over hybrid's, and a note where the profile chose the slower option."""
+    path = tmp_path / "fair.csv"
+    path.write_text(FAIR_HYBRID_CSV)
+    cli.main(["--table", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| hybrid: ms, backend (fastest dense's ms / hybrid's, ours' / hybrid's) |")
+    assert [line.rsplit("|", 2)[1].strip() for line in lines[2:5]] == [
+        "6.10 fa4 (0.98x, 1.31x)", "7.00 ours (0.86x, 1.00x)", "5.05 ours (1.19x, 0.99x)"]
+    assert lines[5:] == ["", "* hybrid at 16:16, sparsity 0.25: the profile chose ours (7.00 ms), fa4 ran 6.00 ms "
+                             "(0.86x)"]
+
+
+def test_hybrid_takes_the_profiles_choice_for_the_fair_batch():
+    """The fair batch priced by the fixture profile: its dense fa4 beats ours keeping every block, ours wins
+    keeping only the diagonal blocks (the simulator's and the runner's hybrid choice)."""
+    costs = fair.hybrid_costs(str(BACKENDS_PROFILE))
+    lengths = np.array(fair.fair_lengths()[1])
+    for heads, cost in costs.items():
+        assert (cost.model.heads, cost.model.kv_heads) == fair.FAIR_HEADS[heads]
+        assert fair.hybrid_choice(cost, lengths, np.ones(lengths.size)) == "fa4"
+        assert fair.hybrid_choice(cost, lengths, diag_fraction(lengths, common.B)) == "ours"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--fair", "--profile", str(PINNED_PROFILE)], f"--profile {PINNED_PROFILE}: cost.attention_backend=hybrid: the "
+                                                   f"profile {PINNED_PROFILE} prices no dense backend"),
+    (["--profile", str(BACKENDS_PROFILE)], f"--profile '{BACKENDS_PROFILE}' prices --fair's hybrid row; allowed: "
+                                           "with --fair"),
+], ids=["no-dense-backend", "without-fair"])
+def test_a_profile_the_hybrid_row_cannot_use_is_one_line_before_any_gpu_work(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
 
 
 def test_missing_table_csv_is_one_line(tmp_path, capsys):
