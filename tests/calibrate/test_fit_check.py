@@ -113,7 +113,7 @@ def test_check_defaults_to_the_committed_profile():
 
 def test_check_from_the_shell_exits_with_the_verdict(tmp_path):
     def shell(path):
-        return subprocess.run([sys.executable, "-m", "calibrate.fit", "--check", str(path)], cwd=ROOT,
+        return subprocess.run([sys.executable, "-m", "sparsebalance.calibrate.fit", "--check", str(path)], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
 
     assert shell(doctored(tmp_path, lambda report: None)).returncode == 0

@@ -62,7 +62,7 @@ def test_written_profile_is_what_the_simulator_reads(tmp_path):
     synthetic_rows().to_csv(raw, index=False)
     (tmp_path / "memory_raw.meta.json").write_text(json.dumps({"gpu_name": "NVIDIA H200", "command": "x"}))
     out = tmp_path / "h200_memory.json"
-    proc = subprocess.run([sys.executable, "-m", "calibrate.memory", "--fit", str(raw), "--profile", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "sparsebalance.calibrate.memory", "--fit", str(raw), "--profile", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "held-out peak |error| %" in proc.stdout and "first_principles_err_%" in proc.stdout
@@ -77,7 +77,7 @@ def test_too_few_points_to_fit_is_one_line(tmp_path):
     raw = tmp_path / "memory_raw.csv"
     rows = synthetic_rows()
     rows[rows["layers"] == 1].to_csv(raw, index=False)
-    proc = subprocess.run([sys.executable, "-m", "calibrate.memory", "--fit", str(raw), "--profile",
+    proc = subprocess.run([sys.executable, "-m", "sparsebalance.calibrate.memory", "--fit", str(raw), "--profile",
                            str(tmp_path / "p.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "needs points at 2+ layer counts" in lines[0], proc.stderr

@@ -99,7 +99,7 @@ def test_measuring_without_cuda_is_one_line_and_writes_nothing(tmp_path):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "calibrate.memory", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sparsebalance.calibrate.memory", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
 
 

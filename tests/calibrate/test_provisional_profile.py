@@ -63,7 +63,7 @@ def test_a_measured_profile_is_kept_unless_asked(tmp_path, capsys, existing):
 def test_the_refusal_from_the_shell_is_one_line(tmp_path):
     out = tmp_path / "h200.json"
     shutil.copy(PINNED_PROFILE, out)
-    done = subprocess.run([sys.executable, "-m", "sim.provisional", "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "sparsebalance.sim.provisional", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
     assert out.read_bytes() == PINNED_PROFILE.read_bytes()

@@ -24,7 +24,7 @@ def sweep(once) -> Path:
 
 def _sweep(out: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "sim.run", "-m", "policy=baseline,kk", "steps=2", "layout.micro_batches=4",
+        [sys.executable, "-m", "sparsebalance.sim.run", "-m", "policy=baseline,kk", "steps=2", "layout.micro_batches=4",
          f"hydra.sweep.dir={out / 'multirun'}", *PINNED_OVERRIDES],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def sim_run(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sim.run", *overrides, *PINNED_OVERRIDES], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", *overrides, *PINNED_OVERRIDES], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -66,7 +66,7 @@ def test_timeline_replays_the_recorded_step(sweep):
 
 
 def test_sim_run_draws_a_pipeline_timeline_when_asked(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "sim.run", "policy=kk", "steps=1", "layout.pp=2",
+    done = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", "policy=kk", "steps=1", "layout.pp=2",
                            "layout.micro_batches=4", "baseline=null", "plot=true", f"hydra.run.dir={tmp_path}",
                            *PINNED_OVERRIDES],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -115,7 +115,7 @@ def test_unknown_summary_is_refused(sweep_copy):
 
 
 def test_cli_bad_input_is_one_line_without_traceback(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "viz", str(tmp_path)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "sparsebalance.viz", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr

@@ -67,7 +67,7 @@ def test_each_mechanism_alone_beats_the_baseline(paper_table):
 
 def test_sim_run_reports_sparsebalance_against_the_baseline(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "sim.run", "policy=sparsebalance", "steps=3", f"hydra.run.dir={tmp_path}",
+        [sys.executable, "-m", "sparsebalance.sim.run", "policy=sparsebalance", "steps=3", f"hydra.run.dir={tmp_path}",
          *PINNED_OVERRIDES],
         capture_output=True, text=True, check=True,
     ).stdout
@@ -84,6 +84,6 @@ def test_sim_run_reports_sparsebalance_against_the_baseline(tmp_path):
     (["experiment=paper", "--policies", "sparsebalance,nope"], "--policies 'nope': no policy 'nope'"),
 ])
 def test_compare_names_the_bad_value_and_the_option_it_came_from(args, message):
-    done = subprocess.run([sys.executable, "-m", "sim.compare", "steps=1", *args], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "sparsebalance.sim.compare", "steps=1", *args], capture_output=True, text=True)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith(f"error: {message}"), done.stderr

@@ -105,7 +105,7 @@ def test_a_hybrid_run_records_which_backend_ran_each_micro_batch(profile, tmp_pa
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
 def test_a_dense_mode_whose_backends_need_a_gpu_is_one_line_before_anything_runs(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "runner.train", f"hydra.run.dir={run_dir}", *TINY,
+    cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *TINY,
            f"cost.profile={BACKENDS_PROFILE}", "cost.attention_backend=hybrid"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)

@@ -44,7 +44,7 @@ def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     """``python -m runner.train`` as a user runs it: a world of one on the CPU."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    cmd = [sys.executable, "-m", "runner.train", f"hydra.run.dir={run_dir}", *OVERRIDES, *overrides]
+    cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *OVERRIDES, *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

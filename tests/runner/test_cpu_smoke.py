@@ -69,7 +69,7 @@ def test_one_rank_of_a_layout_for_two_is_checked_before_the_memory():
 @pytest.mark.slow
 def test_the_preset_trains_under_torchrun_and_prints_its_summary_and_run_dir(tmp_path):
     run_dir = tmp_path / "smoke"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "runner.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sparsebalance.runner.train",
            *SMOKE, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)

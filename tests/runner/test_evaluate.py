@@ -33,7 +33,7 @@ def run_dir(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("evaluate") / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    cmd = [sys.executable, "-m", "runner.train", f"hydra.run.dir={run}", *TINY_ONE_RANK, "steps=2",
+    cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run}", *TINY_ONE_RANK, "steps=2",
            "runner.checkpoint_every=2", "runner.device=cpu", "write_plans=false"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

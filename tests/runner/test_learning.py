@@ -52,7 +52,7 @@ def test_the_recipe_trains_and_its_checkpoint_evaluates_on_the_cpu(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    cmd = [sys.executable, "-m", "runner.train", f"hydra.run.dir={run}", *RECIPE, RUNS[0][0],
+    cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run}", *RECIPE, RUNS[0][0],
            "policy=sparsebalance", *CPU]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -81,7 +81,7 @@ def test_plain_runs_side_by_side_take_their_own_ports(tmp_path):
     """Without torchrun a run is a world of one and picks a free port: two at once do not collide."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-m", "runner.train", f"hydra.run.dir={tmp_path / str(i)}", *SHARED,
+    procs = [subprocess.Popen([sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={tmp_path / str(i)}", *SHARED,
                                *RUNNER, "cluster.gpus_per_node=1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     for proc in procs:

@@ -297,7 +297,7 @@ def test_an_out_dir_that_cannot_be_made_is_refused_before_the_replay(tmp_path, c
 
 def test_an_out_dir_with_files_is_refused_from_the_command_line(tmp_path):
     (tmp_path / "kept.txt").write_text("mine")
-    proc = subprocess.run([sys.executable, "-m", "runner.replay", *TINY, "--out", str(tmp_path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "sparsebalance.runner.replay", *TINY, "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not an empty directory" in proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["kept.txt"]

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow
 
 def torchrun(run_dir: Path, *overrides: str, nproc: int = 2, script: str | None = None, env: dict | None = None,
              timeout: float = 300) -> subprocess.CompletedProcess:
-    target = [script] if script else ["-m", "runner.train"]
+    target = [script] if script else ["-m", "sparsebalance.runner.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target,
            f"hydra.run.dir={run_dir}", *SHARED, *RUNNER, *overrides]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
@@ -154,7 +154,7 @@ def test_world_size_must_match_the_layout(tmp_path):
     ("workload.max_len=4096", "exceeds the model's max context 1024"),
 ])
 def test_bad_input_is_one_line_before_training(tmp_path, override, message):
-    cmd = [sys.executable, "-m", "runner.train", f"hydra.run.dir={tmp_path}", *SHARED, *RUNNER,
+    cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={tmp_path}", *SHARED, *RUNNER,
            "cluster.gpus_per_node=1", override]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -51,7 +51,7 @@ def checkpoint_dir(once) -> Path:
 def _train(run_dir: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    proc = subprocess.run([sys.executable, "-m", "runner.train", f"hydra.run.dir={run_dir}", *OVERRIDES, "steps=1",
+    proc = subprocess.run([sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *OVERRIDES, "steps=1",
                            "runner.checkpoint_every=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -218,7 +218,7 @@ def test_checkpoint_to_simulator(checkpoint_dir, tmp_path, capsys):
     model = load_sensitivity_profile(str(profile))
     assert model.task == "retrieval" and model.lengths[0] == 128 and model.lengths[-1] == 256
     run_dir = tmp_path / "sim"
-    sim = subprocess.run([sys.executable, "-m", "sim.run", f"hydra.run.dir={run_dir}", *PINNED_OVERRIDES, "steps=2",
+    sim = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", f"hydra.run.dir={run_dir}", *PINNED_OVERRIDES, "steps=2",
                           "workload.global_batch=16", f"workload.sensitivity_profile={profile}", "baseline=null"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr

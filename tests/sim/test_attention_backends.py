@@ -220,11 +220,11 @@ def test_break_even_table_says_always_and_never(tmp_path):
 
 
 def test_break_even_command_prints_the_table_and_refuses_a_profile_without_dense_backends():
-    run = subprocess.run([sys.executable, "-m", "sim.breakeven", f"cost.profile={BACKENDS_PROFILE}"],
+    run = subprocess.run([sys.executable, "-m", "sparsebalance.sim.breakeven", f"cost.profile={BACKENDS_PROFILE}"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert "ours vs fa4" in lines[1] and lines[2].split()[0] == "1K" and lines[-1].split()[0] == "128K"
-    run = subprocess.run([sys.executable, "-m", "sim.breakeven", f"cost.profile={PINNED_PROFILE}"],
+    run = subprocess.run([sys.executable, "-m", "sparsebalance.sim.breakeven", f"cost.profile={PINNED_PROFILE}"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "prices no dense" in run.stderr

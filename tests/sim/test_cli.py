@@ -16,7 +16,7 @@ FILES = ("micro_batches.csv", "steps.csv", "summary.json", "plans.jsonl")
 def sim_run(run_dir, *overrides):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.run(
-        [sys.executable, "-m", "sim.run", f"hydra.run.dir={run_dir}", "steps=3", *pinned(overrides)],
+        [sys.executable, "-m", "sparsebalance.sim.run", f"hydra.run.dir={run_dir}", "steps=3", *pinned(overrides)],
         cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
     )
 

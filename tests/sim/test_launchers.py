@@ -27,7 +27,7 @@ def sim_run(*args) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     flags = [a for a in args if a.startswith("-")]  # before the overrides: Hydra's parser wants them there
     overrides = [a for a in args if not a.startswith("-")]
-    return subprocess.Popen([sys.executable, "-m", "sim.run", *flags, "steps=2", *pinned(overrides)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "sparsebalance.sim.run", *flags, "steps=2", *pinned(overrides)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -177,7 +177,7 @@ def test_a_task_the_profile_lacks_is_one_line(task, needle):
 ])
 def test_the_cli_refuses_in_one_line_and_writes_nothing(tmp_path, overrides, needle):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "sim.run", f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
