@@ -42,3 +42,28 @@ else:
     print("torch", torch.__version__, "triton", triton.__version__)
 PY
 }
+
+peers_environment() {
+  # The dense attention backends the cost profiles price (kernels.backends): cuDNN comes with torch; FlashAttention-4
+  # and CUTLASS's Python DSL (the peers extra) from the wheels in .whl/ where the machine lacks them, under
+  # /tmp/peers/site, with the DSL's CUDA 13 libraries from .whl/cu13.txz.* (an installed
+  # nvidia-cutlass-dsl-libs-cu13, xz-compressed, split in parts). CUTLASS's `cutlass` package sits in
+  # nvidia_cutlass_dsl/dsl_packages, which a wheel's .pth adds only in a site directory, so it goes on PYTHONPATH.
+  # Prints which backends load and one line for each that does not; without a GPU none of them runs.
+  if ! command -v nvidia-smi >/dev/null; then
+    echo "no GPU: no dense attention backend runs here"
+    return 0
+  fi
+  if ! python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peers/site \
+      .whl/flash_attn_4-*.whl .whl/nvidia_cutlass_dsl*.whl .whl/apache_tvm_ffi-*.whl .whl/torch_c_dlpack_ext-*.whl \
+      .whl/quack_kernels-*.whl .whl/einops-*.whl || return 1
+    cat .whl/cu13.txz.* | xz -dc | tar x -C /tmp/peers/site || return 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/peers/site:/tmp/peers/site/nvidia_cutlass_dsl/dsl_packages"
+  fi
+  python3 -c "
+from sparsebalance.kernels.backends import load_all
+loaded, absent = load_all()
+print('attention backends:', {name: b.version() for name, b in loaded.items()})
+print(*absent, sep='\n')"
+}

@@ -18,10 +18,18 @@
 # (optimizer_bytes=4), whole optimiser states on every replica (sharding=ddp), and logits only at the
 # answer positions (logits_bytes=0).
 #
-# Writes under $OUT (7 files, nothing deeper): fidelity.log (everything printed), runs.tgz (both run dirs; tarred
-# again after every run, so a timeout keeps what is done), compare.csv and compare.json (both runs' steps and
-# summaries), compare_memory.csv (the memory table), environment.txt (GPU, driver, torch and Triton versions),
-# status.txt (the exit code of each part).
+# The attention each micro-batch runs on: BACKENDS (default `ours`), a list of cost.attention_backend values, trains
+# every policy of POLICIES (default `baseline sparsebalance`) once per value: `ours` (the run dir is the policy's
+# name), `hybrid` (each micro-batch on ours or the dense backend, whichever PROFILE prices faster at its budgets)
+# and `dense_best` (every micro-batch dense on the fastest dense backend PROFILE prices), in run dirs
+# <policy>-<backend>; micro_batches.csv records which backend ran each micro-batch. The dense modes need a profile
+# that prices dense backends (GPU=h100) and those backends installed (FlashAttention-4 from .whl/, see
+# gpu_env.sh's peers_environment; cuDNN comes with torch); where one cannot run, runner.train says so in one line.
+#
+# Writes under $OUT (7 files, nothing deeper): fidelity.log (everything printed), runs.tgz (every run dir; tarred
+# again after every run, so a timeout keeps what is done), compare.csv and compare.json (every run's steps and
+# summary), compare_memory.csv (the memory table), environment.txt (GPU, driver, torch and Triton versions, and
+# with a dense mode the attention backends that load), status.txt (the exit code of each part).
 # Nothing is fetched: Hydra, OmegaConf, ANTLR, SimPy and tqdm come from the wheels in .whl/ (carried; ignored by
 # git) where the machine lacks them. Extra arguments are Hydra overrides for both runs (the CPU check runs it
 # with a tiny model, without Triton: docs/runner.md).
@@ -37,12 +45,25 @@ NPROC=${NPROC:-1}
 RUN_LIMIT_S=${RUN_LIMIT_S:-150}  # a guard against a hang: a run takes about a minute
 PROFILE=${PROFILE:-calibrate/profiles/$GPU.json}
 MEMORY_PROFILE=${MEMORY_PROFILE:-calibrate/profiles/h200_memory.json}
+POLICIES=${POLICIES:-baseline sparsebalance}
+BACKENDS=${BACKENDS:-ours}
+for backend in $BACKENDS; do
+  case "$backend" in
+    ours | hybrid | dense_best) ;;
+    *) echo "error: BACKENDS=$BACKENDS: $backend is no cost.attention_backend; allowed: ours, hybrid, dense_best" >&2
+       exit 2 ;;
+  esac
+done
 mkdir -p "$OUT" "$RUNS"
 
 experiment() {
   # not in a pipeline: gpu_environment exports the PYTHONPATH of the wheels it installs, which a subshell loses
   gpu_environment >"$OUT/environment.txt" 2>&1
   code=$?
+  if [ "$code" = 0 ] && [ "$BACKENDS" != ours ]; then
+    peers_environment >>"$OUT/environment.txt" 2>&1
+    code=$?
+  fi
   git log -1 --format='commit %H' >>"$OUT/environment.txt" 2>/dev/null
   cat "$OUT/environment.txt"
   [ "$code" = 0 ] || exit 1
@@ -53,21 +74,26 @@ experiment() {
           memory.grad_bytes=4 memory.optimizer_bytes=4 memory.logits_bytes=0 "steps=$STEPS")
   : >"$OUT/status.txt"
   status=0
-  for policy in baseline sparsebalance; do
-    rm -rf "${RUNS:?}/$policy"
-    timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m runner.train \
-      policy="$policy" hydra.run.dir="$RUNS/$policy" "${COMMON[@]}" "$@"
-    code=$?
-    echo "runner.train $policy: exit $code" | tee -a "$OUT/status.txt"
-    [ "$code" = 0 ] || status=1
-    tar czf "$OUT/runs.tgz" -C "$RUNS" baseline sparsebalance 2>/dev/null
+  names=()
+  for backend in $BACKENDS; do
+    for policy in $POLICIES; do
+      name=$policy
+      [ "$backend" = ours ] || name="$policy-$backend"
+      names+=("$name")
+      rm -rf "${RUNS:?}/$name"
+      timeout "$RUN_LIMIT_S" python3 -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m runner.train \
+        policy="$policy" hydra.run.dir="$RUNS/$name" "${COMMON[@]}" cost.attention_backend="$backend" "$@"
+      code=$?
+      echo "runner.train $name: exit $code" | tee -a "$OUT/status.txt"
+      [ "$code" = 0 ] || status=1
+      tar czf "$OUT/runs.tgz" -C "$RUNS" "${names[@]}" 2>/dev/null
+    done
   done
-  python3 -m runner.compare "$RUNS/baseline" "$RUNS/sparsebalance" --profile "$PROFILE" --skip "$SKIP" \
-    --out "$OUT/compare.csv"
+  python3 -m runner.compare "${names[@]/#/$RUNS/}" --profile "$PROFILE" --skip "$SKIP" --out "$OUT/compare.csv"
   code=$?
   echo "runner.compare: exit $code" | tee -a "$OUT/status.txt"
   [ "$code" = 0 ] || status=1
-  tar czf "$OUT/runs.tgz" -C "$RUNS" baseline sparsebalance 2>/dev/null
+  tar czf "$OUT/runs.tgz" -C "$RUNS" "${names[@]}" 2>/dev/null
   # Compilations after the first SKIP steps make those steps slower than any cost model; they must be zero.
   [ "$code" = 0 ] && python3 - "$OUT/compare.json" <<'EOF' | tee -a "$OUT/status.txt"
 import json, sys
