@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 
 from sparsebalance.sim.compare import compare
+from sparsebalance.sim.compare import main as compare_main
 from sparsebalance.sim.plan import Plan
 from sparsebalance.sim.run import simulate
 from sparsebalance.sim.core import preset_overrides
@@ -33,6 +34,7 @@ def paper_table():
     return compare(pinned(preset_overrides(["experiment=paper"])), oracles=("sparsebalance",)).set_index("policy")
 
 
+@pytest.mark.slow
 def test_sparsebalance_beats_the_paper_at_no_coverage_cost(paper_table):
     sb, base = paper_table.loc["sparsebalance"], paper_table.loc["baseline"]
     assert sb["speedup"] >= 1.33
@@ -40,6 +42,7 @@ def test_sparsebalance_beats_the_paper_at_no_coverage_cost(paper_table):
     assert sb["min_cov"] >= 0.8  # the coverage floor
 
 
+@pytest.mark.slow
 def test_sparsebalance_beats_the_strongest_baseline_where_the_attention_is(paper_table):
     """Against the fastest of baseline, lbb, lbb_ordered, verl, token_cap and verl_topk, at no loss of coverage
     weighted by attention work (the constraint DST keeps by default) or of the longest quarter's: by 5% when it
@@ -51,6 +54,7 @@ def test_sparsebalance_beats_the_strongest_baseline_where_the_attention_is(paper
         assert sb["attn_cov"] >= base["attn_cov"] and sb["long_cov"] >= base["long_cov"]
 
 
+@pytest.mark.slow
 def test_verl_is_the_strongest_top_p_baseline_and_verl_topk_the_strongest_on_the_paper_preset(paper_table):
     top_p = paper_table.loc[["baseline", "lbb", "lbb_ordered", "verl", "token_cap"]]
     assert top_p["step_ms"].min() == paper_table.loc["verl", "step_ms"]
@@ -59,12 +63,14 @@ def test_verl_is_the_strongest_top_p_baseline_and_verl_topk_the_strongest_on_the
     assert paper_table.loc["verl_topk", "vs_best"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_each_mechanism_alone_beats_the_baseline(paper_table):
     assert paper_table.loc["dst", "speedup"] > 1.0 and paper_table.loc["sab", "speedup"] > 1.0
     assert paper_table.loc["sab", "speedup"] >= paper_table.loc["lbb", "speedup"]
     assert paper_table.loc["sparsebalance", "speedup"] > paper_table.loc["sab", "speedup"]
 
 
+@pytest.mark.slow
 def test_sim_run_reports_sparsebalance_against_the_baseline(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "sparsebalance.sim.run", "policy=sparsebalance", "steps=3", f"hydra.run.dir={tmp_path}",
@@ -83,7 +89,10 @@ def test_sim_run_reports_sparsebalance_against_the_baseline(tmp_path):
     (["experiment=paper", "--bounds", "nope"], "--bounds 'nope': no policy 'nope'"),
     (["experiment=paper", "--policies", "sparsebalance,nope"], "--policies 'nope': no policy 'nope'"),
 ])
-def test_compare_names_the_bad_value_and_the_option_it_came_from(args, message):
-    done = subprocess.run([sys.executable, "-m", "sparsebalance.sim.compare", "steps=1", *args], capture_output=True, text=True)
-    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
-    assert done.stderr.startswith(f"error: {message}"), done.stderr
+def test_compare_names_the_bad_value_and_the_option_it_came_from(args, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["python -m sim.compare", "steps=1", *args])
+    with pytest.raises(SystemExit) as exited:
+        compare_main()
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and len(stderr.splitlines()) == 1, stderr
+    assert stderr.startswith(f"error: {message}"), stderr
