@@ -67,6 +67,7 @@ def test_level_table_makespan_matches_the_engine(world):
                                                                        rel=1e-12)
 
 
+@pytest.mark.slow
 @settings(max_examples=80)
 @given(layouts, budgets, st.data())
 def test_dst_never_slower_than_fixed_and_budgets_in_range(world, layout_dims, budget, data):

@@ -36,6 +36,7 @@ def optimum(costs: np.ndarray, k: int, equal_count: bool) -> float:
     return best
 
 
+@pytest.mark.slow
 @settings(max_examples=150)
 @given(long_tail, st.integers(2, 4), st.booleans())
 def test_refined_partition_is_the_optimum_on_few_items(costs, k, equal_count):

@@ -25,6 +25,7 @@ def test_64_node_preset_uses_context_parallelism_inside_a_node():
     assert cfg.workload.global_batch == 2 * layout.dp * layout.micro_batches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experiment", ["paper_bubble_light", "paper_64nodes_cp"])
 def test_sparsebalance_beats_the_strongest_baseline_on_the_preset(experiment):
     """Blind planning: sparsebalance_topk beats every baseline, verl_topk (top-k at the same coverage target)
