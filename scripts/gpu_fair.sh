@@ -21,7 +21,7 @@ OUT=${OUT:-/tmp/gpu_fair}
 PROFILE=${PROFILE:-calibrate/profiles/$GPU.json}
 SPARSITIES=${SPARSITIES:-0.05,0.1,0.15,0.2,0.25,0.5,0.75,0.9,0.95}
 ROUNDS=${ROUNDS:-3}
-DEADLINE_S=${DEADLINE_S:-400}
+DEADLINE_S=${DEADLINE_S:-360}
 mkdir -p "$OUT"
 
 experiment() {
@@ -33,7 +33,7 @@ experiment() {
   [ "$code" = 0 ] || exit 1
 
   : >"$OUT/status.txt"
-  timeout $((DEADLINE_S + 150)) python3 -m benchmarks.attention --fair --profile "$PROFILE" --rounds "$ROUNDS" \
+  timeout $((DEADLINE_S + 120)) python3 -m benchmarks.attention --fair --profile "$PROFILE" --rounds "$ROUNDS" \
     --flex-mode default --fair-sparsities "$SPARSITIES" \
     --fair-impls cudnn_per_document_dense,fa4_varlen_dense,fa3_varlen_dense --deadline-s "$DEADLINE_S" \
     --csv "$OUT/attention_fair_hybrid.csv" "$@"
