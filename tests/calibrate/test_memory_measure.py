@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sparsebalance.calibrate.memory import COLUMNS, Measurer, build_points, measure_all, warm_up
+from sparsebalance.calibrate.memory import main as memory_main
 from sparsebalance.calibrate.store import append_rows
 from sparsebalance.runner.attention import make_attention
 from sparsebalance.sim.shapes import ModelShape
@@ -64,6 +65,7 @@ def test_points_pack_unique_lengths_smallest_token_count_first():
         (layers, ckpt, kept) for layers in (1, 2) for ckpt in (False, True) for kept in (1.0, 0.3)}
 
 
+@pytest.mark.slow
 def test_rows_are_relative_to_the_bytes_before_the_point(measurer):
     for point in build_points(["tiny"], (64,)):
         row = measurer.measure(point)
@@ -73,6 +75,7 @@ def test_rows_are_relative_to_the_bytes_before_the_point(measurer):
         assert row["lengths"].count(";") == 3 and row["tokens"] == 64
 
 
+@pytest.mark.slow
 def test_measure_all_appends_a_row_per_point_and_stops_at_the_time_budget(measurer, tmp_path):
     points = build_points(["tiny"], (64,))  # every combination of one token count
     out = tmp_path / "memory_raw.csv"
@@ -90,17 +93,20 @@ def test_append_row_refuses_unknown_columns(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the one-line refusal is for machines without CUDA")
-def test_measuring_without_cuda_is_one_line_and_writes_nothing(tmp_path):
-    proc = cli("--out", str(tmp_path / "m"))
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+def test_measuring_without_cuda_is_one_line_and_writes_nothing(tmp_path, capsys):
+    code, stderr = cli(capsys, "--out", str(tmp_path / "m"))
+    assert code == 2 and stderr.strip().splitlines() == [
         "error: python -m calibrate.memory --out needs CUDA (torch.cuda.is_available() is False here); measure on a "
         "GPU machine, fit the CSV anywhere with --fit"]
     assert list(tmp_path.iterdir()) == []
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "sparsebalance.calibrate.memory", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+def cli(capsys, *args) -> tuple[int, str]:
+    """The command line's exit code and stderr, in this process (its main under one_line_errors exits on bad
+    input)."""
+    with pytest.raises(SystemExit) as exited:
+        memory_main(list(args))
+    return exited.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -111,10 +117,10 @@ def cli(*args):
     (["--fit", "{tmp}/none.csv"], "no such file"),
     (["--out", "{tmp}/m", "--bogus"], "unrecognized arguments: --bogus"),
 ])
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needle):
-    proc = cli(*[a.format(tmp=tmp_path) for a in args])
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, needle):
+    code, stderr = cli(capsys, *[a.format(tmp=tmp_path) for a in args])
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -141,6 +147,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_the_measuring_side_needs_no_hydra_omegaconf_simpy_or_scipy(tmp_path):
     proc = subprocess.run([sys.executable, "-c", GPU_BOX, str(tmp_path / "rows.csv")], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
