@@ -3,8 +3,6 @@ the profile it writes is the one sim.memory reads, and the table scores the held
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -15,7 +13,6 @@ from sparsebalance.calibrate.memory import COLUMNS, HELDOUT_TOKENS, activation_b
 from sparsebalance.sim.config import ModelConfig
 from sparsebalance.sim.memory import MODES, TokenTerms, load_profile_terms
 
-ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"qwen2.5-3b": dict(hidden=2048, heads=16, kv_heads=2, head_dim=128, ffn=11008),
           "llama3-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336)}
 # bytes a made-up GPU "measures": per shape and mode (full, checkpointed)
@@ -57,15 +54,14 @@ def test_heldout_error_is_the_fits_miss_on_points_it_did_not_see():
     assert profile["fit"]["heldout_peak_abs_err_pct"]["median"] == pytest.approx(100 * (1 - 1 / 1.04), rel=1e-6)
 
 
-def test_written_profile_is_what_the_simulator_reads(tmp_path):
+def test_written_profile_is_what_the_simulator_reads(tmp_path, capsys):
     raw = tmp_path / "memory_raw.csv"
     synthetic_rows().to_csv(raw, index=False)
     (tmp_path / "memory_raw.meta.json").write_text(json.dumps({"gpu_name": "NVIDIA H200", "command": "x"}))
     out = tmp_path / "h200_memory.json"
-    proc = subprocess.run([sys.executable, "-m", "sparsebalance.calibrate.memory", "--fit", str(raw), "--profile", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "held-out peak |error| %" in proc.stdout and "first_principles_err_%" in proc.stdout
+    assert memory.main(["--fit", str(raw), "--profile", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "held-out peak |error| %" in stdout and "first_principles_err_%" in stdout
     profile = json.loads(out.read_text())
     assert profile["gpu"] == "NVIDIA H200" and profile["meta"]["fit_command"].startswith("python -m calibrate.memory --fit")
     qwen = ModelConfig(name="qwen2.5-3b", layers=36, vocab=151936, max_context=32768, **SHAPES["qwen2.5-3b"])
@@ -73,15 +69,13 @@ def test_written_profile_is_what_the_simulator_reads(tmp_path):
     assert terms["checkpointed"].transient == pytest.approx(TRUE[("qwen2.5-3b", 1)].transient, rel=1e-6)
 
 
-def test_too_few_points_to_fit_is_one_line(tmp_path):
+def test_too_few_points_to_fit_is_one_line(tmp_path, capsys):
     raw = tmp_path / "memory_raw.csv"
     rows = synthetic_rows()
     rows[rows["layers"] == 1].to_csv(raw, index=False)
-    proc = subprocess.run([sys.executable, "-m", "sparsebalance.calibrate.memory", "--fit", str(raw), "--profile",
-                           str(tmp_path / "p.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "needs points at 2+ layer counts" in lines[0], proc.stderr
-    assert "it has layers [1], tokens [4096, 8192, 32768, 65536]" in lines[0]  # plain numbers, not np.int64(1)
+    line = refused(capsys, ["--fit", raw, "--profile", tmp_path / "p.json"])
+    assert "needs points at 2+ layer counts" in line
+    assert "it has layers [1], tokens [4096, 8192, 32768, 65536]" in line  # plain numbers, not np.int64(1)
     assert not (tmp_path / "p.json").exists()
 
 
