@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pinned import PINNED_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,6 +19,7 @@ def python(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_plot_and_viz_draw_a_simulated_run_where_torch_cannot_be_imported(tmp_path):
     stub = tmp_path / "stub" / "torch"
     stub.mkdir(parents=True)
