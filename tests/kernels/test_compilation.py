@@ -159,6 +159,7 @@ def assert_no_compiles(before: dict, after: dict, what: str):
     assert not new, f"{what} compiled new kernel variants: {new}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CUDA, reason="the GPU test below counts Triton's real compilations")
 def test_random_batches_compile_nothing_after_warm_up_interpreted(sm90_cache, monkeypatch):
     """Warm-up: one top-k and one top-p batch. Then random batches, whose row classes, tile paths (TMA or

@@ -375,7 +375,7 @@ def test_kept_fraction_mode_hits_target_and_mixes_per_sequence():
     assert sel.kept_fraction[2] == 1.0 and sel.coverage[2] > 0.999
 
 
-@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("path", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_selection_memory_is_bounded_by_kept_blocks(path):
     # 64 blocks: a row list as wide as NB is 3x over the fused path's bound below and 12x over the torch
     # path's; the interpreter's time grows with the square of NB, so more blocks add time, not strength
@@ -438,7 +438,7 @@ def test_bad_input_raises_value_error(mutate, match):
     # a float budget: the fused top-k sizes its lists on the host (no sync), with padding past nnz
     ([1, 40, 37, 60], dict(kept_fraction=0.3)),
     # 70 blocks: the reverse-list kernel scans a KV block's rows in several 64-row chunks
-    ([1, 1100, 37, 3], dict(kept_fraction=torch.tensor([1.0, 0.2, 0.5, 1.0]))),
+    pytest.param([1, 1100, 37, 3], dict(kept_fraction=torch.tensor([1.0, 0.2, 0.5, 1.0])), marks=pytest.mark.slow),
 ], ids=["p0.7", "p1.0", "kf-per-doc", "kf0.3", "long-doc-kf0.2"])
 def test_fused_triton_selection_equals_torch_selection(lens, budget):
     """The fused Triton selection (used on CUDA) picks exactly the blocks of the torch path and builds the
@@ -584,6 +584,7 @@ def test_options_reach_the_launchers(monkeypatch):
     assert grids == [(16, 2 * NB), (32, NB)]
 
 
+@pytest.mark.slow
 @settings(max_examples=8, suppress_health_check=[HealthCheck.too_slow])
 @given(lens=st.lists(st.integers(1, 120), min_size=1, max_size=4), kf=st.floats(0.01, 1.0),
        ties=st.booleans(), seed=st.integers(0, 1000))

@@ -116,6 +116,7 @@ def test_selection_matches_the_loop_reference(lens, hq, hkv, block, top_k, floor
         assert (sel.coverage >= torch.as_tensor(floor, device=sel.coverage.device) - 1e-5).all()
 
 
+@pytest.mark.slow
 def test_fused_selection_sizes_its_lists_from_the_counts():
     """The fused top-k with host counts knows its widest row and kept entries without the GPU: min(k, blocks)
     and the closed form's count, exactly."""
@@ -160,7 +161,7 @@ def reference_attention(q, k, v, cu, block, budget):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("backend", ["naive", "triton"])
+@pytest.mark.parametrize("backend", ["naive", pytest.param("triton", marks=pytest.mark.slow)])  # triton: interpreted
 @pytest.mark.parametrize("lens,hq,hkv,block,top_k,floor", [c[1:] for c in CASES if c[0] in (
     "odd-lengths-mha-k2", "gqa4to1-k1", "per-doc-k-gqa", "per-doc-k-and-floor-gqa")],
     ids=["odd-lengths-mha-k2", "gqa4to1-k1", "per-doc-k-gqa", "per-doc-k-and-floor-gqa"])
