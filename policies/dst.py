@@ -22,8 +22,9 @@ look-ups.
 
 1. Rank level (bidirectional): for a target makespan tau every rank takes the highest level whose
    pipeline time fits in tau. DST picks the smallest tau (so the fastest step) at which the mean
-   coverage is still at least ``min_mean_coverage`` (default: the start's, so sparsity is traded
-   between sequences, not taken from the model). The mean is weighted by ``coverage_weight``: by
+   coverage is still at least the start's (``min_mean_coverage``, where set, chooses the start: the
+   lowest level that meets it, one budget for the step), so sparsity is traded between sequences, not
+   taken from the model, and the plan covers no less than ``fixed`` at the start's budget does. The mean is weighted by ``coverage_weight``: by
    default by attention work (length ** 2), since an unweighted mean lets DST buy speed with sparsity
    on the long stragglers, where most of the attention is, while short sequences gain coverage that
    weighs little. tau never exceeds the start's planned makespan, and a plan whose expected step (the
@@ -40,8 +41,6 @@ Infeasible cases, handled explicitly:
 * the bottleneck cannot go below the floor: if even at the floor it is slower than the level the
   coverage target allows, tau is the bottleneck's time at the floor (the floor wins over speed) and
   the others fill up to that;
-* a ``min_mean_coverage`` no makespan up to the start's can reach: tau stays at the start's makespan
-  and the ranks fill their idle time (the makespan guarantee wins over the coverage target);
 * a plan with nothing to gain (no makespan or coverage improvement) is returned at the uniform ``p``,
   so with zero heterogeneity and pp = 1 DST is exactly ``fixed``. Identical micro-batches in a pipeline
   are not homogeneous: 1F1B puts the first one's forward and the last one's backward alone on every
@@ -102,7 +101,7 @@ class DynamicSparsityTuning:
         k_floor: int = 16  # top-k: fewest blocks per query block
         k_cap: Optional[int] = None  # top-k: most blocks per query block; None: 4 k, or the longest sequence's
         p_floor: Optional[float] = bounded(None, FRACTION)  # top-k: the rows' runtime coverage floor; None: none
-        # None: the start's mean coverage (as weighted below); set: DST starts from the lowest level that meets it
+        # None: start from p (or k); set: start from the lowest level that meets it. DST keeps the start's coverage
         min_mean_coverage: Optional[float] = bounded(None, FRACTION)
         coverage_weight: CoverageWeight = CoverageWeight.attention  # the weighting of that mean
         # each rank's time is planned at this quantile of what the belief about the sequences lets it take
@@ -142,8 +141,7 @@ def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost
         return uniform_budget_plan(plan, budgets[start_level])
     start = np.full((layout.dp, layout.micro_batches), start_level)
     start_ms, start_cov = table.makespan(start), table.mean_coverage(start)
-    target_cov = start_cov if params.min_mean_coverage is None else params.min_mean_coverage
-    levels = best_levels(table, start_ms, target_cov)
+    levels = best_levels(table, start_ms, start_cov)
     new_ms, new_cov = table.expected_ms(levels), table.mean_coverage(levels)
     start_expected = table.expected_ms(start)
     if new_ms > start_expected or (new_ms == start_expected and new_cov <= start_cov):
