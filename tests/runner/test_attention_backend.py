@@ -82,6 +82,7 @@ def test_the_runner_picks_each_micro_batchs_backend_as_the_simulator_does(profil
     assert ran == {"ours": {"ours"}, "dense_best": {NAME}, "hybrid": {"ours", NAME}}[mode]
 
 
+@pytest.mark.slow
 def test_a_hybrid_run_records_which_backend_ran_each_micro_batch(profile, tmp_path):
     """A CPU run through dense_train.py: micro_batches.csv names the backend of each micro-batch (the simulator's
     choice); the sequences that reference ran report every block kept and all their attention covered, those
@@ -102,6 +103,7 @@ def test_a_hybrid_run_records_which_backend_ran_each_micro_batch(profile, tmp_pa
     assert (ours.kept_fraction < 1.0).any() and (ours.kept_fraction >= 0.5 - 1e-6).all()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
 def test_a_dense_mode_whose_backends_need_a_gpu_is_one_line_before_anything_runs(tmp_path):
     run_dir = tmp_path / "run"

@@ -53,18 +53,25 @@ def ok(proc: subprocess.CompletedProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """A 1-step run with its checkpoint, the 2-step run resumed from it, and the same 2 steps uninterrupted."""
-    root = tmp_path_factory.mktemp("checkpoint")
-    ok(train(root / "half", "steps=1", "runner.checkpoint_every=1"))
-    ok(train(root / "resumed", "steps=2", "runner.checkpoint_every=2", f"runner.resume={root / 'half' / 'checkpoint.pt'}"))
+def half(tmp_path_factory) -> Path:
+    """A 1-step run with its checkpoint: what the checks of a bad or mismatched checkpoint start from."""
+    run = tmp_path_factory.mktemp("checkpoint") / "half"
+    ok(train(run, "steps=1", "runner.checkpoint_every=1"))
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(half) -> dict[str, Path]:
+    """The 1-step run, the 2-step run resumed from its checkpoint, and the same 2 steps uninterrupted."""
+    root = half.parent
+    ok(train(root / "resumed", "steps=2", "runner.checkpoint_every=2", f"runner.resume={half / 'checkpoint.pt'}"))
     ok(train(root / "full", "steps=2", "runner.checkpoint_every=2"))
     return {name: root / name for name in ("half", "resumed", "full")}
 
 
 @pytest.fixture(scope="module")
-def good(runs) -> Path:
-    return runs["half"] / "checkpoint.pt"
+def good(half) -> Path:
+    return half / "checkpoint.pt"
 
 
 def read(path: Path) -> dict:
@@ -72,6 +79,7 @@ def read(path: Path) -> dict:
 
 
 # ---------------------------------------------------------------------- round trip
+@pytest.mark.slow
 def test_resume_continues_exactly_where_the_uninterrupted_run_goes(runs):
     full, resumed = read(runs["full"] / "checkpoint.pt"), read(runs["resumed"] / "checkpoint.pt")
     assert resumed["next_step"] == full["next_step"] == 2
@@ -89,6 +97,7 @@ def test_resume_continues_exactly_where_the_uninterrupted_run_goes(runs):
     assert (runs["resumed"] / "plans.jsonl").read_bytes() == (runs["full"] / "plans.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_resume_restores_the_rng_states_it_saved(runs):
     """Training draws no random numbers, so the resumed run ends with the states it restored; numpy's and
     Python's generators are seeded by the OS in each process, so they match only if restored."""
@@ -285,6 +294,7 @@ def test_a_decaying_lr_schedule_resumes_only_with_the_steps_it_spans(good, tmp_p
                               "over steps=1; allowed: steps=1 (only a constant schedule's run may grow)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["truncated to half", "a pickled payload"])
 def test_the_cli_refuses_a_bad_checkpoint_in_one_line_and_writes_nothing(spoil, tmp_path, name):
     path, marker = spoil(name)

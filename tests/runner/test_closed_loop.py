@@ -18,6 +18,7 @@ from equivalence import RUNNER, SHARED
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_every_rank_observes_the_kernels_reports_of_every_step(tmp_path):
     observed = tmp_path / "observed"
     observed.mkdir()

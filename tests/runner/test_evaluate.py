@@ -52,6 +52,7 @@ def wilson(k: int, n: int) -> tuple[float, float]:
     return centre - half, centre + half
 
 
+@pytest.mark.slow
 def test_every_sequence_is_scored_under_every_budget(evaluated):
     rows, _ = evaluated
     assert len(rows) == 2 * 2 * 6
@@ -68,6 +69,7 @@ def test_every_sequence_is_scored_under_every_budget(evaluated):
     assert list(dense["seq_id"]) == list(sparse["seq_id"]) == list(range(12))
 
 
+@pytest.mark.slow
 def test_the_summary_is_pooled_accuracy_with_its_wilson_interval(evaluated):
     rows, summary = evaluated
     assert len(summary) == 4
@@ -94,6 +96,7 @@ def test_the_interval_pools_the_answers_of_a_length_and_budget():
     assert summary.loc[128, ["accuracy", "ci_high", "item_chance"]].tolist() == pytest.approx([1.0, 1.0, 0.5])
 
 
+@pytest.mark.slow
 def test_the_same_inputs_write_the_same_files(run_dir, evaluated, tmp_path):
     assert main([str(run_dir / "checkpoint.pt"), *ARGS, "--out", str(tmp_path)]) == 0
     for name in ("eval.csv", "eval_summary.csv"):
@@ -112,6 +115,7 @@ def test_the_same_inputs_write_the_same_files(run_dir, evaluated, tmp_path):
     (["--out", "/proc"], "--out='/proc' cannot be written (No such file or directory)"),
     (["--device", "tpu"], "--device='tpu' is unknown; allowed: auto, cuda, cpu"),
 ])
+@pytest.mark.slow  # run_dir: a training run
 def test_a_bad_option_is_one_line_and_writes_nothing(run_dir, tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
         main([str(run_dir), "--out", str(tmp_path), *args])

@@ -48,6 +48,7 @@ def test_the_recipe_is_the_tiny_model_on_long_sequences():
     assert cfg.cost.name == "roofline" and cfg.cluster.gpus_per_node == 1
 
 
+@pytest.mark.slow
 def test_the_recipe_trains_and_its_checkpoint_evaluates_on_the_cpu(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",

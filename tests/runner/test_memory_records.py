@@ -56,6 +56,7 @@ def raw(path: Path) -> pd.DataFrame:
     return pd.read_csv(path, dtype=str, keep_default_na=False)
 
 
+@pytest.mark.slow
 def test_cpu_run_leaves_the_peak_memory_cells_empty_and_counts_no_compilations(cpu_run):
     rows = raw(cpu_run / "micro_batches.csv")
     assert len(rows) == STEPS * 2 and rows["peak_memory_gb"].tolist() == [""] * len(rows)
@@ -68,6 +69,7 @@ def test_cpu_run_leaves_the_peak_memory_cells_empty_and_counts_no_compilations(c
     assert json.loads((cpu_run / "summary.json").read_text())["peak_memory_gb"] is None
 
 
+@pytest.mark.slow
 def test_compare_prices_each_rank_and_stage_as_sim_run_and_leaves_measured_empty(cpu_run, tmp_path):
     from sparsebalance.runner.compare import main
     from sparsebalance.sim.config import compose_config
@@ -86,6 +88,7 @@ def test_compare_prices_each_rank_and_stage_as_sim_run_and_leaves_measured_empty
     assert json.loads((run / "compare.json").read_text())["peak_memory_max_abs_error_pct"] is None
 
 
+@pytest.mark.slow
 def test_compare_gives_the_relative_error_of_a_measured_peak(cpu_run, tmp_path):
     from sparsebalance.runner.compare import main
 

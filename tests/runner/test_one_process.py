@@ -15,6 +15,7 @@ import pytest
 from equivalence import LR, RUNNER, SHARED, check_loss_and_gradients, check_plans, layout_overrides, plans_of, probe
 from sparsebalance.runner.compare import main as compare_main
 
+pytestmark = pytest.mark.slow  # every test trains or launches runs
 ROOT = Path(__file__).resolve().parents[2]
 ONE_PROCESS = "runner.one_process=true"
 

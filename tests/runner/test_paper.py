@@ -21,6 +21,7 @@ from sparsebalance.runner.train import build_planner, compose
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.run import simulate
 
+pytestmark = pytest.mark.slow  # one 8-rank torchrun, the paper's layout as users launch it
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = ["+experiment=paper", "policy=sparsebalance"]
 # Qwen2.5-3B's 36 layers of width 2048 and 8K-token sequences become 4 layers of width 32 and sequences of

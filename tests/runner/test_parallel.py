@@ -14,6 +14,9 @@ from equivalence import (
 )
 
 
+pytestmark = pytest.mark.slow  # a torchrun per layout and a resumed one
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def run(request, once) -> tuple[str, Path]:
     """The layout's one-step run (equivalence.one_step_run), launched once per session: the four checks of a

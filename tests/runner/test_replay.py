@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +30,6 @@ from sparsebalance.sim.run import simulate
 from sparsebalance.sim.setup import prepare
 from sparsebalance.sim.workload import truth_of
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "cost=roofline", "cost.block_size=32", "cluster.gpus_per_node=4", "layout.pp=2", "layout.micro_batches=2",
     "model.hidden=32", "model.layers=2", "model.heads=2", "model.kv_heads=1", "model.head_dim=16",
@@ -117,6 +114,7 @@ def sim_results(tmp_path, overrides, name):
     return run, run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", POLICIES)
 def test_cost_model_times_reproduce_the_simulators_steps(cost_timed, tmp_path, name):
     run, sim_dir = sim_results(tmp_path, TINY, name)
@@ -136,12 +134,14 @@ def test_cost_model_times_reproduce_the_simulators_steps(cost_timed, tmp_path, n
     assert comparison["communication"] == "modelled"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", POLICIES)
 def test_plans_are_the_simulators_byte_for_byte(cost_timed, name):
     expected = "".join(p + "\n" for p in simulate(compose_config(TINY), policy_variant(name)).results.plans)
     assert (cost_timed / dir_name(name) / "plans.jsonl").read_bytes() == expected.encode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["layout.pp=2"], ["layout.pp=1", "layout.micro_batches=3"]], ids=["pp2", "pp1"])
 def test_per_stage_times_compose_through_the_engines_schedule(tmp_path, layout):
     """Times that differ per rank, micro-batch, stage and phase: the step is the engine's 1F1B over them plus
@@ -295,9 +295,10 @@ def test_an_out_dir_that_cannot_be_made_is_refused_before_the_replay(tmp_path, c
     assert captured.err.startswith(f"error: --out='{tmp_path / 'file' / 'out'}' cannot be written (Not a directory)")
 
 
-def test_an_out_dir_with_files_is_refused_from_the_command_line(tmp_path):
+def test_an_out_dir_with_files_is_refused_and_left_as_it_was(tmp_path, capsys):
     (tmp_path / "kept.txt").write_text("mine")
-    proc = subprocess.run([sys.executable, "-m", "sparsebalance.runner.replay", *TINY, "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not an empty directory" in proc.stderr
+    with pytest.raises(SystemExit) as exc:
+        main([*TINY, "--out", str(tmp_path)])
+    stderr = capsys.readouterr().err
+    assert exc.value.code == 2 and stderr.count("\n") == 1 and "not an empty directory" in stderr
     assert [p.name for p in tmp_path.iterdir()] == ["kept.txt"]

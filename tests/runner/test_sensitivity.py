@@ -28,6 +28,7 @@ from sparsebalance.sim.workload import Workload
 from pinned import PINNED_OVERRIDES
 from tiny import TINY_ONE_RANK
 
+pytestmark = pytest.mark.slow  # every test reads the checkpoint of a training run
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 2
 # The tiny run: two layers, block size 32, context 512.

@@ -111,6 +111,7 @@ def floor_run(once) -> pd.DataFrame:
                         lambda run_dir: train(run_dir, f"+policy.sparsity.params.p_floor={FLOOR}")))
 
 
+@pytest.mark.slow
 def test_the_runner_trains_the_plans_top_k_budgets(topk_run):
     """Without a floor a top-k row keeps min(k, its causal blocks) whatever the scores: every sequence's
     recorded kept fraction (mean over the layers) is the closed form of its Plan's k."""
@@ -122,6 +123,7 @@ def test_the_runner_trains_the_plans_top_k_budgets(topk_run):
     assert (want < 1).sum() >= 3, "the run must drop blocks"
 
 
+@pytest.mark.slow
 def test_a_floor_keeps_at_least_the_top_k_blocks(floor_run):
     rows = floor_run
     assert (rows["p_floor"] == FLOOR).all()
