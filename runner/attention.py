@@ -5,26 +5,17 @@ per-sequence budgets, returning the kernel's selection stats alongside the outpu
 Backends of our kernel: ``kernel`` lets the kernel package choose (Triton on CUDA tensors, its PyTorch reference
 on CPU tensors, so CPU training never goes through the Triton interpreter); ``triton`` and ``naive`` force one.
 
-Which kernel runs a micro-batch is the cost model's choice (``sim.backends.choose``, the simulator's), made at
-the kept fractions the planner expects of its budgets (:func:`micro_batch_backends`): ``ours`` everywhere by
-default; ``dense_best`` the dense backend the profile prices fastest; ``hybrid`` the faster of that and ours at
-the budgets. A dense backend keeps every causal block, so its sequences report kept fraction and coverage 1.
+Which kernel runs a micro-batch is the cost model's choice (``runner.dense``). A dense backend keeps every causal
+block, so its sequences report kept fraction and coverage 1. This module needs torch and the kernels only (the
+calibration's measuring side runs it on machines without Hydra).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from sparsebalance.kernels.backends import BackendAbsent, load
 from sparsebalance.kernels.sparse_attention import sparse_attention
-from sparsebalance.sim.backends import OURS
-from sparsebalance.sim.cluster import Layout
-from sparsebalance.sim.core import ConfigError
-from sparsebalance.sim.cost import CostModel
-from sparsebalance.sim.estimate import Belief
-from sparsebalance.sim.plan import BudgetArrays, Plan
 
 BACKENDS = {"kernel": "auto", "triton": "triton", "naive": "naive"}
 
@@ -78,40 +69,3 @@ def make_attention(backend: str, block_size: int):
         return o, sel.kept_fraction, sel.coverage
 
     return attend
-
-
-def load_dense(cost: CostModel, key: str, cp: int) -> dict[str, object]:
-    """The dense backends a run's micro-batches may run on, loaded by name: under ``dense_best`` and ``hybrid``
-    every one the cost model prices (its choice may fall on any of them), under ``ours`` none. One ConfigError
-    line, naming ``key`` (the config key that chose the mode), where one cannot run here or the processes hold
-    CP shards (the dense backends run whole documents)."""
-    mode = cost.attention_backend
-    if mode == OURS:
-        return {}
-    if cp > 1:
-        raise ConfigError(f"{key}={mode} with layout.cp={cp}: the runner runs a dense backend on whole documents "
-                          f"only; allowed: {key}={OURS} with cp > 1, or layout.cp=1 (or runner.one_process=true)")
-    loaded = {}
-    for name in cost.dense_backends():
-        try:
-            loaded[name] = load(name)
-        except (BackendAbsent, ValueError) as exc:
-            raise ConfigError(f"{key}={mode}: the cost profile prices the dense backend {name}, which cannot run "
-                              f"here ({exc}); allowed: {key}={OURS}, or a machine where "
-                              f"{', '.join(cost.dense_backends())} load (the peers extra on a GPU)") from None
-    return loaded
-
-
-def micro_batch_backends(plan: Plan, cost: CostModel, layout: Layout, belief: Belief | None) -> np.ndarray:
-    """``[dp, m]``: the backend that runs each micro-batch's attention, as the cost model decides it
-    (``MicroBatchCosts.backend``: the simulator's decision) at the kept fractions the planner expects of the
-    Plan's budgets, the mean over its belief's samples. (The simulator's engine decides at the data's truth,
-    which the runner's planner does not know.)"""
-    dp, m = layout.dp, layout.micro_batches
-    if cost.attention_backend == OURS:
-        return np.full((dp, m), OURS)
-    rank, mb, lengths, ids = (np.array([getattr(a, f) for a in plan.assignments], dtype=np.int64)
-                              for f in ("dp_rank", "micro_batch", "length", "seq_id"))
-    kept = BudgetArrays.of(a.budget for a in plan.assignments).kept(cost, lengths[None], belief.at(ids))
-    costs = cost.micro_batch_costs(lengths, kept.mean(axis=0), rank * m + mb, dp * m, layout)
-    return costs.backend.reshape(dp, m)

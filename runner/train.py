@@ -30,7 +30,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sparsebalance.runner.attention import load_dense, micro_batch_backends
+from sparsebalance.runner.dense import load_dense, micro_batch_backends
 from sparsebalance.runner.capacity import check_fits, device_capacity
 from sparsebalance.runner.config import register
 from sparsebalance.runner.device import check_attention, device_type
@@ -62,7 +62,7 @@ class StepPlanner:
 
     workload: Workload
     planner: Planner
-    # the dense attention backends the run's micro-batches may run on, loaded (runner.attention.load_dense)
+    # the dense attention backends the run's micro-batches may run on, loaded (runner.dense.load_dense)
     dense: dict = field(default_factory=dict)
 
     @property
