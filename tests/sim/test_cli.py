@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.sim_speed import main as sim_speed_main
 from pinned import pinned
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +22,7 @@ def sim_run(run_dir, *overrides):
     )
 
 
+@pytest.mark.slow
 def test_same_seed_gives_byte_identical_files(tmp_path):
     runs = [sim_run(tmp_path / name, "policy=kk", "seed=7") for name in ("a", "b")]
     for run in runs:
@@ -32,12 +34,14 @@ def test_same_seed_gives_byte_identical_files(tmp_path):
     assert "results:" in runs[0].stdout and "speedup" in runs[0].stdout
 
 
+@pytest.mark.slow
 def test_different_seed_changes_results(tmp_path):
     for seed in (1, 2):
         assert sim_run(tmp_path / str(seed), f"seed={seed}").returncode == 0
     assert (tmp_path / "1" / "steps.csv").read_bytes() != (tmp_path / "2" / "steps.csv").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_run_without_plans_leaves_no_plans_file_not_even_an_earlier_runs(tmp_path):
     assert sim_run(tmp_path, "seed=1").returncode == 0
     assert (tmp_path / "plans.jsonl").stat().st_size > 0
@@ -51,8 +55,8 @@ def test_a_run_without_plans_leaves_no_plans_file_not_even_an_earlier_runs(tmp_p
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--policies", "baseline,nope"], "--policies: unknown nope; allowed: "),
 ], ids=["steps", "policy"])
-def test_sim_speed_benchmark_bad_arguments_are_one_line(args, message):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.sim_speed", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert message in proc.stderr.splitlines()[-1]
+def test_sim_speed_benchmark_bad_arguments_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        sim_speed_main(args)
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and len(stderr.splitlines()) == 1 and message in stderr, stderr

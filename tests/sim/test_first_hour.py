@@ -232,6 +232,7 @@ def temporaries(path: Path) -> list[Path]:
     return [p for p in path.rglob("*") if TEMPORARY.match(p.name)] if path.exists() else []
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_run_removes_its_directory(tmp_path):
     run = tmp_path / "run"
     code, err = interrupt(["sim.run", f"hydra.run.dir={run}", "steps=30000", *pinned()],
@@ -240,6 +241,7 @@ def test_ctrl_c_in_a_run_removes_its_directory(tmp_path):
     assert not run.exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_sweep_keeps_finished_jobs_only(tmp_path):
     sweep = tmp_path / "sweep"
     code, err = interrupt(["sim.run", "-m", f"hydra.sweep.dir={sweep}", "steps=1,30000", "hydra.launcher.n_jobs=2",
@@ -259,6 +261,7 @@ def test_ctrl_c_in_a_comparison_is_one_line():
     assert code == 130 and err == ["interrupted"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_training_keeps_the_steps_written_and_says_so(tmp_path):
     pytest.importorskip("torch")
     run = tmp_path / "run"

@@ -218,6 +218,7 @@ def run_cli(*args, cwd):
                           env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_unfittable_sequence_through_sim_run_is_one_line_and_leaves_nothing(tmp_path):
     # Qwen2.5-3B without checkpointing on one stage: a ~29K-token sequence alone needs about 178 GB
     # the error comes mid-run, after Hydra made the run dir (and its parent): both are removed again

@@ -85,6 +85,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 def test_priced_bytes_are_what_the_fused_selection_allocates():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT, json.dumps(CASES)], cwd=ROOT, env=env,
