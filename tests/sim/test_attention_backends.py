@@ -2,8 +2,6 @@
 the break-even table, on a fixture profile whose dense terms are made up (tests/fixtures/README.md)."""
 import copy
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ from omegaconf import OmegaConf
 from pinned import BACKENDS_PROFILE, PINNED_PROFILE
 from sparsebalance.sim.backends import choose
 from sparsebalance.sim.breakeven import ALWAYS, NEVER, break_even, table
+from sparsebalance.sim.breakeven import main as breakeven_main
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.compare import default_lists
 from sparsebalance.sim.config import AttentionBackend, compose_config, policy_cost
@@ -219,12 +218,11 @@ def test_break_even_table_says_always_and_never(tmp_path):
     assert (table(cost_for(profile=slow), lengths=(65536,))["ours vs fa4"] == ALWAYS).all()
 
 
-def test_break_even_command_prints_the_table_and_refuses_a_profile_without_dense_backends():
-    run = subprocess.run([sys.executable, "-m", "sparsebalance.sim.breakeven", f"cost.profile={BACKENDS_PROFILE}"],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
+def test_break_even_command_prints_the_table_and_refuses_a_profile_without_dense_backends(capsys):
+    assert breakeven_main([f"cost.profile={BACKENDS_PROFILE}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert "ours vs fa4" in lines[1] and lines[2].split()[0] == "1K" and lines[-1].split()[0] == "128K"
-    run = subprocess.run([sys.executable, "-m", "sparsebalance.sim.breakeven", f"cost.profile={PINNED_PROFILE}"],
-                         capture_output=True, text=True)
-    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "prices no dense" in run.stderr
+    with pytest.raises(SystemExit) as exited:
+        breakeven_main([f"cost.profile={PINNED_PROFILE}"])
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and stderr.count("\n") == 1 and "prices no dense" in stderr
