@@ -34,6 +34,7 @@ def test_only_a_completed_job_that_asks_draws(sweep_copy, status, plot, drawn):
     assert (job_dir / "figures").exists() is drawn
 
 
+@pytest.mark.slow
 def test_a_sweep_draws_every_job(tmp_path):
     done = sim_run("-m", "policy=baseline,kk", "steps=1", "layout.micro_batches=4", "baseline=null", "plot=true",
                    f"hydra.sweep.dir={tmp_path}")

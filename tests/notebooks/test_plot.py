@@ -65,6 +65,7 @@ def test_timeline_replays_the_recorded_step(sweep):
     assert_legible(plot_timeline(traces))
 
 
+@pytest.mark.slow
 def test_sim_run_draws_a_pipeline_timeline_when_asked(tmp_path):
     done = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", "policy=kk", "steps=1", "layout.pp=2",
                            "layout.micro_batches=4", "baseline=null", "plot=true", f"hydra.run.dir={tmp_path}",
