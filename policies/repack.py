@@ -70,4 +70,3 @@ def _best_move(memory, rows, rank, mb, state, worst: int, inside: bool):
                 if key < now and (best_key is None or key < best_key):
                     best, best_key = (i, target, j, new_worst, new_target), key
     return best
-
