@@ -7,13 +7,13 @@ the figures the notebooks show. Each PATH is one of:
   bubble per policy, the speed/coverage frontier, and the per-rank timeline of one step (baseline vs
   sparsebalance, else the fastest other policy) for simulated runs; simulator-predicted vs runner-measured
   step times for runner runs (runner.compare's replay);
-* runner.collect's tables of several runner runs (``runner/results/learning_*``): learning curves (50-step
+* runner.collect's tables of several runner runs (``results/runner/learning_*``): learning curves (50-step
   mean training accuracy per run, coloured by run name without ``_s<seed>``) and held-out accuracy per run;
 * a cost profile (``calibrate/profiles/<gpu>.json``): its fitted model against the raw measurements beside
   it, residuals, and predicted vs measured whole layers;
-* a grid CSV of ``python -m benchmarks.attention`` (``benchmarks/results/attention_h200.csv``): our kernel vs
+* a grid CSV of ``python -m benchmarks.attention`` (``results/attention/attention_h200.csv``): our kernel vs
   FlexAttention vs dense cuDNN, and the cost model against it; or its ``--fair`` CSV
-  (``benchmarks/results/attention_fair_h100.csv``): each peer's time over ours per sparsity and head layout.
+  (``results/attention/attention_fair_h100.csv``): each peer's time over ours per sparsity and head layout.
 
 Figures go to ``<name>.<format>`` in the output directory; where several PATHs share one, each PATH's figures
 are ``<its name>-<name>.<format>``, so that no input overwrites another's.

@@ -5,7 +5,7 @@ Tolerances (absolute, on unit-normal inputs, outputs and gradients of order 1):
            online-softmax rescaling (observed ~1e-6).
   float16: 5e-3 — inputs and P/dS are rounded to fp16 (eps 1e-3) before each dot; accumulation is fp32.
 bf16 is not testable in the interpreter (tl.dot on bf16 reads raw bits, triton#11584) and is checked on the
-GPU by ``python -m benchmarks.attention --check`` (results in benchmarks/results/attention_h200_check.csv).
+GPU by ``python -m benchmarks.attention --check`` (results in results/attention/attention_h200_check.csv).
 """
 from __future__ import annotations
 
