@@ -262,7 +262,7 @@ def test_cli_plots_the_rest_of_a_sweep_and_warns_in_one_line(sweep_copy, tmp_pat
 
 
 def test_committed_h200_runner_runs_replay():
-    runs = read_runs(ROOT / "results" / "runner" / "h200_qmajor")
+    runs = read_runs(ROOT / "tests" / "fixtures" / "h200_qmajor_runs")
     frame = fidelity_frame(runs, skip=4)
     assert set(frame["group"]) == {"baseline", "sparsebalance"} and frame["step"].min() == 4
     assert_legible(plot_step_fidelity(frame))

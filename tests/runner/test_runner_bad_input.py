@@ -243,7 +243,7 @@ def test_a_key_the_schema_gained_is_read_from_the_runs_cluster(run, capsys):
 def test_the_committed_qmajor_runs_read_their_clusters_hbm():
     """Their configs predate cluster.hbm_gb; read only, nothing written."""
     for policy in ("baseline", "sparsebalance"):
-        cfg = compare._config(ROOT / "results/runner/h200_qmajor" / policy / ".hydra/config.yaml")
+        cfg = compare._config(ROOT / "tests/fixtures/h200_qmajor_runs" / policy / ".hydra/config.yaml")
         assert cfg.cluster.name == "h200" and cfg.cluster.hbm_gb == 141.0
 
 
