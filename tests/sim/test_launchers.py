@@ -3,6 +3,7 @@ Slurm config, and its local executor run for real), and the Optuna sweeper over 
 (hydra/sweeper=dst_optuna): the value each job returns, the up-front checks of a search space, one-line errors."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +11,15 @@ from pathlib import Path
 import pytest
 import yaml
 from hypothesis import given
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 from hypothesis import strategies as st
 
 from pinned import pinned
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.config import compose_config
-from sparsebalance.sim.run import (COVERAGE_TOLERANCE, check_composition, hydra_config, objective, search_corners,
-                                   simulate)
+from sparsebalance.sim.run import (COVERAGE_TOLERANCE, apply_values, check_composition, hydra_config, objective,
+                                   parse, search_corners, simulate)
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("micro_batches.csv", "steps.csv", "summary.json", "plans.jsonl")
@@ -140,3 +143,35 @@ def test_a_bad_sweeper_option_stops_the_command_before_it_writes(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and err.splitlines() == ["error: hydra.sweeper.n_trials=-1 is out of range; allowed: >= 1"]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("policy.sparsity.params.floor=0.7", "policy.sparsity.params.floor", 0.7),
+    ("++policy.sparsity.params.floor=0.75", "policy.sparsity.params.floor", 0.75),
+    ("+extra.note=1", "extra.note", 1),
+    ("++extra.other=x", "extra.other", "x"),
+])
+def test_a_search_corner_applies_as_hydra_applies_it(override, key, value):
+    """Hydra's rules, through OmegaConf's public API: key=value sets a key that exists, + adds one, ++ does
+    either; the composed config's schema still types every value."""
+    cfg = compose_config(["policy=sparsebalance"])
+    apply_values(cfg, parse([override]))
+    assert OmegaConf.select(cfg, key) == value
+
+
+@pytest.mark.parametrize("override, error", [
+    ("+policy.sparsity.params.floor=0.7", "could not override 'policy.sparsity.params.floor': it exists already"),
+    ("policy.sparsity.params.flor=0.7", "it is not in the config (did you mean 'floor'?)"),
+    ("~policy.sparsity.params.floor", "deletes it; allowed: key=value"),
+])
+def test_a_search_corner_that_hydra_would_refuse_is_refused(override, error):
+    cfg = compose_config(["policy=sparsebalance"])
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        apply_values(cfg, parse([override]))
+
+
+def test_a_search_corner_of_the_wrong_type_is_refused_by_the_schema():
+    cfg = compose_config(["policy=sparsebalance"])
+    with pytest.raises(ValidationError, match="layout.cp"):
+        apply_values(cfg, parse(["layout.cp=two"]))
+
