@@ -11,6 +11,7 @@ timed at sparsity 0 on the unaligned batch: their work does not depend on the sp
 With ``--profile`` (a cost profile that prices dense backends) every sparsity also times ``hybrid``: ours or the
 dense backend, whichever the profile prices faster for this batch at ours' kept fractions (``backend`` names
 it): the choice ``cost.attention_backend=hybrid`` makes in the simulator and the runner (sim.backends.choose).
+The dense kernels then run in every sparsity's turns too, so that hybrid is held against them timed beside it.
 """
 from __future__ import annotations
 
@@ -178,7 +179,9 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
         fns["flex_flash_exact"] = sticky.fns("flash", lambda: probed(flex_pair(flex, batch["al_heads"], exact, G,
                                                                                     {"BACKEND": "FLASH"})))
     for name, impl in DENSE_IMPLS.items():
-        if sp == 0.0 and impl in wanted:
+        # their work does not depend on the sparsity; with hybrid they run in every point's turns, so that hybrid
+        # is held against them timed beside it, not in another point's turns
+        if (sp == 0.0 or args.hybrid is not None) and impl in wanted:
             fns[impl] = sticky.fns(f"{impl}_{heads}", lambda name=name: probed(dense_backend_fns(name, *un[:4], un[5])))
     if args.hybrid is not None:
         choice = hybrid_choice(args.hybrid[heads], un[5], batch["unaligned_sel"].kept_fraction.cpu().numpy())

@@ -84,7 +84,8 @@ def fair_table(df) -> str:
     lines = ["| heads | sparsity | kept | ours, unaligned: ms (TFLOP/s) | ours, aligned: ms (TFLOP/s) | "
              + " | ".join(titles) + " |", "| --- " * (5 + len(titles)) + "|"]
     timed = df[df.fwdbwd_ms.notna()]
-    dense = timed[timed.impl.isin(DENSE_IMPLS.values())].set_index(["heads", "impl"]).fwdbwd_ms
+    # the dense kernels at sparsity 0, where a point did not time them itself (their work is the same at any)
+    dense = timed[timed.impl.isin(DENSE_IMPLS.values()) & (timed.sparsity == 0)].set_index(["heads", "impl"]).fwdbwd_ms
     notes = []
     for (heads, sp), g in timed.groupby(["heads", "sparsity"], sort=False):
         g = g.set_index("impl")
@@ -98,10 +99,11 @@ def fair_table(df) -> str:
                 f"{ms:.2f} ({ms / g.fwdbwd_ms[ours_of[impl]]:.2f}x)"
 
         kept = g.kept_fraction.get("triton_sparse", float("nan"))
-        cells = [peer(i) for i, _ in columns] + ([hybrid_cell(g, dense.get(heads))] if hybrid else [])
+        here = point_dense(g, dense.get(heads))
+        cells = [peer(i) for i, _ in columns] + ([hybrid_cell(g, here)] if hybrid else [])
         lines.append(f"| {heads} | {sp:g} | {kept:.3f} | {ours('triton_sparse')} | {ours('triton_sparse_aligned')} | "
                      + " | ".join(cells) + " |")
-        notes += hybrid_note(g, dense.get(heads), heads, sp) if hybrid else []
+        notes += hybrid_note(g, here, heads, sp) if hybrid else []
     absent = df[df.error.fillna("").str.startswith("absent")].drop_duplicates("impl")
     notes += [f"* {dict(FAIR_COLUMNS).get(r.impl, r.impl)}: {r.error}" for r in absent.itertuples()]
     padded = df[df.impl == "flex_padded"].dropna(subset=["padded_T"]).head(1)
@@ -111,6 +113,13 @@ def fair_table(df) -> str:
 
 
 HYBRID_TITLE = "hybrid: ms, backend (fastest dense's ms / hybrid's, ours' / hybrid's)"
+
+
+def point_dense(g, fallback):
+    """The dense kernels' ms that hybrid is held against at one point: those timed in the same turns where the
+    run timed them at every sparsity (``--profile``), else ``fallback``, their sparsity-0 times."""
+    here = g.fwdbwd_ms[g.index.isin(list(DENSE_IMPLS.values()))]
+    return here if len(here) else fallback
 
 
 def hybrid_cell(g, dense) -> str:
@@ -126,7 +135,7 @@ def hybrid_cell(g, dense) -> str:
 
 def hybrid_note(g, dense, heads: str, sp: float) -> list[str]:
     """A note where the option the profile chose ran slower than another that this point timed (ours here, a
-    dense kernel at sparsity 0)."""
+    dense kernel here or at sparsity 0)."""
     if "hybrid" not in g.index or "triton_sparse" not in g.index:
         return []
     options = {"ours": g.fwdbwd_ms["triton_sparse"]}

@@ -201,6 +201,20 @@ def test_fair_table_shows_hybrid_against_the_fastest_dense_kernel_and_ours(tmp_p
                              "(0.86x)"]
 
 
+def test_hybrid_is_held_against_the_dense_kernels_timed_in_its_own_turns(tmp_path, capsys):
+    """Where the run timed the dense kernels at a point too (``--fair --profile`` does at every sparsity), hybrid's
+    ratio and the note read those, not the sparsity-0 times from other turns."""
+    point = ("packed64k,16:16,62567,49,,0.25,0.75,fa4_varlen_dense,1.9,7.5,300,380,,\n"
+             "packed64k,16:16,62567,49,,0.25,0.75,cudnn_per_document_dense,2.0,8.2,290,350,,\n")
+    path = tmp_path / "fair.csv"
+    path.write_text(FAIR_HYBRID_CSV + point)
+    cli.main(["--table", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].rsplit("|", 2)[1].strip() == "7.00 ours (1.07x, 1.00x)"
+    assert "* hybrid at 16:16, sparsity 0.25" not in lines  # ours beat the fa4 timed beside it
+    assert lines[3].split("|")[-3].strip() == "7.50 (1.07x)"  # fa4's column shows the time of its own turns
+
+
 def test_hybrid_takes_the_profiles_choice_for_the_fair_batch():
     """The fair batch priced by the fixture profile: its dense fa4 beats ours keeping every block, ours wins
     keeping only the diagonal blocks (the simulator's and the runner's hybrid choice)."""
