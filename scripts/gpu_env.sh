@@ -46,7 +46,7 @@ PY
 peers_environment() {
   # The dense attention backends the cost profiles price (kernels.backends): cuDNN comes with torch; FlashAttention-4
   # and CUTLASS's Python DSL (the peers extra) from the wheels in .whl/ where the machine lacks them, under
-  # /tmp/peers/site, with the DSL's CUDA 13 libraries from .whl/cu13.txz.* (an installed
+  # /tmp/peers/site, with the DSL's CUDA 13 libraries from cu13.txz.* in .whl/ and PEERS_PARTS (an installed
   # nvidia-cutlass-dsl-libs-cu13, xz-compressed, split in parts). CUTLASS's `cutlass` package sits in
   # nvidia_cutlass_dsl/dsl_packages, which a wheel's .pth adds only in a site directory, so it goes on PYTHONPATH.
   # Prints which backends load and one line for each that does not; without a GPU none of them runs.
@@ -58,7 +58,14 @@ peers_environment() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peers/site \
       .whl/flash_attn_4-*.whl .whl/nvidia_cutlass_dsl*.whl .whl/apache_tvm_ffi-*.whl .whl/torch_c_dlpack_ext-*.whl \
       .whl/quack_kernels-*.whl .whl/einops-*.whl || return 1
-    cat .whl/cu13.txz.* | xz -dc | tar x -C /tmp/peers/site || return 1
+    # The parts come from .whl/ and from PEERS_PARTS: they do not fit one device call beside the wheels, so an
+    # earlier call on the same machine leaves the last one there (cp .whl2/cu13.txz.01 /tmp/peers_parts/).
+    local parts
+    parts=$(for f in .whl/cu13.txz.* "${PEERS_PARTS:-/tmp/peers_parts}"/cu13.txz.*; do
+      [ -f "$f" ] && echo "$(basename "$f") $f"
+    done | sort | cut -d' ' -f2)
+    # shellcheck disable=SC2086
+    cat $parts | xz -dc | tar x -C /tmp/peers/site || return 1
     export PYTHONPATH="$PYTHONPATH:/tmp/peers/site:/tmp/peers/site/nvidia_cutlass_dsl/dsl_packages"
   fi
   python3 -c "
