@@ -224,6 +224,9 @@ def cli() -> None:
     """Check the run, then train; Ctrl-C reaches every rank: each removes its run directory if it never got
     results, and rank 0 ends with one line, exit code 130."""
     argv, world = preset_overrides(sys.argv[1:]), World.from_env()  # experiment=<name> or +experiment=<name>
+    if "--help" in argv or "-h" in argv:  # Hydra's help, before the checks that need a launched world
+        sys.argv[1:] = argv
+        return main()
     try:
         check_inputs(argv, world)
         argv, outputs = pin_output_dir(argv, fixed_overrides(command_overrides(argv)), is_sweep(argv), "runner")

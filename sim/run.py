@@ -72,10 +72,16 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
         results.add(outcome.record, outcome.rows, plan.to_json() if cfg.write_plans else None)
         kept.append(outcome.kept)
     summary = results.summary(
-        policy=policy.name, dp=layout.dp, cp=layout.cp, pp=layout.pp, micro_batches=layout.micro_batches,
+        policy=row_label(policy), dp=layout.dp, cp=layout.cp, pp=layout.pp, micro_batches=layout.micro_batches,
         gpus=layout.gpus, seed=cfg.seed, model=cfg.model.name, workload=cfg.workload.name, cost=cfg.cost.name,
     )
     return RunOutput(results, summary, kept)
+
+
+def row_label(policy: PolicyConfig) -> str:
+    """The policy's name, marked ``oracle: `` where it plans with the data's truth: a bound, never a result."""
+    oracle = str(getattr(policy.estimator, "value", policy.estimator)) == "oracle"
+    return f"oracle: {policy.name}" if oracle else policy.name
 
 
 def run(cfg: DictConfig, run_dir: Path) -> float | None:

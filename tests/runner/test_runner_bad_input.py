@@ -283,3 +283,12 @@ def test_an_out_ending_in_json_is_refused(run, tmp_path, capsys):
     line = refused([str(run), "--profile", str(PINNED_PROFILE), "--out", str(tmp_path / "all.json")], capsys)
     assert "names the CSV, and its JSON goes to the same path with .json" in line
     assert list(tmp_path.iterdir()) == [run]
+
+
+@pytest.mark.slow
+def test_help_is_hydras_help_before_any_check_of_the_launched_world():
+    """``--help`` outside torchrun: the groups and the config, exit 0, not the world-size check's error."""
+    proc = subprocess.run([sys.executable, "-m", "sparsebalance.runner.train", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "== Configuration groups ==" in proc.stdout and "runner:" in proc.stdout

@@ -132,6 +132,14 @@ def test_the_oracle_needs_the_truth_that_only_the_simulator_has():
         make_estimator("oracle", lambda lengths: (lengths, lengths), seed=0)
 
 
+def test_a_run_that_plans_with_the_oracle_is_labelled_a_bound():
+    """sim.run takes policy.estimator=oracle (the simulator has the truth), but its row and summary say so."""
+    cfg = compose_config(["policy=sparsebalance", "steps=1", "baseline=null"])
+    blind, oracle = (simulate(cfg, OmegaConf.merge(cfg.policy, {"estimator": estimator})).summary["policy"]
+                     for estimator in ("online", "oracle"))
+    assert (blind, oracle) == ("sparsebalance", "oracle: sparsebalance")
+
+
 def test_a_plan_carries_no_sensitivity_and_top_k_budgets_survive_json():
     plan = Plan.of(3, 1, 1, (Assignment(1, 4096, 0, 0, Budget(top_k=32, p_floor=0.8)), Assignment(2, 512, 0, 0)))
     text = plan.to_json()
