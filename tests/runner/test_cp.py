@@ -13,15 +13,15 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cp_worlds import run_cp_cases
 from equivalence import (
     ALL_LAYOUTS, CP_LAYOUTS, ROOT, check_compare, check_loss_and_gradients, check_plans, check_rows,
     first_step_selection, launch, layout_overrides, one_process, plans_of, RUNNER, truth_of_run,
 )
 from sparsebalance.kernels.sparse_attention import sparse_attention
-from sparsebalance.runner.cp import Ring, Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
+from sparsebalance.runner.cp import Shards, attention_piece, make_cp_attention, merge_pieces, shard_bounds
 from sparsebalance.runner.cp_kernel import make_cp_kernel_attention
 from sparsebalance.runner.dist import World
 from sparsebalance.runner.train import check_inputs
@@ -64,30 +64,10 @@ IMPLEMENTATIONS = {
 
 
 def _worker(rank: int, out: str) -> None:
-    """Every (case, implementation) in turn, on the ranks below the case's cp: each one a gloo world of its own
-    cp ranks (the file store in its own directory), as a spawn of cp processes has it, without the start-up
-    of new processes (which import torch and this module: more than the attention itself costs)."""
-    torch.set_num_threads(1)
-    for case, (cp, lengths, p, kf) in CASES.items():
-        if rank >= cp:
-            continue
-        for impl, make in IMPLEMENTATIONS.items():
-            where = Path(out) / f"{case}-{impl}"
-            where.mkdir(exist_ok=True)
-            dist.init_process_group("gloo", init_method=f"file://{where / 'store'}", rank=rank, world_size=cp)
-            try:
-                q, k, v, g, cu = _inputs(lengths)
-                shards = Shards.build(cu, cp, rank)
-                mine = shards.mine
-                ql, kl, vl = (x[mine].clone().requires_grad_() for x in (q, k, v))
-                ring = Ring(dist.new_group(list(range(cp))), tuple(range(cp)), rank)
-                o, kept, cov = make(ring)(ql, kl, vl, shards, _budgets(p, kf, len(lengths)))
-                o.backward(g[mine])
-            except Exception as err:
-                raise RuntimeError(f"{case} with the {impl} CP attention, cp rank {rank}") from err
-            torch.save({"index": mine, "o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "kept": kept,
-                        "coverage": cov}, where / f"rank{rank}.pt")
-            dist.destroy_process_group()
+    """Every case with every implementation (cp_worlds.run_cp_cases)."""
+    cases = {case: (cp, lambda lengths=lengths, p=p, kf=kf: (*_inputs(lengths), _budgets(p, kf, len(lengths))))
+             for case, (cp, lengths, p, kf) in CASES.items()}
+    run_cp_cases(rank, out, cases, IMPLEMENTATIONS)
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cp_worlds import run_cp_cases
 from sparsebalance.kernels.sparse_attention import sparse_attention
 from sparsebalance.runner.attention import budget_keywords
-from sparsebalance.runner.cp import Ring, Shards, make_cp_attention, shard_micro_batch
+from sparsebalance.runner.cp import make_cp_attention, shard_micro_batch
 from sparsebalance.runner.cp_kernel import make_cp_kernel_attention
 from sparsebalance.runner.data import pack
 from sparsebalance.runner.task import TaskConfig
@@ -158,24 +158,10 @@ def _cp_inputs(lengths, top_k, floor):
 
 
 def _cp_worker(rank: int, out: str) -> None:
-    """Every (case, implementation) on the ranks below the case's cp, each a gloo world of its own."""
-    torch.set_num_threads(1)
-    for case, (cp, lengths, top_k, floor) in CP_CASES.items():
-        if rank >= cp:
-            continue
-        for impl, make in CP_IMPLEMENTATIONS.items():
-            where = Path(out) / f"{case}-{impl}"
-            where.mkdir(exist_ok=True)
-            dist.init_process_group("gloo", init_method=f"file://{where / 'store'}", rank=rank, world_size=cp)
-            q, k, v, g, cu, budgets = _cp_inputs(lengths, top_k, floor)
-            shards = Shards.build(cu, cp, rank)
-            ql, kl, vl = (x[shards.mine].clone().requires_grad_() for x in (q, k, v))
-            ring = Ring(dist.new_group(list(range(cp))), tuple(range(cp)), rank)
-            o, kept, cov = make(ring)(ql, kl, vl, shards, budgets)
-            o.backward(g[shards.mine])
-            torch.save({"index": shards.mine, "o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
-                        "kept": kept, "coverage": cov}, where / f"rank{rank}.pt")
-            dist.destroy_process_group()
+    """Every top-k case with every CP implementation (cp_worlds.run_cp_cases)."""
+    cases = {case: (cp, lambda lengths=lengths, top_k=top_k, floor=floor: _cp_inputs(lengths, top_k, floor))
+             for case, (cp, lengths, top_k, floor) in CP_CASES.items()}
+    run_cp_cases(rank, out, cases, CP_IMPLEMENTATIONS)
 
 
 @pytest.fixture(scope="module")
