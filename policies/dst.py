@@ -24,10 +24,10 @@ look-ups.
    pipeline time fits in tau. DST picks the smallest tau (so the fastest step) at which the mean
    coverage is still at least the start's (``min_mean_coverage``, where set, chooses the start: the
    lowest level that meets it, one budget for the step), so sparsity is traded between sequences, not
-   taken from the model, and the plan covers no less than ``fixed`` at the start's budget does. The mean is weighted by ``coverage_weight``: by
-   default by attention work (length ** 2), since an unweighted mean lets DST buy speed with sparsity
-   on the long stragglers, where most of the attention is, while short sequences gain coverage that
-   weighs little. tau never exceeds the start's planned makespan, and a plan whose expected step (the
+   taken from the model, and the plan covers no less than ``fixed`` at the start's budget does. The mean
+   is weighted by ``coverage_weight``: by default by attention work (length ** 2), since an unweighted
+   mean lets DST buy speed with sparsity on the long stragglers, where most of the attention is, while
+   short sequences gain coverage that weighs little. tau never exceeds the start's planned makespan, and a plan whose expected step (the
    belief's mean of the slowest rank) is slower than the start's is dropped for the start: DST is never
    expected to be slower than ``fixed`` at the same ``p``. Whether it is, is a question of realized
    times: ``sim.compare`` and the Results hold the planner's prediction beside every realized step.
