@@ -27,9 +27,9 @@ look-ups.
    taken from the model, and the plan covers no less than ``fixed`` at the start's budget does. The mean
    is weighted by ``coverage_weight``: by default by attention work (length ** 2), since an unweighted
    mean lets DST buy speed with sparsity on the long stragglers, where most of the attention is, while
-   short sequences gain coverage that weighs little. tau never exceeds the start's planned makespan, and a plan whose expected step (the
-   belief's mean of the slowest rank) is slower than the start's is dropped for the start: DST is never
-   expected to be slower than ``fixed`` at the same ``p``. Whether it is, is a question of realized
+   short sequences gain coverage that weighs little. tau never exceeds the start's planned makespan,
+   and a plan whose expected step (the belief's mean of the slowest rank) is slower than the start's is
+   dropped for the start: DST is never expected to be slower than ``fixed`` at the same ``p``. Whether it is, is a question of realized
    times: ``sim.compare`` and the Results hold the planner's prediction beside every realized step.
 2. Micro-batch level (fills pipeline bubbles): with tau fixed, each micro-batch in turn is raised to
    the highest level that keeps its rank within tau; repeated until nothing moves (a fixed point).

@@ -10,7 +10,8 @@ on the CPU) after ``--warmup`` untimed runs of the same micro-batch, which compi
 off the clock. They run the runner's own model stages (``runner.staged``: built as ``runner.train`` builds them,
 the same weights) on the micro-batch packed as the runner packs it, with the Plan's per-sequence budgets,
 through the real attention backend; where the cost model charges activation checkpointing (``cost.recompute``),
-every layer's backward recomputes its forward with the blocks its forward selected. ``sim.engine.Engine`` then composes each step from those measured per-(rank, stage, micro-batch)
+every layer's backward recomputes its forward with the blocks its forward selected. ``sim.engine.Engine``
+then composes each step from those measured per-(rank, stage, micro-batch)
 times instead of the cost model's: 1F1B, the barrier, and the communication -- stage hand-offs and the
 gradient all-reduce -- which is modelled (sim.cluster's alpha-beta model), not run. Nothing else runs on the
 clock either: no optimiser step, no data loading.
