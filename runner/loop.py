@@ -128,9 +128,8 @@ class Trainer:
         # DDP and FSDP average over the replicas (dp x cp ranks: each CP rank scores the answers among its own
         # tokens); this weight turns that into the sum over the global batch.
         weight = self.model.replicas / n_global
-        work = {r: [Work(self._pack(a, truth, backends[r, mb]), weight) if a else
-                    Work(self._pack(a, truth, backends[r, mb]), 0.0, empty=True) for mb, a in enumerate(mine)]
-                for r, mine in assigned.items()}
+        work = {r: [Work(self._pack(a, truth, backends[r, mb]), weight if a else 0.0, empty=not a)
+                    for mb, a in enumerate(mine)] for r, mine in assigned.items()}
         data_ms = (time.perf_counter() - t0) * 1e3
 
         self.comm.sync()
