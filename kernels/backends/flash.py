@@ -26,7 +26,7 @@ class _Varlen:
         require_cuda()
 
     def version(self) -> str:
-        return ", ".join(f"{p} {_installed(p)}" for p in self.packages)
+        return ", ".join(installed(p) for p in self.packages)
 
     def documents(self, lengths: Sequence[int], device) -> tuple:
         return cu_seqlens(lengths).to(device), int(max(lengths))
@@ -38,11 +38,12 @@ class _Varlen:
         return out[0] if isinstance(out, tuple) else out  # (out, lse) in flash-attn-4
 
 
-def _installed(package: str) -> str:
+def installed(package: str) -> str:
+    """``<package> <version>``, as a calibration records it."""
     try:
-        return version(package)
+        return f"{package} {version(package)}"
     except PackageNotFoundError:
-        return "(version unknown: not installed as a distribution)"
+        return f"{package} (version unknown: not installed as a distribution)"
 
 
 @register("fa4")

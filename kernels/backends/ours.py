@@ -28,7 +28,14 @@ class Ours:
 
         return VarlenBatch.from_cu_seqlens(cu_seqlens(lengths))
 
-    def attention(self, q, k, v, docs, kept_fraction: float = 1.0):
+    def select(self, q, k, docs, **budget):
+        from sparsebalance.kernels.sparse_attention import select_blocks
+
+        return select_blocks(q, k, docs, block_size=self.block_size, **budget)
+
+    def attention(self, q, k, v, docs, kept_fraction: float = 1.0, selection=None):
         from sparsebalance.kernels.sparse_attention import sparse_attention
 
+        if selection is not None:
+            return sparse_attention(q, k, v, docs, selection=selection)
         return sparse_attention(q, k, v, docs, kept_fraction=kept_fraction, block_size=self.block_size)

@@ -25,8 +25,8 @@ def qkv(hq=4, hkv=2, d=16, seed=0):
 
 
 def test_registry_lists_ours_first_and_the_peers():
-    assert list(backends.BACKENDS) == ["ours", "cudnn", "fa4", "fa3"]
-    assert [backends.BACKENDS[n].sparse for n in backends.BACKENDS] == [True, False, False, False]
+    assert list(backends.BACKENDS) == ["ours", "cudnn", "fa4", "fa3", "fa4_sparse"]
+    assert [backends.BACKENDS[n].sparse for n in backends.BACKENDS] == [True, False, False, False, True]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the absent lines of a machine without a GPU")
@@ -36,6 +36,7 @@ def test_absent_backends_are_one_line_each():
     assert absent[0] == "cudnn: absent (RuntimeError: no CUDA GPU here)"
     assert absent[1].startswith("fa4: absent (ModuleNotFoundError: No module named 'flash_attn")
     assert absent[2] == "fa3: absent (ModuleNotFoundError: No module named 'flash_attn_interface')"
+    assert absent[3].startswith("fa4_sparse: absent (ModuleNotFoundError: No module named 'flash_attn")
     assert all("\n" not in line for line in absent)
     with pytest.raises(BackendAbsent, match=r"^fa4: absent \(ModuleNotFoundError"):
         load("fa4")
@@ -44,7 +45,7 @@ def test_absent_backends_are_one_line_each():
 
 
 def test_unknown_backend_names_the_allowed_ones():
-    with pytest.raises(ValueError, match="'flash' is unknown; allowed: ours, cudnn, fa4, fa3"):
+    with pytest.raises(ValueError, match="'flash' is unknown; allowed: ours, cudnn, fa4, fa3, fa4_sparse"):
         load("flash")
 
 
@@ -56,6 +57,17 @@ def test_ours_dense_is_causal_attention_per_document():
     expected = dense_causal_varlen(q, k, v, backends.cu_seqlens(LENGTHS))
     torch.testing.assert_close(ours.attention(q, k, v, docs), expected, rtol=1e-5, atol=1e-5)
     assert "triton" in ours.version()
+
+
+def test_ours_selects_and_attends_on_a_selection():
+    q, k, v = qkv()
+    ours = load("ours")
+    ours.block_size = 16
+    docs = ours.documents(LENGTHS, "cpu")
+    sel = ours.select(q, k, docs, kept_fraction=0.5)
+    assert sel.block_size == 16 and float(sel.kept_fraction[-1]) < 1.0
+    torch.testing.assert_close(ours.attention(q, k, v, docs, selection=sel),
+                               ours.attention(q, k, v, docs, kept_fraction=0.5), rtol=1e-6, atol=1e-6)
 
 
 def test_cudnn_splits_documents_and_groups_heads_as_the_reference():
