@@ -1,17 +1,22 @@
-"""Dense attention backends in the cost model: the peers a user runs instead of our block-sparse kernel.
+"""Peer attention backends in the cost model: the kernels a user runs instead of our block-sparse kernel.
 
-A profile may price, beside our kernel (its ``terms``), dense causal attention on other kernels of the same GPU
-(``kernels.backends``: cuDNN, FlashAttention-4, FlashAttention-3), each in its optional ``backends`` section:
+A profile may price, beside our kernel (its ``terms``), attention on other kernels of the same GPU
+(``kernels.backends``), each in its optional ``backends`` section:
 
     "backends": {"fa4": {"version": "flash-attn-4 4.0.0b40", "terms": {"attn_fwd": {...}, "attn_bwd": {...}},
-                         "fit": {...}}}
+                         "fit": {...}},
+                 "fa4_sparse": {"version": "...", "sparse": true, "terms": {...}, "fit": {...}}}
 
-A dense backend computes every causal block, so it needs no kept fraction: its two terms are linear in
-DENSE_FEATURES (a call, tokens, tokens x heads, documents, documents x heads, the FLOPs of the causal blocks)
-and it has no selection. A profile
-without a backend's section simply has no such backend. ``cost.attention_backend`` says which the simulator
-prices: ``ours`` (the default), ``dense_best`` (every micro-batch dense on its fastest dense backend) or
-``hybrid`` (each micro-batch on whichever the profile prices fastest at its budget, our kernel included).
+A dense peer (cuDNN, FlashAttention-4, FlashAttention-3) computes every causal block, so it needs no kept
+fraction: its two terms are linear in DENSE_FEATURES (a call, tokens, tokens x heads, documents, documents x
+heads, the FLOPs of the causal blocks) and it has no selection. A sparse peer (``"sparse": true``; a missing key
+means dense) computes the blocks our selection keeps with its own kernels: its terms are linear in the same
+features, but ``flops`` counts the kept blocks' FLOPs (our kernel's ``flops``) and ``tokens``/``head_tokens``
+the tokens padded to whole blocks per document (it pads each document to a multiple of the block size), and it
+pays our selection (the profile's ``select`` term). A profile without a backend's section simply has no such
+backend. ``cost.attention_backend`` says which the simulator prices: ``ours`` (the default), ``dense_best``
+(every micro-batch dense on its fastest dense peer) or ``hybrid`` (each micro-batch on whichever the profile
+prices fastest at its budget: our kernel, a dense peer or a sparse peer at the same kept fractions).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ DENSE_TERMS = ("attn_fwd", "attn_bwd")
 DENSE_FEATURES = ("const", "tokens", "head_tokens", "docs", "doc_heads", "flops")
 BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]*")
 OURS = "ours"  # our kernel: the profile's ``terms``, never a ``backends`` entry
+SPARSE_KEY = "sparse"  # a ``backends`` entry's flag: true for a sparse peer, missing or false for a dense one
 
 
 def grouped_dense(per_seq: dict, group: np.ndarray, n_groups: int, pair_flops: float, heads: int, kv_heads: int,
@@ -50,6 +56,16 @@ def grouped_dense(per_seq: dict, group: np.ndarray, n_groups: int, pair_flops: f
     }
 
 
+def grouped_sparse(per_seq: dict, group: np.ndarray, n_groups: int, kept_flops: np.ndarray, block_size: int,
+                   heads: int, kv_heads: int, cp: int = 1) -> dict[str, np.ndarray]:
+    """DENSE_FEATURES of ``n_groups`` micro-batches on a sparse peer: as :func:`grouped_dense`, but each
+    document's tokens padded to whole blocks (the peer pads them so) and ``flops`` the kept blocks' FLOPs,
+    ``kept_flops`` per micro-batch (our kernel's ``flops`` feature: on CP ranks that of the slowest rank)."""
+    padded = per_seq | {"tokens": np.ceil(np.asarray(per_seq["tokens"], dtype=np.float64) / block_size) * block_size}
+    feats = grouped_dense(padded, group, n_groups, 0.0, heads, kv_heads, cp)
+    return feats | {"flops": np.broadcast_to(np.asarray(kept_flops, dtype=np.float64), (n_groups,))}
+
+
 def linear_ms(coefs: dict[str, float], feats: dict[str, np.ndarray]) -> np.ndarray:
     """``sum(coef[f] * feature[f])``: a term's time per micro-batch."""
     return sum((c * feats[f] for f, c in coefs.items()), np.zeros_like(feats["const"]))
@@ -58,11 +74,12 @@ def linear_ms(coefs: dict[str, float], feats: dict[str, np.ndarray]) -> np.ndarr
 def choose(mode: str, times: dict[str, np.ndarray]) -> np.ndarray:
     """The backend that runs each micro-batch's attention under ``mode`` (``cost.attention_backend``), by name.
 
-    ``times`` maps ``ours`` and each dense backend priced to its attention time per micro-batch (what it adds to
-    the micro-batch: ``CostModel._attention_ms``). ``ours``: ours everywhere; ``dense_best``: the fastest dense
-    backend; ``hybrid``: the fastest of all. A tie goes to the first in ``times`` (ours, then the dense backends
-    by name). The simulator's cost model decides with it, and so do the runner (at the kept fractions its
-    planner expects) and the attention benchmark's hybrid column (at the measured ones)."""
+    ``times`` maps ``ours`` and each peer the mode may run to its attention time per micro-batch (what it adds
+    to the micro-batch: ``CostModel._attention_ms``): under ``dense_best`` the dense peers, under ``hybrid`` the
+    sparse ones too. ``ours``: ours everywhere; ``dense_best``: the fastest peer in ``times`` besides ours;
+    ``hybrid``: the fastest of all. A tie goes to the first in ``times`` (ours, then the peers by name). The
+    simulator's cost model decides with it, and so do the runner (at the kept fractions its planner expects)
+    and the attention benchmark's hybrid column (at the measured ones)."""
     if mode not in (OURS, "dense_best", "hybrid"):
         raise ValueError(f"attention backend mode {mode!r} is unknown; allowed: {OURS}, dense_best, hybrid")
     n_groups = np.shape(times[OURS])
@@ -84,21 +101,29 @@ def backends_problem(section) -> str | None:
         return f"backends={section!r}: must map backend names to their version and terms"
     for name, entry in section.items():
         if name == OURS or not BACKEND_NAME.fullmatch(name):
-            return (f"backends.{name}: not a dense backend's name; allowed: lower-case names such as cudnn, fa4 "
+            return (f"backends.{name}: not a peer backend's name; allowed: lower-case names such as cudnn, fa4 "
                     f"('{OURS}' is the profile's own terms)")
         if not isinstance(entry, dict) or not isinstance(entry.get("terms"), dict):
             return f"backends.{name}={entry!r}: must be an object with 'version' and 'terms'"
         if not isinstance(entry.get("version"), str) or not entry["version"]:
             return f"backends.{name}.version={entry.get('version')!r}: must be a non-empty string"
-        problem = _dense_terms_problem(name, entry["terms"])
+        if not isinstance(entry.get(SPARSE_KEY, False), bool):
+            return (f"backends.{name}.{SPARSE_KEY}={entry[SPARSE_KEY]!r}: must be true (a sparse peer) or false "
+                    "(dense; the default where the key is missing)")
+        problem = _peer_terms_problem(name, entry["terms"])
         if problem:
             return problem
     return None
 
 
-def _dense_terms_problem(name: str, terms: dict) -> str | None:
+def is_sparse(entry: dict) -> bool:
+    """Whether a (checked) ``backends`` entry is a sparse peer's."""
+    return entry.get(SPARSE_KEY, False) is True
+
+
+def _peer_terms_problem(name: str, terms: dict) -> str | None:
     if set(terms) != set(DENSE_TERMS):
-        return f"backends.{name}.terms={sorted(terms)!r}: a dense backend's terms are exactly {', '.join(DENSE_TERMS)}"
+        return f"backends.{name}.terms={sorted(terms)!r}: a peer backend's terms are exactly {', '.join(DENSE_TERMS)}"
     for term, coefs in terms.items():
         where = f"backends.{name}.terms.{term}"
         if not isinstance(coefs, dict) or set(coefs) != set(DENSE_FEATURES):

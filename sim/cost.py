@@ -21,7 +21,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, choose, grouped_dense, linear_ms
+from sparsebalance.sim.backends import (DENSE_FEATURES, DENSE_TERMS, OURS, choose, grouped_dense, grouped_sparse,
+                                        is_sparse, linear_ms)
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.config import CostConfig, ModelConfig
 from sparsebalance.sim.core import ConfigError
@@ -174,6 +175,17 @@ def dense_features(lengths, model: ModelConfig, block_size: int) -> dict[str, fl
     return {k: float(feats[k][0]) for k in DENSE_FEATURES}
 
 
+def sparse_features(lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
+    """Features of one sparse peer's attention call (one layer, forward) over a micro-batch of documents at these
+    kept fractions: sim.backends.DENSE_FEATURES with the tokens padded to whole blocks and the kept blocks' FLOPs
+    (sim.backends.grouped_sparse), which a sparse peer's terms are priced on."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    per_seq = _sequence_attention(lengths, np.asarray(kept_fractions, dtype=np.float64), model, block_size)
+    feats = grouped_sparse(per_seq, np.zeros(lengths.size, dtype=np.int64), 1, per_seq["flops"].sum(keepdims=True),
+                           block_size, model.heads, model.kv_heads)
+    return {k: float(feats[k][0]) for k in DENSE_FEATURES}
+
+
 def layer_features(tokens: float, model: ModelConfig) -> dict[str, float]:
     """Features of one layer's non-attention work (forward). The LM head's matmul is spread over the layers;
     the input embedding is a lookup and costs no FLOPs."""
@@ -208,8 +220,8 @@ class MicroBatchCost:
     other_bwd_ms: float
     cp_comm_ms: float
     tokens: int
-    dense: bool = False  # its attention runs on a dense backend (cost.attention_backend): kept 1, coverage 1
-    backend: str = OURS  # the backend that runs its attention: ours or a dense backend's name (sim.backends.choose)
+    dense: bool = False  # its attention runs on a dense peer (cost.attention_backend): kept 1, coverage 1
+    backend: str = OURS  # the backend that runs its attention: ours or a peer's name (sim.backends.choose)
 
 
 @dataclass(frozen=True)
@@ -225,8 +237,8 @@ class MicroBatchCosts:
     other_bwd_ms: np.ndarray
     cp_comm_ms: np.ndarray
     tokens: np.ndarray
-    dense: np.ndarray  # bool per group: its attention runs on a dense backend (kept 1, coverage 1)
-    backend: np.ndarray  # str per group: the backend that runs its attention (ours or a dense backend's name)
+    dense: np.ndarray  # bool per group: its attention runs on a dense peer (kept 1, coverage 1)
+    backend: np.ndarray  # str per group: the backend that runs its attention (ours or a peer's name)
 
     def __getitem__(self, group: int) -> MicroBatchCost:
         values = {f.name: float(getattr(self, f.name)[group]) for f in fields(self) if f.name not in NOT_TIMES}
@@ -253,8 +265,10 @@ class CostModel(ABC):
         self.model = model
         self.cluster = cluster
         self.block_size = block_size
-        # Dense backends the model prices: name -> term -> feature -> ms per unit (a profile's ``backends``).
+        # Peers the model prices, dense and sparse: name -> term -> feature -> ms per unit (a profile's
+        # ``backends``, sim.backends).
         self.dense_terms: dict[str, dict[str, dict[str, float]]] = {}
+        self.sparse_terms: dict[str, dict[str, dict[str, float]]] = {}
 
     # --- coverage model
     def kept_fraction(self, seq: Sequence, p: float) -> float:
@@ -318,7 +332,9 @@ class CostModel(ABC):
         sel = self._term("select", select)
         backend = np.full(n_groups, OURS)
         if self.attention_backend != OURS:
-            options = {OURS: (a_f, a_b, sel), **self._dense_options(per_seq, group, n_groups, layout.cp)}
+            sparse_peers = self.sparse_backends() if self.attention_backend == "hybrid" else ()
+            options = {OURS: (a_f, a_b, sel),
+                       **self._peer_options(per_seq, attn["flops"], sel, group, n_groups, layout.cp, sparse_peers)}
             backend = choose(self.attention_backend,
                              {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()})
             runs = [backend == name for name in options]
@@ -336,22 +352,34 @@ class CostModel(ABC):
             other_bwd_ms=n_layers * o_b,
             cp_comm_ms=n_layers * (comm_f + comm_b),
             tokens=tokens.astype(np.int64),
-            dense=backend != OURS,
+            dense=np.isin(backend, self.dense_backends()),
             backend=backend,
         )
 
     def dense_backends(self) -> tuple[str, ...]:
-        """The dense backends this model prices (a profile's ``backends``), by name."""
+        """The dense peers this model prices (a profile's ``backends`` without ``sparse``), by name."""
         return tuple(sorted(self.dense_terms))
 
-    def _dense_options(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int) -> dict[str, tuple]:
-        """Per dense backend, by name, (attn_fwd, attn_bwd, select) per layer of each micro-batch: all its causal
-        blocks, no selection."""
-        feats = grouped_dense(per_seq, group, n_groups, _head_pair_flops(self.model, self.block_size), self.model.heads,
-                              self.model.kv_heads, cp)
-        zero = np.zeros(n_groups)
-        return {name: tuple(linear_ms(self.dense_terms[name][t], feats) for t in DENSE_TERMS) + (zero,)
-                for name in self.dense_backends()}
+    def sparse_backends(self) -> tuple[str, ...]:
+        """The sparse peers this model prices (a profile's ``backends`` with ``"sparse": true``), by name."""
+        return tuple(sorted(self.sparse_terms))
+
+    def _peer_options(self, per_seq: dict, kept_flops: np.ndarray, select: np.ndarray, group: np.ndarray,
+                      n_groups: int, cp: int, sparse_peers: tuple[str, ...]) -> dict[str, tuple]:
+        """(attn_fwd, attn_bwd, select) per layer of each micro-batch on every dense peer (all its causal blocks,
+        no selection) and on each of ``sparse_peers`` (the blocks our selection keeps, ``kept_flops``, on
+        documents padded to whole blocks, and our selection's time ``select``), the peers by name."""
+        dense = grouped_dense(per_seq, group, n_groups, _head_pair_flops(self.model, self.block_size),
+                              self.model.heads, self.model.kv_heads, cp)
+        sparse = grouped_sparse(per_seq, group, n_groups, kept_flops, self.block_size, self.model.heads,
+                                self.model.kv_heads, cp)
+        priced = {name: (self.dense_terms[name], dense, np.zeros(n_groups)) for name in self.dense_backends()}
+        priced |= {name: (self.sparse_terms[name], sparse, select) for name in sparse_peers}
+        options = {}
+        for name in sorted(priced):
+            terms, feats, sel = priced[name]
+            options[name] = (*(linear_ms(terms[t], feats) for t in DENSE_TERMS), sel)
+        return options
 
     def _attention_ms(self, option: tuple, comm_f: np.ndarray, comm_b: np.ndarray) -> np.ndarray:
         """What an option's attention adds to a micro-batch per layer: its forward behind the CP ring (again
@@ -361,7 +389,8 @@ class CostModel(ABC):
 
     def attention_options(self, lengths, kept_fractions, layout: Layout) -> dict[str, np.ndarray]:
         """Attention per layer (forward, backward and selection, behind the CP ring) of each sequence alone in a
-        micro-batch: ``ours`` at its kept fraction, each dense backend at kept 1 (the break-even table)."""
+        micro-batch: ``ours`` and each sparse peer at its kept fraction, each dense peer at kept 1 (the
+        break-even table)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         kept = np.asarray(kept_fractions, dtype=np.float64)
         group, n = np.arange(lengths.size), lengths.size
@@ -370,8 +399,10 @@ class CostModel(ABC):
         sparse = (kept < 1.0).astype(np.float64)
         select = summed_features({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n, layout.cp)
         comm_f, comm_b = self._cp_comm(attn["tokens"] * layout.cp, layout)
-        ours = (self._term("attn_fwd", attn), self._term("attn_bwd", attn), self._term("select", select))
-        options = {OURS: ours, **self._dense_options(per_seq, group, n, layout.cp)}
+        sel = self._term("select", select)
+        ours = (self._term("attn_fwd", attn), self._term("attn_bwd", attn), sel)
+        options = {OURS: ours, **self._peer_options(per_seq, attn["flops"], sel, group, n, layout.cp,
+                                                    self.sparse_backends())}
         return {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()}
 
     def _term(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
@@ -455,7 +486,9 @@ class CalibratedCost(CostModel):
     def __init__(self, model: ModelConfig, cluster: Cluster, cfg: CostConfig) -> None:
         self.profile = load_profile(cfg.profile)
         super().__init__(model, cluster, self.profile["block_size"])
-        self.dense_terms = {name: entry["terms"] for name, entry in self.profile.get("backends", {}).items()}
+        peers = self.profile.get("backends", {})
+        self.dense_terms = {name: entry["terms"] for name, entry in peers.items() if not is_sparse(entry)}
+        self.sparse_terms = {name: entry["terms"] for name, entry in peers.items() if is_sparse(entry)}
 
     def term_ms(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
         coefs = self.profile["terms"][term]
@@ -472,10 +505,13 @@ def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster, *, recomput
         raise ConfigError(f"cost.name={cfg.name!r} is unknown; allowed: {', '.join(sorted(COST_MODELS))}")
     cost = COST_MODELS[cfg.name](model, cluster, cfg)
     cost.recompute = recompute
-    cost.attention_backend = str(getattr(cfg.attention_backend, "value", cfg.attention_backend))
-    if cost.attention_backend != OURS and not cost.dense_terms:
+    cost.attention_backend = mode = str(getattr(cfg.attention_backend, "value", cfg.attention_backend))
+    # dense_best runs dense peers only; hybrid any peer, a sparse one included
+    peers = cost.dense_terms if mode == "dense_best" else cost.dense_terms | cost.sparse_terms
+    if mode != OURS and not peers:
         where = f"profile {cfg.profile}" if cfg.name == "calibrated" else f"cost.name={cfg.name}"
-        raise ConfigError(f"cost.attention_backend={cost.attention_backend}: the {where} prices no dense backend; "
+        kind = "dense backend" if mode == "dense_best" else "dense backend nor sparse peer"
+        raise ConfigError(f"cost.attention_backend={mode}: the {where} prices no {kind}; "
                           f"allowed: {OURS}, or a profile with a 'backends' section (python -m calibrate.run on a "
                           "GPU with the peers installed, then calibrate.fit)")
     return cost

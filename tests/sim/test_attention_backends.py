@@ -144,8 +144,8 @@ def _with_backends(**change):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"name": "ours"}, "backends.ours: not a dense backend's name"),
-    ({"name": "FA 4"}, "backends.FA 4: not a dense backend's name"),
+    ({"name": "ours"}, "backends.ours: not a peer backend's name"),
+    ({"name": "FA 4"}, "backends.FA 4: not a peer backend's name"),
     ({"version": ""}, "backends.fa4.version='': must be a non-empty string"),
     ({"drop_feature": "docs"}, "backends.fa4.terms.attn_fwd=.* must map exactly the features const, tokens, head_tokens, docs, doc_heads"),
     ({"terms": {"attn_fwd": {}}}, "backends.fa4.terms=.*exactly attn_fwd, attn_bwd"),
