@@ -6,12 +6,14 @@ is most of our lead on packed batches. Flex's best constructions are measured be
 the block size with Flex handed exactly our kept blocks (BlockMask.from_kv_blocks, enable_gqa), and the
 unaligned documents each padded to a whole number of blocks (what a Flex user does, a few % more tokens).
 The dense kernels a user runs instead (``kernels.backends``: cuDNN, FlashAttention-4 and -3 where installed) are
-timed at sparsity 0 on the unaligned batch: their work does not depend on the sparsity.
+timed at sparsity 0 on the unaligned batch: their work does not depend on the sparsity. FlashAttention-4's
+block-sparse form (``fa4_sparse``) runs our kept blocks of the unaligned batch, as a trainer would run it: the
+documents padded to whole blocks inside the backend.
 
-With ``--profile`` (a cost profile that prices dense backends) every sparsity also times ``hybrid``: ours or the
-dense backend, whichever the profile prices faster for this batch at ours' kept fractions (``backend`` names
-it): the choice ``cost.attention_backend=hybrid`` makes in the simulator and the runner (sim.backends.choose).
-The dense kernels then run in every sparsity's turns too, so that hybrid is held against them timed beside it.
+With ``--profile`` (a cost profile that prices other backends) every sparsity also times ``hybrid``: ours or the
+backend that the profile prices fastest for this batch at ours' kept fractions (``backend`` names it): the
+choice ``cost.attention_backend=hybrid`` makes in the simulator and the runner (sim.backends.choose). The dense
+kernels then run in every sparsity's turns too, so that hybrid is held against them timed beside it.
 """
 from __future__ import annotations
 
@@ -24,13 +26,14 @@ import numpy as np
 import torch
 
 from sparsebalance.kernels.backends import load, load_all
+from sparsebalance.kernels.backends.flash_sparse import padded_documents, selection_block_mask
 from sparsebalance.sim.backends import OURS
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.kernels.sparse_attention import VarlenBatch, select_blocks
 from .common import (B, D, compiled_flex, csv_emitter, cu_from_lens, flex_pair, heads_first, interleaved_ms,
                      kept_fwd_flops, log, long_tail_lengths, make_qkv, sparse_pair, timed_row, weighted_kept_fraction)
-from .masks import exact_block_mask, flex_block_mask_packed
+from .masks import flex_block_mask_packed
 
 
 FAIR_HEADS = {"mha": (16, 16), "gqa": (32, 4)}
@@ -40,9 +43,11 @@ FAIR_FIELDS = ["case", "heads", "T", "ndocs", "padded_T", "sparsity", "kept_frac
 # (peer, ours) rows of each construction: ours on the batch the construction starts from
 # each dense backend's rows (kernels.backends name -> impl)
 DENSE_IMPLS = {"cudnn": "cudnn_per_document_dense", "fa4": "fa4_varlen_dense", "fa3": "fa3_varlen_dense"}
+# each sparse peer's rows (kernels.backends name -> impl): ours' selection of the unaligned batch, on its kernels
+SPARSE_IMPLS = {"fa4_sparse": "fa4_sparse"}
 FAIR_PAIRS = (("flex_token_mask", "triton_sparse"), ("flex_padded", "triton_sparse"),
               ("flex_exact", "triton_sparse_aligned"), ("flex_flash_exact", "triton_sparse_aligned"),
-              *((impl, "triton_sparse") for impl in DENSE_IMPLS.values()))
+              *((impl, "triton_sparse") for impl in (*DENSE_IMPLS.values(), *SPARSE_IMPLS.values())))
 FAIR_IMPLS = ("triton_sparse", "triton_sparse_aligned", *(peer for peer, _ in FAIR_PAIRS))
 
 
@@ -56,18 +61,6 @@ def fair_lengths(total: int = 65536, seed: int = 0) -> tuple[list[int], list[int
     g = torch.Generator().manual_seed(seed + 1)
     cut = torch.randint(0, B, (len(aligned),), generator=g).tolist()
     return aligned, [n - min(c, n - 1) for n, c in zip(aligned, cut)]
-
-
-def padded_positions(lens: list[int], device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """(position of each real token in the padded batch, each padded token's document end in padded
-    coordinates), documents padded to whole blocks."""
-    starts, pos, ends = 0, [], []
-    for n in lens:
-        nb = -(-n // B) * B
-        pos.append(torch.arange(starts, starts + n))
-        ends.append(torch.full((nb,), starts + n))
-        starts += nb
-    return torch.cat(pos).to(device), torch.cat(ends).to(device)
 
 
 def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):
@@ -100,10 +93,11 @@ def hybrid_costs(profile: str) -> dict:
         except ConfigError as exc:
             raise ConfigError(f"--profile {profile}: {exc}") from None
     cost = costs[next(iter(FAIR_HEADS))]
-    untimed = [name for name in cost.dense_backends() if name not in DENSE_IMPLS]
+    timed = {**DENSE_IMPLS, **SPARSE_IMPLS}
+    untimed = [name for name in cost.dense_terms if name not in timed]
     if untimed:
-        raise ConfigError(f"--profile {profile}: it prices the dense backend {untimed[0]}, which this benchmark does "
-                          f"not time; allowed: a profile whose dense backends are among {', '.join(DENSE_IMPLS)}")
+        raise ConfigError(f"--profile {profile}: it prices the backend {untimed[0]}, which this benchmark does "
+                          f"not time; allowed: a profile whose backends are among {', '.join(timed)}")
     if cost.block_size != B:
         raise ConfigError(f"--profile {profile}: its block size is {cost.block_size}, the fair batch's {B}; "
                           f"allowed: a profile of block size {B}")
@@ -119,18 +113,26 @@ def hybrid_choice(cost, lens, kept) -> str:
     return str(costs.backend[0])
 
 
-def dense_backend_fns(name: str, q, k, v, do, lens):
-    """(fwd, fwd+bwd) of the dense backend ``name`` (kernels.backends) on the documents ``lens``; a backend
-    that cannot run here raises its one-line BackendAbsent. Their launches cost host time that do_bench counts
-    wherever the GPU runs short of it (cuDNN: a call per document)."""
-    backend = load(name)
+def backend_fns(backend, q, k, v, do, lens, selection=None):
+    """(fwd, fwd+bwd) of a loaded backend (kernels.backends) on the documents ``lens``, a sparse one over
+    ``selection`` (ours, of the same documents), its documents built once as the runner hands them over. The
+    dense kernels' launches cost host time that do_bench counts wherever the GPU runs short of it (cuDNN: a call
+    per document)."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     docs = backend.documents(lens, q.device)
+    extra = {"selection": selection} if backend.sparse else {}
 
     def fwd():
-        return backend.attention(*leaves, docs)
+        return backend.attention(*leaves, docs, **extra)
 
     return fwd, lambda: torch.autograd.grad(fwd(), leaves, do)
+
+
+def peer_fns(peers: dict, name: str, un: tuple, selection):
+    """(fwd, fwd+bwd) of the backend ``name`` on the unaligned batch ``un`` (a sparse peer over ``selection``):
+    the one loaded once for the run (``peers``: fa4_sparse compiles FlexAttention once), else loaded here, so
+    that one that cannot run raises its one-line BackendAbsent."""
+    return backend_fns(peers[name] if name in peers else load(name), *un[:4], un[5], selection)
 
 
 class Sticky:
@@ -170,9 +172,9 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
             flex, batch["un_heads"], flex_block_mask_packed(batch["unaligned_sel"], Hq, sum(un[5]), B), G))
     if "flex_padded" in wanted:
         fns["flex_padded"] = sticky.fns(f"flex_padded_{sp}", lambda: flex_pair(
-            flex, batch["padded"], exact_block_mask(batch["unaligned_sel"], Hq, batch["padded_end"]), G))
+            flex, batch["padded"], selection_block_mask(batch["unaligned_sel"], Hq, batch["padded_end"]), G))
     if wanted & {"flex_exact", "flex_flash_exact"}:
-        exact = exact_block_mask(batch["aligned_sel"], Hq, batch["aligned_end"])
+        exact = selection_block_mask(batch["aligned_sel"], Hq, batch["aligned_end"])
     if "flex_exact" in wanted:
         fns["flex_exact"] = flex_pair(flex, batch["al_heads"], exact, G)
     if "flex_flash_exact" in wanted:
@@ -182,12 +184,16 @@ def fair_point(args, emit, flex, sticky: Sticky, heads: str, sp: float, batch: d
         # their work does not depend on the sparsity; with hybrid they run in every point's turns, so that hybrid
         # is held against them timed beside it, not in another point's turns
         if (sp == 0.0 or args.hybrid is not None) and impl in wanted:
-            fns[impl] = sticky.fns(f"{impl}_{heads}", lambda name=name: probed(dense_backend_fns(name, *un[:4], un[5])))
+            fns[impl] = sticky.fns(f"{impl}_{heads}", lambda name=name: probed(peer_fns(args.peers, name, un, None)))
+    sel = batch["unaligned_sel"]
+    for name, impl in SPARSE_IMPLS.items():
+        if impl in wanted:
+            fns[impl] = sticky.fns(f"{impl}_{heads}", lambda name=name: probed(peer_fns(args.peers, name, un, sel)))
     if args.hybrid is not None:
-        choice = hybrid_choice(args.hybrid[heads], un[5], batch["unaligned_sel"].kept_fraction.cpu().numpy())
+        choice = hybrid_choice(args.hybrid[heads], un[5], sel.kept_fraction.cpu().numpy())
         base["hybrid"] = dict(base["triton_sparse"], backend=choice)
         fns["hybrid"] = fns["triton_sparse"] if choice == OURS else sticky.fns(
-            f"{DENSE_IMPLS[choice]}_{heads}", lambda: probed(dense_backend_fns(choice, *un[:4], un[5])))
+            f"{choice}_{heads}", lambda: probed(peer_fns(args.peers, choice, un, sel)))
     for impl, timed in interleaved_ms({n: f for n, f in fns.items() if not isinstance(f, Exception)},
                                       args.rounds).items():
         ours = "triton_sparse_aligned" if impl in ("flex_exact", "flex_flash_exact", "triton_sparse_aligned") \
@@ -218,9 +224,9 @@ def fair_batch(heads: str) -> dict:
         docs = VarlenBatch.from_cu_seqlens(cu_from_lens(lens))  # once per batch, as the runner hands it over
         batch[key] = (q, k, v, torch.randn_like(q), docs, lens)
     q, k, v, do = batch["unaligned"][:4]
-    pos, padded_end = padded_positions(unaligned, q.device)
-    batch.update(padded=padded_tensors(pos, padded_end.numel(), q, k, v, do), padded_end=padded_end,
-                 padded_T=padded_end.numel(), aligned_end=padded_positions(aligned, q.device)[1],
+    padded = padded_documents(unaligned, B, q.device)
+    batch.update(padded=padded_tensors(padded.positions, padded.padded_tokens, q, k, v, do), padded_end=padded.kv_end,
+                 padded_T=padded.padded_tokens, aligned_end=padded_documents(aligned, B, q.device).kv_end,
                  un_heads=heads_first(q, k, v, do), al_heads=heads_first(*batch["aligned"][:4]))
     return batch
 
@@ -239,15 +245,16 @@ def run_fair(args):
 
     flex = compiled_flex(args.flex_mode)
     sticky = Sticky()
-    args = argparse.Namespace(**{**vars(args), "options": dataclasses.replace(args.options, precompile=False)})
+    peers, absent = load_all([*DENSE_IMPLS, *SPARSE_IMPLS])
+    args = argparse.Namespace(**{**vars(args), "options": dataclasses.replace(args.options, precompile=False),
+                                 "peers": peers})
     t_start = time.time()
     with open(args.csv, "w", newline="") as out:
         emit = csv_emitter(out, FAIR_FIELDS)
-        dense, absent = load_all(DENSE_IMPLS)
         log("META", json.dumps(dict(torch=torch.__version__, triton=triton.__version__,
                                     gpu=torch.cuda.get_device_name(), rounds=args.rounds, flex_mode=args.flex_mode,
                                     profile=args.profile,
-                                    backends={name: b.version() for name, b in dense.items()}, absent=absent)))
+                                    backends={name: b.version() for name, b in peers.items()}, absent=absent)))
         for heads in args.fair_heads:
             batch = fair_batch(heads)
             for sp in fair_sparsities(args, heads):

@@ -8,10 +8,10 @@ import json
 
 import torch
 
+from sparsebalance.kernels.backends.flash_sparse import selection_block_mask
 from sparsebalance.kernels.sparse_attention import select_blocks
 from .common import B, FLEX_MODES, compiled_flex, flex_pair, interleaved_ms, log, sparse_pair
 from .fair import FAIR_HEADS, fair_batch
-from .masks import exact_block_mask
 
 
 FLEX_VARIANT_POINTS = {"mha": (0.9, 0.95), "gqa": (0.9,)}
@@ -43,7 +43,8 @@ def flex_variants(args):
         for sp in sparsities:
             sel = select_blocks(q, k, docs, kept_fraction=1.0 - sp, block_size=B, options=options)
             fns = {"ours": sparse_pair(q, k, v, do, docs, sel, options)}
-            fns.update(flex_variant_fns(compiled, batch, exact_block_mask(sel, Hq, batch["aligned_end"]), Hq // Hkv))
+            mask = selection_block_mask(sel, Hq, batch["aligned_end"])
+            fns.update(flex_variant_fns(compiled, batch, mask, Hq // Hkv))
             timed = interleaved_ms(fns, args.rounds)
             ms = {n: round(t[1], 4) if isinstance(t, tuple) else f"error: {t!r:.200}" for n, t in timed.items()}
             log("FLEX_VARIANTS", json.dumps(dict(heads=f"{Hq}:{Hkv}", sparsity=sp, fwdbwd_ms=ms, over_ours={

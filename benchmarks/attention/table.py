@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from sparsebalance.sim.core import ConfigError
-from .fair import DENSE_IMPLS, FAIR_PAIRS
+from .fair import DENSE_IMPLS, FAIR_PAIRS, SPARSE_IMPLS
 
 
 def case_label(case: str, T: int, ndocs: int) -> str:
@@ -66,7 +66,8 @@ def results_table(path: str) -> str:
 FAIR_COLUMNS = (("flex_token_mask", "Flex, token-level document mask"), ("flex_padded", "Flex, documents padded"),
                 ("flex_exact", "Flex, aligned, exact blocks"), ("flex_flash_exact", "Flex FLASH, aligned, exact blocks"),
                 ("cudnn_per_document_dense", "cuDNN dense, a call per document"),
-                ("fa4_varlen_dense", "FlashAttention-4 dense varlen"), ("fa3_varlen_dense", "FlashAttention-3 dense varlen"))
+                ("fa4_varlen_dense", "FlashAttention-4 dense varlen"), ("fa3_varlen_dense", "FlashAttention-3 dense varlen"),
+                ("fa4_sparse", "FlashAttention-4 block-sparse, our blocks, documents padded"))
 
 
 def fair_table(df) -> str:
@@ -134,12 +135,13 @@ def hybrid_cell(g, dense) -> str:
 
 
 def hybrid_note(g, dense, heads: str, sp: float) -> list[str]:
-    """A note where the option the profile chose ran slower than another that this point timed (ours here, a
-    dense kernel here or at sparsity 0)."""
+    """A note where the option the profile chose ran slower than another that this point timed (ours or a sparse
+    peer here, a dense kernel here or at sparsity 0)."""
     if "hybrid" not in g.index or "triton_sparse" not in g.index:
         return []
     options = {"ours": g.fwdbwd_ms["triton_sparse"]}
     options |= {name: dense[impl] for name, impl in DENSE_IMPLS.items() if dense is not None and impl in dense}
+    options |= {name: g.fwdbwd_ms[impl] for name, impl in SPARSE_IMPLS.items() if impl in g.index}
     chosen, best = g.backend["hybrid"], min(options, key=options.get)
     if chosen not in options or options[chosen] <= options[best]:
         return []

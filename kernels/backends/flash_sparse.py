@@ -68,22 +68,27 @@ def _dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, indices
 
 
+def diagonal_partial_mask(dense: torch.Tensor, mask_mod, tokens: int, block_size: int):
+    """The BlockMask of the kept blocks ``dense`` ``[1, H, NB, NB]`` over ``tokens`` rows: the diagonal blocks
+    partial (``mask_mod`` evaluated there), every other kept block full."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    eye = torch.eye(dense.shape[-1], dtype=torch.bool, device=dense.device)
+    return BlockMask.from_kv_blocks(*_dense_to_ordered(dense & eye), *_dense_to_ordered(dense & ~eye),
+                                    BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(tokens, tokens))
+
+
 def selection_block_mask(selection, query_heads: int, kv_end: torch.Tensor):
     """The BlockMask of ``selection``'s kept blocks over a batch whose documents are whole blocks (padded, each
     row's document end ``kv_end``), per query head (each KV head's blocks for its group): the diagonal blocks
     partial, masked causally and past each document's real end, every other kept block full."""
-    import torch
-    from torch.nn.attention.flex_attention import BlockMask
-
     dense = selection.to_dense_mask().repeat_interleave(query_heads // selection.num_kv_heads, dim=0)[None]
-    eye = torch.eye(dense.shape[-1], dtype=torch.bool, device=dense.device)
 
     def mask_mod(b, h, q_idx, kv_idx):  # evaluated on the diagonal blocks only
         return (q_idx >= kv_idx) & (kv_idx < kv_end[q_idx])
 
-    return BlockMask.from_kv_blocks(*_dense_to_ordered(dense & eye), *_dense_to_ordered(dense & ~eye),
-                                    BLOCK_SIZE=selection.block_size, mask_mod=mask_mod,
-                                    seq_lengths=(kv_end.numel(), kv_end.numel()))
+    return diagonal_partial_mask(dense, mask_mod, kv_end.numel(), selection.block_size)
 
 
 def padded_block_sparse(q, k, v, docs: PaddedDocuments, selection, flex, kernel_options=None):

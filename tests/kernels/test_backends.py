@@ -41,7 +41,7 @@ def test_absent_backends_are_one_line_each():
     with pytest.raises(BackendAbsent, match=r"^fa4: absent \(ModuleNotFoundError"):
         load("fa4")
     with pytest.raises(BackendAbsent, match=r"^fa4: absent"):  # the fair benchmark's column records this line
-        fair.dense_backend_fns("fa4", *qkv(), None, LENGTHS)
+        fair.peer_fns({}, "fa4", (*qkv(), None, None, LENGTHS), None)
 
 
 def test_unknown_backend_names_the_allowed_ones():

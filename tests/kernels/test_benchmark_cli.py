@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.attention import breakdown, cli, common, fair, flex_variants, grid, masks
+from benchmarks.attention import breakdown, cli, common, fair, flex_variants, grid
 from pinned import BACKENDS_PROFILE, PINNED_PROFILE
+from sparsebalance.kernels.backends.flash_sparse import padded_documents, selection_block_mask
 from sparsebalance.sim.cost import diag_fraction
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -215,6 +216,25 @@ def test_hybrid_is_held_against_the_dense_kernels_timed_in_its_own_turns(tmp_pat
     assert lines[3].split("|")[-3].strip() == "7.50 (1.07x)"  # fa4's column shows the time of its own turns
 
 
+def test_fair_table_holds_the_sparse_peer_and_hybrid_on_it_against_ours(tmp_path, capsys):
+    """FlashAttention-4's block-sparse form runs ours' selection of the unaligned batch: its column is held
+    against ours on that batch, hybrid may run it, and a note says where ours or another ran faster than the
+    profile's choice."""
+    point = ("packed64k,16:16,62567,49,,0.5,0.5,fa4_sparse,1.0,4.5,250,280,,\n"
+             "packed64k,16:16,62567,49,,0.25,0.75,fa4_sparse,1.7,7.4,260,290,,\n")
+    path = tmp_path / "fair.csv"
+    path.write_text(FAIR_HYBRID_CSV.replace("0.5,0.5,hybrid,1.2,5.05,200,248,,ours", "0.5,0.5,hybrid,1.0,4.6,250,275,,"
+                                            "fa4_sparse") + point)
+    cli.main(["--table", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("|")[-3].strip() == "FlashAttention-4 block-sparse, our blocks, documents padded"
+    assert lines[4].split("|")[-3].strip() == "4.50 (0.90x)"
+    assert lines[4].rsplit("|", 2)[1].strip() == "4.60 fa4_sparse (1.30x, 1.09x)"
+    assert lines[3].split("|")[-3].strip() == "7.40 (1.06x)"
+    assert not any(line.startswith("* hybrid at 16:16, sparsity 0.5:") for line in lines)  # its choice ran fastest
+    assert any(line.startswith("* hybrid at 16:16, sparsity 0.25: the profile chose ours") for line in lines)
+
+
 def test_hybrid_takes_the_profiles_choice_for_the_fair_batch():
     """The fair batch priced by the fixture profile: its dense fa4 beats ours keeping every block, ours wins
     keeping only the diagonal blocks (the simulator's and the runner's hybrid choice)."""
@@ -324,7 +344,7 @@ def test_kernel_ptx_names_a_missing_reference_directory_in_one_line(tmp_path, mo
 @pytest.mark.parametrize("gqa", [1, 2], ids=["mha", "gqa2"])
 def test_fair_flex_constructions_attend_exactly_our_kept_blocks(gqa):
     """The fair grid's Flex inputs compute what our kernel computes: on whole-block documents Flex given our
-    kept blocks (exact_block_mask), and on the unaligned documents padded to whole blocks (padded_tensors),
+    kept blocks (selection_block_mask), and on the unaligned documents padded to whole blocks (padded_tensors),
     match the reference at every real token. Eager FlexAttention (on the CPU) reads only the mask_mod, which
     the fused kernel evaluates on partial (diagonal) blocks only: here it also reads the BlockMask's blocks."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -339,9 +359,10 @@ def test_fair_flex_constructions_attend_exactly_our_kept_blocks(gqa):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         sel = select_blocks(q, k, cu, kept_fraction=0.5, block_size=common.B)
         ref = sparse_attention_naive(q, k, v, cu, sel)
-        pos, ends = fair.padded_positions(lens, "cpu")
+        padded = padded_documents(lens, common.B, "cpu")
+        pos, ends = padded.positions, padded.kv_end
         qb, kb, vb, _ = fair.padded_tensors(pos, ends.numel(), q, k, v, q)
-        mask = masks.exact_block_mask(sel, q.shape[1], ends)
+        mask = selection_block_mask(sel, q.shape[1], ends)
         blocks = mask.to_dense()[0].bool()  # [Hq, NB, NB]: partial and full blocks
         assert torch.equal(blocks, sel.to_dense_mask().repeat_interleave(gqa, dim=0))
         eager = BlockMask.from_kv_blocks(
@@ -374,7 +395,7 @@ def test_fair_lengths_pad_back_to_the_aligned_batch():
     aligned, unaligned = fair.fair_lengths()
     assert sum(aligned) == 65536 and all(n % common.B == 0 for n in aligned)
     assert all(0 < u <= a < u + common.B for a, u in zip(aligned, unaligned))
-    assert fair.padded_positions(unaligned, "cpu")[1].numel() == 65536
+    assert padded_documents(unaligned, common.B, "cpu").padded_tokens == 65536
 
 
 # T 256, D 16, bf16: Q, O, dO, dQ of T*Hq*D*2 bytes; K, V, dK, dV of T*Hkv*D*2; LSE, delta of T*Hq*4.
