@@ -3,7 +3,7 @@
 # scripts/gpu_env.sh): the packed 64K batch of long-tail documents (MHA 16:16 and GQA 32:4) at sparsity 0 and
 # SPARSITIES, timed in turns (ROUNDS rounds, medians): our kernel, the dense kernels (cuDNN per document,
 # FlashAttention-4 and -3 dense varlen, each where it loads; timed at sparsity 0, their work does not depend on
-# it), and `hybrid`: at every sparsity ours or the dense backend, whichever PROFILE (default the GPU's
+# it), FlashAttention-4's block-sparse form on ours' kept blocks (fa4_sparse), and `hybrid`: at every sparsity ours or the dense backend, whichever PROFILE (default the GPU's
 # calibrate/profiles/<GPU>.json, which must price dense backends: GPU=h100) prices faster for the batch at ours'
 # kept fractions, as cost.attention_backend=hybrid decides in the simulator and the runner. The table shows
 # hybrid's time beside the fastest dense kernel's and ours' (at least 1.0x: hybrid is as fast) and a note at each
@@ -35,7 +35,7 @@ experiment() {
   : >"$OUT/status.txt"
   timeout $((DEADLINE_S + 120)) python3 -m benchmarks.attention --fair --profile "$PROFILE" --rounds "$ROUNDS" \
     --flex-mode default --fair-sparsities "$SPARSITIES" \
-    --fair-impls cudnn_per_document_dense,fa4_varlen_dense,fa3_varlen_dense --deadline-s "$DEADLINE_S" \
+    --fair-impls cudnn_per_document_dense,fa4_varlen_dense,fa3_varlen_dense,fa4_sparse --deadline-s "$DEADLINE_S" \
     --csv "$OUT/attention_fair_hybrid.csv" "$@"
   code=$?
   echo "benchmarks.attention --fair: exit $code" | tee -a "$OUT/status.txt"

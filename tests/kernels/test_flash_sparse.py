@@ -116,3 +116,34 @@ def test_the_backend_selects_then_attends_with_its_flex():
     ref = sparse_attention_naive(q, k, v, cu_seqlens([30, 20]), selection=sel)
     torch.testing.assert_close(backend.attention(q, k, v, docs, selection=sel), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(backend.attention(q, k, v, docs, kept_fraction=0.5), ref, rtol=1e-5, atol=1e-5)
+
+
+GPU_CASES = [  # (lengths, query heads, KV heads): padded lengths differ per case (FlexAttention compiles again)
+    ([300, 1000, 5, 2048], 16, 16),
+    ([129, 128, 4000], 32, 4),
+    ([1, 700], 8, 2),
+]
+
+
+@pytest.mark.parametrize("lengths,hq,hkv", GPU_CASES)
+@pytest.mark.parametrize("kept", (1.0, 0.3))
+def test_fa4_sparse_on_the_gpu_matches_our_kernel(lengths, hq, hkv, kept):
+    """FlashAttention-4's kernels against ours on the same selection, bf16, forward and gradients (where
+    FlashAttention-4 and a GPU are here: scripts/gpu_env.sh's peers)."""
+    try:
+        backend = load("fa4_sparse")
+    except BackendAbsent as exc:
+        pytest.skip(str(exc))
+    from sparsebalance.kernels.sparse_attention import sparse_attention
+
+    g = torch.Generator(device="cuda").manual_seed(len(lengths))
+    q, k, v = (torch.randn(sum(lengths), h, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for h in (hq, hkv, hkv))
+    docs = backend.documents(lengths, "cuda")
+    sel = backend.select(q, k, docs, kept_fraction=kept)
+    out = backend.attention(q, k, v, docs, selection=sel)
+    ref = sparse_attention(q, k, v, docs.batch, selection=sel)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    grad_out = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out)):
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
