@@ -3,11 +3,11 @@
 # scripts/gpu_env.sh): the packed 64K batch of long-tail documents (MHA 16:16 and GQA 32:4) at sparsity 0 and
 # SPARSITIES, timed in turns (ROUNDS rounds, medians): our kernel, the dense kernels (cuDNN per document,
 # FlashAttention-4 and -3 dense varlen, each where it loads; timed at sparsity 0, their work does not depend on
-# it), FlashAttention-4's block-sparse form on ours' kept blocks (fa4_sparse), and `hybrid`: at every sparsity ours or the dense backend, whichever PROFILE (default the GPU's
-# calibrate/profiles/<GPU>.json, which must price dense backends: GPU=h100) prices faster for the batch at ours'
-# kept fractions, as cost.attention_backend=hybrid decides in the simulator and the runner. The table shows
-# hybrid's time beside the fastest dense kernel's and ours' (at least 1.0x: hybrid is as fast) and a note at each
-# point where the profile chose the slower option.
+# it), FlashAttention-4's block-sparse form on ours' kept blocks (fa4_sparse), and `hybrid`: at every sparsity
+# ours or another backend, whichever PROFILE (default the GPU's calibrate/profiles/<GPU>.json, which must price
+# other backends: GPU=h100) prices faster for the batch at ours' kept fractions, as cost.attention_backend=hybrid
+# decides in the simulator and the runner. The table shows hybrid's time beside the fastest dense kernel's and
+# ours' (at least 1.0x: hybrid is as fast) and a note at each point where the profile chose the slower option.
 #
 # Writes under $OUT (5 files): attention_fair_hybrid.csv (every row), attention_fair_hybrid.md (the table:
 # python -m benchmarks.attention --table of the CSV), fair.log (everything printed), environment.txt (GPU, driver,
