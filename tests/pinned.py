@@ -13,6 +13,8 @@ PINNED_PROFILE = Path(__file__).resolve().parent / "fixtures" / "profile_h200.js
 PINNED_OVERRIDES = (f"cost.profile={PINNED_PROFILE}",)
 # The pinned profile with made-up dense backends (cudnn, fa4) beside it: what dense_best, hybrid and verl_dense price.
 BACKENDS_PROFILE = PINNED_PROFILE.with_name("profile_h200_backends.json")
+# That profile with a made-up sparse peer (fa4_sparse, "sparse": true) beside its dense backends: what hybrid prices.
+SPARSE_PEER_PROFILE = PINNED_PROFILE.with_name("profile_h200_sparse_peer.json")
 
 
 def pinned(overrides=()) -> list[str]:
