@@ -1,11 +1,14 @@
-"""The dense attention backends' terms: fitted from their points of the raw CSV into a profile's ``backends``.
+"""The peer attention backends' terms: fitted from their points of the raw CSV into a profile's ``backends``.
 
-A dense backend's point (``attn@<backend>`` keys, ``calibrate.grid.dense_points``) times its forward and its
-backward over every causal block of a micro-batch's documents. Each term is fitted as our kernel's are
-(``calibrate.linear.fit_term``) on the features the simulator prices it on (``sim.cost.dense_features``:
-const, tokens, documents, causal FLOPs), and its version is the one the run recorded. Every backend, ours
-included, is held to the same error targets on its held-out attention forward plus backward
-(:func:`backend_checks`).
+A dense peer's point (``attn@<backend>`` keys, ``calibrate.grid.dense_points``) times its forward and its
+backward over every causal block of a micro-batch's documents; a sparse peer's (``calibrate.grid.
+sparse_points``) over the blocks our selection keeps, at the kept fractions the selection realised (the rows
+record them). Each term is fitted as our kernel's are (``calibrate.linear.fit_term``) on the features the
+simulator prices it on (``sim.cost.dense_features``: const, tokens, documents, causal FLOPs; for a sparse peer
+``sim.cost.sparse_features``: tokens padded to whole blocks, the kept blocks' FLOPs), and its version is the one
+the run recorded. Which peers are sparse is the registry's word (``kernels.backends``: a backend's ``sparse``);
+their entries carry ``"sparse": true``. Every backend, ours included, is held to the same error targets on its
+held-out attention forward plus backward (:func:`backend_checks`).
 """
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ from dataclasses import fields
 import numpy as np
 
 from sparsebalance.calibrate.linear import ape, fit_term, predict, summarise
-from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS
+from sparsebalance.kernels.backends import BACKENDS
+from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, SPARSE_KEY
 from sparsebalance.sim.config import ModelConfig
 from sparsebalance.sim.core import ConfigError
-from sparsebalance.sim.cost import dense_features
+from sparsebalance.sim.cost import dense_features, sparse_features
 
 HELDOUT_MEDIAN_PCT = 3.0  # held-out attention fwd+bwd of every backend: median absolute % error
 HELDOUT_MAX_PCT = 10.0  # and the largest
@@ -32,8 +36,20 @@ def recorded_versions(runs: list[dict]) -> dict[str, str]:
     return versions
 
 
+def is_sparse_peer(name: str) -> bool:
+    """Whether ``name`` is a sparse peer of the registry (a name it does not know was timed as a dense peer)."""
+    return name in BACKENDS and BACKENDS[name].sparse
+
+
+def peer_features(name: str, lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
+    """The features the simulator prices peer ``name`` on for one micro-batch (dense or sparse)."""
+    if is_sparse_peer(name):
+        return sparse_features(lengths, kept_fractions, model, block_size)
+    return dense_features(lengths, model, block_size)
+
+
 def fit_backends(measurements: list, models: dict[str, dict], block_size: int, versions: dict[str, str]) -> dict:
-    """The profile's ``backends`` section from the dense backends' measurements (none: empty)."""
+    """The profile's ``backends`` section from the peers' measurements (none: empty)."""
     keys = [f.name for f in fields(ModelConfig)]
     shapes = {name: ModelConfig(**{k: shape[k] for k in keys if k in shape}) for name, shape in models.items()}
     by_backend: dict[str, list] = defaultdict(list)
@@ -41,7 +57,8 @@ def fit_backends(measurements: list, models: dict[str, dict], block_size: int, v
         by_backend[m.backend].append(m)
     section = {}
     for name, points in sorted(by_backend.items()):
-        feats = {m.key: dense_features(m.lengths, shapes[m.model], block_size) for m in points}
+        feats = {m.key: peer_features(name, m.lengths, m.kept_fractions, shapes[m.model], block_size)
+                 for m in points}
         terms, conditioning = {}, {}
         for term in DENSE_TERMS:
             rows = [m for m in points if m.term == term and m.split == "fit"]
@@ -53,6 +70,7 @@ def fit_backends(measurements: list, models: dict[str, dict], block_size: int, v
             terms[term], conditioning[term] = fitted.coefs, fitted.conditioning()
         section[name] = {
             "version": versions.get(name) or "unknown (not recorded by calibrate.run)",
+            **({SPARSE_KEY: True} if is_sparse_peer(name) else {}),
             "terms": terms,
             "fit": {"heldout_mape": summarise(_errors(points, terms, feats, "heldout")),
                     "fit_mape": summarise(_errors(points, terms, feats, "fit")),
@@ -68,7 +86,7 @@ def with_backends(profile: dict, section: dict, runs: list[dict], fit_command: s
     timed and fitted them; its own terms and fit unchanged."""
     if not section:
         raise ConfigError("--backends-only: the CSV holds no dense backend's measurements; allowed: a CSV that "
-                          "calibrate.run timed a dense backend into")
+                          "calibrate.run timed a peer (dense or sparse) into")
     timed = [run["command"] for run in runs if run.get("backends")]
     meta = profile["meta"] | {"backends_command": " && ".join([*timed, fit_command])}
     return profile | {"meta": meta, "backends": section}
@@ -91,7 +109,8 @@ def _errors(points: list, terms: dict, feats: dict, split: str) -> dict[str, lis
 
 def backend_checks(profile: dict, recorded) -> list[tuple[str, float | None, float]]:
     """(what, recorded % error or None, limit) of every backend's held-out attention fwd+bwd: ours (the
-    profile's own fit) and each dense backend of its ``backends``. ``recorded(section, *keys)`` reads a number."""
+    profile's own fit) and each peer of its ``backends``, dense or sparse. ``recorded(section, *keys)`` reads a
+    number."""
     fits = {OURS: profile.get("fit")} | {name: entry.get("fit") for name, entry in (profile.get("backends") or {}).items()}
     return [(f"held-out attn_fwd+bwd {stat}, {name}", recorded(fit, "heldout_mape", "attn_fwd+bwd", key), limit)
             for name, fit in fits.items()

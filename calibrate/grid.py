@@ -3,14 +3,15 @@
 A point is one packed varlen batch (sequence lengths + a kept fraction per sequence) on one model. Its
 ``kind`` says what is timed: ``attn`` (selection, attention forward and backward), ``layer`` (the
 non-attention work of one transformer layer) or ``layer_full`` (a whole layer, forward and backward, with
-the real kernel: never fitted, used to check that the fitted terms add up to a layer). A point of a dense
+the real kernel: never fitted, used to check that the fitted terms add up to a layer). A point of a peer
 attention backend (``backend``, a name of ``kernels.backends`` other than ``ours``) times that backend's forward
-and backward on all the causal blocks of its documents (:func:`dense_points`).
+and backward: a dense peer's on all the causal blocks of its documents (:func:`dense_points`), a sparse peer's on
+the blocks our selection keeps at our attention points' kept fractions (:func:`sparse_points`).
 """
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sparsebalance.sim.backends import DENSE_TERMS, OURS
 from sparsebalance.sim.shapes import ModelShape
@@ -61,7 +62,7 @@ class GridPoint:
     lengths: tuple[int, ...]
     kept_fractions: tuple[float, ...]
     split: str = "fit"
-    backend: str = OURS  # a dense backend's points are keyed <kind>@<backend>
+    backend: str = OURS  # a peer's points are keyed <kind>@<backend>
 
     @property
     def key(self) -> str:
@@ -168,9 +169,20 @@ def dense_points(shape: ModelShape, backend: str) -> list[GridPoint]:
     return points
 
 
-def build_grid(models: list[ModelShape], backends: tuple[str, ...] = ()) -> list[GridPoint]:
-    """Every point for these models, and every dense point of ``backends`` (names of kernels.backends besides
-    ours); validation first so a cut-short run still has it, then cheap to dear.
+def sparse_points(shape: ModelShape, backend: str) -> list[GridPoint]:
+    """A sparse peer's points: our attention points (the same documents, kept fractions and splits), and the
+    validation micro-batches' documents and kept fractions, held out (their lengths are no block multiples, so
+    the padding shows there)."""
+    points = [replace(p, backend=backend) for p in attention_points(shape)]
+    return points + [GridPoint("attn", shape.name, lengths, kept, "heldout", backend)
+                     for lengths, kept in VALIDATION if max(lengths) <= shape.max_context]
+
+
+def build_grid(models: list[ModelShape], backends: tuple[str, ...] = (),
+               sparse: tuple[str, ...] = ()) -> list[GridPoint]:
+    """Every point for these models, every dense point of the dense peers ``backends`` and every point of the
+    sparse peers ``sparse`` (names of kernels.backends besides ours); validation first so a cut-short run still
+    has it, then cheap to dear.
 
     Sequences never exceed a model's context (``max_context``).
     """
@@ -178,6 +190,7 @@ def build_grid(models: list[ModelShape], backends: tuple[str, ...] = ()) -> list
     for m in models:
         points += attention_points(m) + layer_points(m) + layer_full_points(m)
         points += [p for backend in backends for p in dense_points(m, backend)]
+        points += [p for backend in sparse for p in sparse_points(m, backend)]
     by_name = {m.name: m for m in models}
     points.sort(key=lambda p: estimate_point_ms(p, by_name[p.model]))
     return [v for m in models for v in validation_points(m)] + points

@@ -2,8 +2,8 @@
 
 ``kernel`` is anything with the pinned API of ``kernels.sparse_attention`` (``select_blocks``,
 ``sparse_attention``) and ``attention`` the runner's attention callable (``runner.attention.make_attention``)
-that whole layers use; ``backends`` the dense attention backends (``kernels.backends``, by name) whose points
-the grid has; tests pass CPU stand-ins. Features are fitted on the kept fractions the kernel
+that whole layers use; ``backends`` the peer attention backends (``kernels.backends``, by name, dense or
+sparse) whose points the grid has; tests pass CPU stand-ins. Features are fitted on the kept fractions the kernel
 actually realised (the diagonal block is always kept, counts round), so those are what the rows record.
 
 Inputs are handed over as the runner does: the documents once per micro-batch (``VarlenBatch``), budgets
@@ -51,7 +51,7 @@ class Measurer:
     def measure(self, point: GridPoint) -> list[dict]:
         """Rows for the store, one per term of the point."""
         by_kind = {"attn": self._attention, "layer": self._layer, "layer_full": self._layer_full}
-        timings, kept = (by_kind[point.kind] if point.backend == OURS else self._dense)(point)
+        timings, kept = (by_kind[point.kind] if point.backend == OURS else self._peer)(point)
         return [_row(point, term, timings[term], kept) for term in point.terms]
 
     # -- inputs -------------------------------------------------------------------------------------
@@ -104,24 +104,34 @@ class Measurer:
         timings["attn_bwd"] = self._backward(out, grad_out, self._expected("attn_bwd", point), [q, k, v])
         return timings, tuple(sel.kept_fraction.tolist())
 
-    def _dense(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
-        """A dense backend's forward and backward over every causal block of the point's documents, its
-        documents handed over once as for every layer of a micro-batch."""
+    def _peer(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
+        """A peer's forward and backward over the point's documents, handed over once as for every layer of a
+        micro-batch: a dense peer's over every causal block; a sparse peer's over the blocks its selection (ours,
+        at the point's kept fractions) keeps, selected once and not timed (ours' ``select`` term prices it), and
+        the kept fractions it realised are what the rows record."""
         s, backend = self.shapes[point.model], self.backends[point.backend]
         torch.manual_seed(self.seed)
         q = self._randn(point.tokens, s.heads, s.head_dim).requires_grad_()
         k = self._randn(point.tokens, s.kv_heads, s.head_dim).requires_grad_()
         v = self._randn(point.tokens, s.kv_heads, s.head_dim).requires_grad_()
         docs = backend.documents(point.lengths, self.device)
+        selection, kept = {}, point.kept_fractions
+        if backend.sparse:
+            if backend.block_size != self.block_size:
+                raise ValueError(f"backend {point.backend}: block size {backend.block_size}, the calibration's "
+                                 f"{self.block_size}")
+            with torch.no_grad():
+                selection = {"selection": backend.select(q, k, docs, kept_fraction=self._kept(point))}
+            kept = tuple(selection["selection"].kept_fraction.tolist())
 
         def forward():
-            return backend.attention(q, k, v, docs)
+            return backend.attention(q, k, v, docs, **selection)
 
         out = forward()
         grad_out = torch.randn_like(out)
         timings = {"attn_fwd": self.bench(forward, self._expected("attn_fwd", point))}
         timings["attn_bwd"] = self._backward(out, grad_out, self._expected("attn_bwd", point), [q, k, v])
-        return timings, point.kept_fractions
+        return timings, kept
 
     def _layer(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
         """The layer's non-attention work: the runner's Block with a pass-through in place of attention; its

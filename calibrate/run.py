@@ -8,8 +8,9 @@ run cut short by a time limit resumes where it stopped. Run facts (GPU, driver, 
 go to ``<csv>.meta.json`` beside it, one entry per run.
 
 Every attention backend of ``--backends`` that runs here is timed over the same documents (``kernels.backends``:
-our kernel over the whole grid, each dense peer over the grid's documents, all kept); one that cannot run is
-one line (``fa4: absent (...)``) and is left out, unless named on the command line.
+our kernel over the whole grid, each dense peer over the grid's documents, all kept, each sparse peer over our
+attention points, at their kept fractions, on our selection); one that cannot run is one line (``fa4: absent
+(...)``) and is left out, unless named on the command line.
 """
 from __future__ import annotations
 
@@ -253,17 +254,25 @@ def make_measurer(shapes: list[ModelShape], device: str, block_size: int, clock:
                     backends=backends)
 
 
-def peer_backends(named: list[str] | None, dry_run: bool) -> tuple[dict, list[str]]:
-    """The dense backends to time (name -> loaded backend; in a dry run name -> None, nothing loaded) and the
-    lines of those left out. A default one that cannot run here is left out with its line; one named with
-    --backends is a ConfigError with it."""
+def peer_backends(named: list[str] | None, dry_run: bool, block_size: int) -> tuple[dict, list[str]]:
+    """The peers to time (name -> loaded backend; in a dry run name -> None, nothing loaded) and the lines of
+    those left out. A default one that cannot run here is left out with its line; one named with --backends is
+    a ConfigError with it. A sparse peer selects at ``block_size``, as ours does."""
     peers = [b for b in (BACKENDS if named is None else named) if b != OURS]
     if dry_run:
         return dict.fromkeys(peers), []
     loaded, absent = load_all(peers)
     if named is not None and absent:
         raise ConfigError(f"--backends {','.join(named)}: {absent[0]}; allowed: backends that run here")
+    for backend in loaded.values():
+        if backend.sparse:
+            backend.block_size = block_size
     return loaded, absent
+
+
+def split_peers(peers) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(dense, sparse) peers among the names ``peers``, as the registry's classes say."""
+    return (tuple(n for n in peers if not BACKENDS[n].sparse), tuple(n for n in peers if BACKENDS[n].sparse))
 
 
 @one_line_errors
@@ -271,10 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shapes = load_shapes(args.models)
     by_name = {s.name: s for s in shapes}
-    peers, absent = peer_backends(args.backends, args.dry_run)
+    peers, absent = peer_backends(args.backends, args.dry_run, args.block_size)
     for line in absent:
         print(line, file=sys.stderr)
-    points = select_points(build_grid(shapes, tuple(peers)), args.max_tokens)
+    points = select_points(build_grid(shapes, *split_peers(peers)), args.max_tokens)
     grid_facts = grid_description(shapes, args.block_size, args.max_tokens, len(points), tuple(peers))
     check_same_settings(args.csv, measurement_settings({"grid": grid_facts, "timing": args.timing,
                                                          "device": args.device}))

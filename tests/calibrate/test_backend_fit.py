@@ -1,5 +1,6 @@
-"""Dense attention backends in the calibration: their grid points, their timing (a CPU stand-in), their rows'
-keys, their fit into a profile's ``backends`` with the version the run recorded, and the simulator pricing them."""
+"""Peer attention backends in the calibration, dense and sparse: their grid points, their timing (CPU stand-ins),
+their rows' keys, their fit into a profile's ``backends`` with the version the run recorded, and the simulator
+pricing them."""
 from __future__ import annotations
 
 import json
@@ -11,16 +12,18 @@ from omegaconf import OmegaConf
 
 import sparsebalance.kernels.sparse_attention as kernel
 from sparsebalance.calibrate import fit, fitting, run, store, timing
-from sparsebalance.calibrate.grid import GridPoint, build_grid, dense_points
+from sparsebalance.calibrate.backends import backend_checks
+from sparsebalance.calibrate.grid import GridPoint, attention_points, build_grid, dense_points, sparse_points
 from sparsebalance.calibrate.measure import Measurer
-from sparsebalance.kernels.backends import load
+from sparsebalance.kernels.backends import BACKENDS, load
 from pinned import PINNED_PROFILE
+from sparse_peer import NAME as SPARSE, NaiveSparse
 from sparsebalance.runner.attention import make_attention
 from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.config import compose_config
-from sparsebalance.sim.cost import dense_features, make_cost
+from sparsebalance.sim.cost import dense_features, make_cost, sparse_features
 from sparsebalance.sim.profile import load_profile
 from sparsebalance.sim.shapes import ModelShape, load_shapes
 
@@ -30,6 +33,17 @@ TRUE = {"attn_fwd": {"const": 0.02, "tokens": 3e-6, "head_tokens": 5e-8, "docs":
         "attn_bwd": {"const": 0.05, "tokens": 6e-6, "head_tokens": 1e-6, "docs": 0.01, "doc_heads": 0.0,
                      "flops": 2.6 / 550e9}}
 OURS_TRUE = load_profile(str(PINNED_PROFILE))["terms"]
+# a sparse peer's: its own per-call, per-token and per-kept-FLOP costs
+SPARSE_TRUE = {"attn_fwd": {"const": 0.3, "tokens": 2e-6, "head_tokens": 2e-8, "docs": 0.003, "doc_heads": 2e-4,
+                            "flops": 1 / 450e9},
+               "attn_bwd": {"const": 0.6, "tokens": 5e-6, "head_tokens": 3e-7, "docs": 0.008, "doc_heads": 1e-4,
+                            "flops": 2.4 / 450e9}}
+
+
+def realised(lengths, budgets):
+    """Kept fractions a selection realises for these budgets: not the budgets (the diagonal blocks, rounding), so
+    a fit that priced the budgets instead would miss."""
+    return tuple(min(1.0, f * 1.1 + 256 / n) for n, f in zip(lengths, budgets))
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +64,21 @@ def test_dense_points_are_the_grids_documents_all_kept_and_hold_out_the_validati
     assert len(grid) == len(build_grid(shapes)) + 2 * sum(len(dense_points(s, "fa4")) for s in shapes)
 
 
-def rows_of(shapes, backends=("fa4",), noise=0.0, seed=0):
-    """CSV rows of a run: ours timed as the pinned profile prices it, each dense backend as TRUE."""
+def rows_of(shapes, backends=("fa4",), noise=0.0, seed=0, sparse=()):
+    """CSV rows of a run: ours timed as the pinned profile prices it, each dense backend as TRUE, each sparse
+    peer of ``sparse`` as SPARSE_TRUE at the kept fractions its selection realised (recorded in the rows)."""
     rng = np.random.default_rng(seed)
     features = fitting.FeatureSource({s.name: vars(s) for s in shapes}, BLOCK)
     rows = []
-    for p in build_grid(shapes, backends):
+    for p in build_grid(shapes, backends, sparse):
+        kept = p.kept_fractions
         if p.backend == "ours":
             probe = fitting.Measurement(p.key, "", p.split, p.model, p.lengths, p.kept_fractions, 1.0, 0.0)
             times = {t: fitting.term_prediction(t, OURS_TRUE, features(probe)) or 0.4 for t in p.terms}
+        elif p.backend in sparse:
+            kept = realised(p.lengths, p.kept_fractions)
+            feats = sparse_features(p.lengths, kept, features.taps[p.model].model, BLOCK)
+            times = {t: sum(c * feats[f] for f, c in SPARSE_TRUE[t].items()) for t in p.terms}
         else:
             feats = dense_features(p.lengths, features.taps[p.model].model, BLOCK)
             times = {t: sum(c * feats[f] for f, c in TRUE[t].items()) for t in p.terms}
@@ -66,7 +86,7 @@ def rows_of(shapes, backends=("fa4",), noise=0.0, seed=0):
             t *= float(np.exp(rng.normal(0.0, noise)))
             rows.append({"key": p.key, "term": term, "split": p.split, "model": p.model,
                          "lengths": ";".join(map(str, p.lengths)),
-                         "kept_fractions": ";".join(map(str, p.kept_fractions)), "median_ms": t,
+                         "kept_fractions": ";".join(map(str, kept)), "median_ms": t,
                          "p20_ms": t * 0.99, "p80_ms": t * 1.01, "reps": 9})
     return rows
 
@@ -157,12 +177,12 @@ def test_the_measurer_times_a_dense_backend_forward_and_backward():
 
 def test_calibrate_run_names_the_backends_it_leaves_out(tmp_path, capsys):
     assert run.main(["--dry-run", "--csv", str(tmp_path / "x.csv"), "--backends", "ours,fa4"]) == 0
-    assert run.peer_backends(["ours", "fa4"], dry_run=True) == ({"fa4": None}, [])
+    assert run.peer_backends(["ours", "fa4"], dry_run=True, block_size=128) == ({"fa4": None}, [])
     if not torch.cuda.is_available():
-        loaded, absent = run.peer_backends(None, dry_run=False)
-        assert loaded == {} and [line.split(":")[0] for line in absent] == ["cudnn", "fa4", "fa3"]
+        loaded, absent = run.peer_backends(None, dry_run=False, block_size=128)
+        assert loaded == {} and [line.split(":")[0] for line in absent] == ["cudnn", "fa4", "fa3", "fa4_sparse"]
         with pytest.raises(ConfigError, match=r"^--backends fa4: fa4: absent \("):
-            run.peer_backends(["fa4"], dry_run=False)
+            run.peer_backends(["fa4"], dry_run=False, block_size=128)
 
 
 def test_backends_only_adds_the_dense_backends_to_a_profile_and_leaves_its_own_fit(tmp_path, shapes, capsys):
@@ -199,3 +219,73 @@ def test_the_calibration_figures_leave_the_dense_backends_rows_to_their_own_term
     assert len(frame) == sum("@" not in r["key"] for r in rows) < len(rows)
     priced = frame[frame.predicted_ms > 0]  # an all-dense batch's selection is timed but priced at 0
     assert priced["residual_pct"].abs().max() < 1e-3  # ours' rows, priced by ours' terms
+
+
+@pytest.fixture
+def naive_sparse(monkeypatch):
+    """``naive_sparse`` (tests/sparse_peer.py) in the registry for one test."""
+    monkeypatch.setitem(BACKENDS, SPARSE, NaiveSparse)
+
+
+def test_sparse_points_are_our_attention_points_and_the_validation_batches_held_out(shapes):
+    for shape in shapes:
+        points = sparse_points(shape, SPARSE)
+        assert all(p.key.startswith(f"attn@{SPARSE}|{shape.name}|") and p.terms == DENSE_TERMS for p in points)
+        ours = [(p.lengths, p.kept_fractions, p.split) for p in attention_points(shape)]
+        assert [(p.lengths, p.kept_fractions, p.split) for p in points[:len(ours)]] == ours
+        validation = points[len(ours):]
+        assert len(validation) >= 2 and all(p.split == "heldout" for p in validation)
+        assert any(n % BLOCK for p in validation for n in p.lengths)  # padding shows on held-out points
+    grid = build_grid(shapes, ("fa4",), (SPARSE,))
+    assert len(grid) == len(build_grid(shapes, ("fa4",))) + sum(len(sparse_points(s, SPARSE)) for s in shapes)
+
+
+def test_fit_recovers_a_sparse_peers_terms_at_the_kept_fractions_it_realised(tmp_path, shapes, naive_sparse):
+    csv = write_run(tmp_path, shapes, rows_of(shapes, sparse=(SPARSE,)), backends=("fa4", SPARSE))
+    out = tmp_path / "h100.json"
+    assert fit.main(["--csv", str(csv), "--out", str(out)]) == 0
+    profile = load_profile(str(out))
+    entry = profile["backends"][SPARSE]
+    assert entry["sparse"] is True and "sparse" not in profile["backends"]["fa4"]
+    assert entry["version"] == f"{SPARSE} 1.2.3"
+    for term in DENSE_TERMS:
+        for feat, coef in SPARSE_TRUE[term].items():
+            assert entry["terms"][term][feat] == pytest.approx(coef, rel=1e-3), (term, feat)
+    assert entry["fit"]["heldout_mape"]["attn_fwd+bwd"]["max_ape_pct"] < 1e-3
+    assert entry["fit"]["points"]["heldout"] >= 8
+    checked = [what for what, _, _ in backend_checks(profile, lambda section, *keys: 0.0)]
+    assert f"held-out attn_fwd+bwd median, {SPARSE}" in checked and f"held-out attn_fwd+bwd max, {SPARSE}" in checked
+    cfg = OmegaConf.to_object(compose_config([f"cost.profile={out}", "cost.attention_backend=hybrid",
+                                              "model=llama3-8b"]))
+    cost = make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster), recompute=False)
+    assert cost.sparse_backends() == (SPARSE,) and cost.dense_backends() == ("fa4",)
+
+
+def test_the_measurer_times_a_sparse_peer_on_its_selection_and_records_the_kept_fractions_realised():
+    tiny = ModelShape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100,
+                      max_context=4096)
+    peer = NaiveSparse(block_size=32)
+    measurer = Measurer([tiny], kernel, make_attention("kernel", 32), timing.bench_cpu, device="cpu",
+                        dtype=torch.float32, block_size=32, backends={SPARSE: peer})
+    point = GridPoint("attn", "tiny", (256, 77), (0.5, 0.25), "fit", SPARSE)
+    rows = measurer.measure(point)
+    assert [r["term"] for r in rows] == ["attn_fwd", "attn_bwd"]
+    assert all(r["key"] == f"attn@{SPARSE}|tiny|256+77|0.5+0.25" and float(r["median_ms"]) > 0 for r in rows)
+    torch.manual_seed(0)  # the measurer's inputs
+    q, k = torch.randn(333, 4, 16), torch.randn(333, 2, 16)
+    sel = peer.select(q, k, peer.documents(point.lengths, "cpu"), kept_fraction=torch.tensor([0.5, 0.25]))
+    assert rows[0]["kept_fractions"] == rows[1]["kept_fractions"] == ";".join(f"{f:.6g}" for f in
+                                                                              sel.kept_fraction.tolist())
+    assert rows[0]["kept_fractions"] != "0.5;0.25"  # the 77-token document keeps its 3 diagonal blocks of 6
+    with pytest.raises(ValueError, match=f"backend {SPARSE}: block size 128, the calibration's 32"):
+        Measurer([tiny], kernel, make_attention("kernel", 32), timing.bench_cpu, device="cpu", dtype=torch.float32,
+                 block_size=32, backends={SPARSE: NaiveSparse()}).measure(point)
+
+
+def test_calibrate_run_times_a_sparse_peer_at_our_attention_points(tmp_path, capsys, shapes, naive_sparse):
+    assert run.main(["--dry-run", "--csv", str(tmp_path / "x.csv"), "--backends", SPARSE]) == 0
+    total = len(build_grid(shapes, (), (SPARSE,)))
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"{total} points, {total} to measure")
+    assert run.split_peers(["fa4", SPARSE, "cudnn"]) == (("fa4", "cudnn"), (SPARSE,))
+    loaded, absent = run.peer_backends([SPARSE], dry_run=False, block_size=64)
+    assert absent == [] and loaded[SPARSE].block_size == 64  # it selects at the calibration's block size

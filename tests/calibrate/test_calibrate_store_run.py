@@ -172,8 +172,8 @@ def test_a_csv_measured_with_the_same_settings_resumes_with_other_models(tmp_pat
     csv, _, _ = measured_run(tmp_path, points)
     assert run.main(["--csv", str(csv), "--dry-run", "--models", "llama3-8b", "--max-tokens", "4096"]) == 0
     assert run.main(["--csv", str(csv), "--dry-run"]) == 0
-    peers = tuple(run.peer_backends(None, dry_run=True)[0])  # a dry run counts every dense backend's points
-    total = len(build_grid(load_shapes(list(run.CALIBRATED_MODELS)), peers))
+    peers = run.peer_backends(None, dry_run=True, block_size=128)[0]  # a dry run counts every peer's points
+    total = len(build_grid(load_shapes(list(run.CALIBRATED_MODELS)), *run.split_peers(peers)))
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"{total} points, {total - len(points)} to measure")
 
 
