@@ -1,13 +1,15 @@
 """The attention the model calls: ``kernels.sparse_attention`` through its pinned API, with the Plan's
 per-sequence budgets, returning the kernel's selection stats alongside the output; or, for a micro-batch that
-``cost.attention_backend`` puts on a dense backend (``kernels.backends``: cuDNN, FlashAttention), that backend.
+``cost.attention_backend`` puts on a peer (``kernels.backends``: cuDNN, FlashAttention, FlashAttention-4's
+block-sparse form), that backend.
 
 Backends of our kernel: ``kernel`` lets the kernel package choose (Triton on CUDA tensors, its PyTorch reference
 on CPU tensors, so CPU training never goes through the Triton interpreter); ``triton`` and ``naive`` force one.
 
-Which kernel runs a micro-batch is the cost model's choice (``runner.dense``). A dense backend keeps every causal
-block, so its sequences report kept fraction and coverage 1. This module needs torch and the kernels only (the
-calibration's measuring side runs it on machines without Hydra).
+Which kernel runs a micro-batch is the cost model's choice (``runner.dense``). A dense peer keeps every causal
+block, so its sequences report kept fraction and coverage 1; a sparse peer computes the blocks that our selection
+(its ``select``) keeps at the micro-batch's budgets, and its sequences report that selection's stats. This module
+needs torch and the kernels only (the calibration's measuring side runs it on machines without Hydra).
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ BACKENDS = {"kernel": "auto", "triton": "triton", "naive": "naive"}
 
 @dataclass(frozen=True)
 class DenseRun:
-    """A micro-batch's attention on a dense backend instead of our kernel: the loaded backend and its documents,
-    built once per micro-batch when it is packed (off the clock, as calibrate.run times the backend)."""
+    """A micro-batch's attention on a peer (dense or sparse) instead of our kernel: the loaded backend and its
+    documents, built once per micro-batch when it is packed (off the clock, as calibrate.run times the backend)."""
 
     backend: object  # kernels.backends.AttentionBackend
     docs: object  # backend.documents(lengths, device)
@@ -46,24 +48,36 @@ def budget_keywords(budgets) -> dict:
 
 
 def dense_run(budgets) -> DenseRun | None:
-    """The dense backend a micro-batch's budgets carry (their fourth item), or None: our kernel runs it."""
+    """The peer a micro-batch's budgets carry (their fourth item), or None: our kernel runs it."""
     return budgets[3] if len(budgets) > 3 else None
+
+
+def peer_attention(peer: DenseRun, q, k, v, budgets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, kept [n], coverage [n])`` of a micro-batch on ``peer``: a sparse one selects at the budgets first
+    (the selection is not differentiated)."""
+    backend = peer.backend
+    if not backend.sparse:
+        every = torch.ones(peer.n_docs, device=q.device)
+        return backend.attention(q, k, v, peer.docs), every, every
+    with torch.no_grad():
+        sel = backend.select(q, k, peer.docs, **budget_keywords(budgets))
+    return backend.attention(q, k, v, peer.docs, selection=sel), sel.kept_fraction, sel.coverage
 
 
 def make_attention(backend: str, block_size: int):
     """``attend(q, k, v, docs, budgets) -> (o, kept [n], coverage [n])``, ``budgets`` as
     :func:`budget_keywords` takes them; ``docs`` is a ``VarlenBatch`` (built once per micro-batch, so no layer
     reads the offsets again) or a cu_seqlens tensor. Where the budgets carry a :class:`DenseRun`, that backend
-    computes every causal block (kept fraction and coverage 1)."""
+    runs it: a dense one every causal block (kept fraction and coverage 1), a sparse one the blocks its selection
+    keeps at the budgets (that selection's kept fractions and coverages)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     kernel_backend = BACKENDS[backend]
 
     def attend(q, k, v, docs, budgets):
-        dense = dense_run(budgets)
-        if dense is not None:
-            every = torch.ones(dense.n_docs, device=q.device)
-            return dense.backend.attention(q, k, v, dense.docs), every, every
+        peer = dense_run(budgets)
+        if peer is not None:
+            return peer_attention(peer, q, k, v, budgets)
         o, sel = sparse_attention(q, k, v, docs, **budget_keywords(budgets), block_size=block_size,
                                   return_selection=True, backend=kernel_backend)
         return o, sel.kept_fraction, sel.coverage

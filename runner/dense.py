@@ -1,8 +1,8 @@
-"""Which attention backend runs each micro-batch in the runner, and loading the dense ones.
+"""Which attention backend runs each micro-batch in the runner, and loading the peers (dense and sparse).
 
 The choice is the cost model's (``sim.backends.choose``, the simulator's own decision), made at the kept fractions
 the planner expects of the Plan's budgets: ``ours`` everywhere by default; ``dense_best`` the dense backend the
-profile prices fastest; ``hybrid`` the faster of that and ours at the budgets.
+profile prices fastest; ``hybrid`` the fastest of that, ours and the sparse peers at the budgets.
 """
 from __future__ import annotations
 
@@ -18,25 +18,40 @@ from sparsebalance.sim.plan import Plan
 
 
 def load_dense(cost: CostModel, key: str, cp: int) -> dict[str, object]:
-    """The dense backends a run's micro-batches may run on, loaded by name: under ``dense_best`` and ``hybrid``
-    every one the cost model prices (its choice may fall on any of them), under ``ours`` none. One ConfigError
-    line, naming ``key`` (the config key that chose the mode), where one cannot run here or the processes hold
-    CP shards (the dense backends run whole documents)."""
+    """The peers a run's micro-batches may run on, loaded by name: under ``dense_best`` every dense one the cost
+    model prices, under ``hybrid`` every one it prices, dense or sparse (its choice may fall on any of them),
+    under ``ours`` none. A sparse peer selects at the profile's block size, as ours does. One ConfigError line,
+    naming ``key`` (the config key that chose the mode), where one cannot run here or the processes hold CP
+    shards (the peers run whole documents)."""
     mode = cost.attention_backend
     if mode == OURS:
         return {}
     if cp > 1:
-        raise ConfigError(f"{key}={mode} with layout.cp={cp}: the runner runs a dense backend on whole documents "
+        raise ConfigError(f"{key}={mode} with layout.cp={cp}: the runner runs a peer backend on whole documents "
                           f"only; allowed: {key}={OURS} with cp > 1, or layout.cp=1 (or runner.one_process=true)")
-    loaded = {}
-    for name in cost.dense_backends():
-        try:
-            loaded[name] = load(name)
-        except (BackendAbsent, ValueError) as exc:
-            raise ConfigError(f"{key}={mode}: the cost profile prices the dense backend {name}, which cannot run "
-                              f"here ({exc}); allowed: {key}={OURS}, or a machine where "
-                              f"{', '.join(cost.dense_backends())} load (the peers extra on a GPU)") from None
-    return loaded
+    names = cost.dense_backends() + (cost.sparse_backends() if mode == "hybrid" else ())
+    return {name: _load_peer(name, name in cost.sparse_backends(), cost.block_size, f"{key}={mode}",
+                             f"{key}={OURS}, or a machine where {', '.join(names)} load (the peers extra on a GPU)")
+            for name in names}
+
+
+def _load_peer(name: str, sparse: bool, block_size: int, setting: str, allowed: str):
+    """Peer ``name`` loaded, as the cost profile prices it (``sparse`` or dense); a sparse one selects at
+    ``block_size``. One ConfigError line, starting with ``setting``, where it cannot run here or is not what the
+    profile says it is."""
+    kind = "sparse peer" if sparse else "dense backend"
+    try:
+        backend = load(name)
+    except (BackendAbsent, ValueError) as exc:
+        raise ConfigError(f"{setting}: the cost profile prices the {kind} {name}, which cannot run here ({exc}); "
+                          f"allowed: {allowed}") from None
+    if backend.sparse != sparse:
+        raise ConfigError(f"{setting}: the cost profile prices {name} as a {kind}, but kernels.backends' {name} is "
+                          f"{'sparse' if backend.sparse else 'dense'}; allowed: a profile whose backends entry for "
+                          f"{name} says \"sparse\": {str(backend.sparse).lower()}")
+    if sparse:
+        backend.block_size = block_size
+    return backend
 
 
 def micro_batch_backends(plan: Plan, cost: CostModel, layout: Layout, belief: Belief | None) -> np.ndarray:

@@ -194,7 +194,8 @@ class Trainer:
 
     def _pack(self, assignments, truth, backend: str):
         """This rank's share of a micro-batch: all of it, or under CP its zigzag chunks of every sequence; with
-        the dense backend that runs its attention where ``backend`` names one (runner.attention.DenseRun)."""
+        the peer (dense or sparse) that runs its attention where ``backend`` names one
+        (runner.attention.DenseRun)."""
         batch = (pack(assignments, truth, self.task, self.cfg.model.vocab, self.cfg.seed, self.device) if assignments
                  else placeholder(self.device, 2 * self.comm.layout.cp))
         if backend in self.planner.dense:

@@ -1,10 +1,10 @@
-"""``runner.train`` with a dense attention backend that runs on the CPU, for the tests of
+"""``runner.train`` with a dense attention backend and a sparse peer that run on the CPU, for the tests of
 ``cost.attention_backend`` in the runner (test_attention_backend.py).
 
 The dense backends a user runs instead of our kernel (cuDNN, FlashAttention) need a GPU; ``Reference`` stands in
 for one: dense causal attention per document by the PyTorch reference, registered as ``reference`` only in the
 process that runs this file (and by the tests, for the duration of one test), so that the registry stays the
-project's everywhere else.
+project's everywhere else; the sparse peer is ``naive_sparse`` (tests/sparse_peer.py), registered alike.
 """
 from __future__ import annotations
 
@@ -32,7 +32,14 @@ class Reference:
 
 
 if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
     from sparsebalance.runner import train
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, where sparse_peer.py is
+    from sparse_peer import NAME as SPARSE, NaiveSparse
+
     register(NAME)(Reference)
+    register(SPARSE)(NaiveSparse)
     train.cli()

@@ -4,7 +4,9 @@ for it, the simulator's decision (sim.backends.choose), and micro_batches.csv re
 No dense backend of the project runs on the CPU (cuDNN and FlashAttention need a GPU), so the runner refuses the
 dense modes here in one line; the decision and the records are checked with ``reference`` (dense_train.py), a
 dense backend that runs on the CPU, priced by a profile made for it: its attention costs a fixed time per token,
-so that it beats our kernel on the small micro-batches and loses on the large ones."""
+so that it beats our kernel on the small micro-batches and loses on the large ones. A sparse peer is checked alike
+with ``naive_sparse`` (tests/sparse_peer.py: our selection, the PyTorch reference on the kept blocks), priced
+beside ``reference`` so that hybrid runs both."""
 from __future__ import annotations
 
 import json
@@ -20,7 +22,10 @@ import torch
 
 from dense_train import NAME, Reference
 from pinned import BACKENDS_PROFILE
+from sparse_peer import NAME as SPARSE, NaiveSparse
 from sparsebalance.kernels.backends import BACKENDS
+from sparsebalance.kernels.sparse_attention import sparse_attention
+from sparsebalance.runner.attention import DenseRun, make_attention
 from sparsebalance.runner.dist import World
 from sparsebalance.runner.train import build_planner, compose
 from sparsebalance.sim.backends import DENSE_FEATURES
@@ -51,10 +56,28 @@ def profile(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def sparse_profile(tmp_path_factory) -> Path:
+    """The pinned profile with ``reference`` and the sparse peer ``naive_sparse``: a fixed cost per call and
+    kept FLOP, which beats ``reference`` on the larger micro-batches and our kernel on all of them."""
+    priced = json.loads(BACKENDS_PROFILE.read_text())
+    zero = dict.fromkeys(DENSE_FEATURES, 0.0)
+    priced["backends"] = {
+        NAME: {"version": Reference().version(), "terms": {
+            "attn_fwd": zero | {"tokens": PER_TOKEN_MS}, "attn_bwd": zero | {"tokens": 2 * PER_TOKEN_MS}}},
+        SPARSE: {"version": NaiveSparse().version(), "sparse": True, "terms": {
+            "attn_fwd": zero | {"const": 0.05, "flops": 1e-12}, "attn_bwd": zero | {"const": 0.1, "flops": 2e-12}}}}
+    path = tmp_path_factory.mktemp("profile") / "sparse_peer.json"
+    path.write_text(json.dumps(priced))
+    return path
+
+
 @pytest.fixture
 def reference(monkeypatch):
-    """``reference`` in the registry for one test (dense_train.py registers it in the runs it starts)."""
+    """``reference`` and ``naive_sparse`` in the registry for one test (dense_train.py registers them in the
+    runs it starts)."""
     monkeypatch.setitem(BACKENDS, NAME, Reference)
+    monkeypatch.setitem(BACKENDS, SPARSE, NaiveSparse)
 
 
 def overrides(profile: Path, mode: str) -> list[str]:
@@ -130,8 +153,81 @@ def test_dense_modes_refuse_context_parallel_processes(profile, reference):
     two = ["cluster.gpus_per_node=2", "layout.cp=2"]
     world = World(rank=0, size=2, local_rank=0, local_size=2)
     with pytest.raises(ConfigError, match=r"^cost\.attention_backend=hybrid with layout\.cp=2: the runner runs a "
-                                          r"dense backend on whole documents only; allowed: "):
+                                          r"peer backend on whole documents only; allowed: "):
         build_planner(compose([*overrides(profile, "hybrid"), *two]), world)
     planner, _ = build_planner(compose([*overrides(profile, "hybrid"), *two, "runner.one_process=true"]), ONE_RANK)
     assert set(planner.dense) == {NAME}  # one process holds whole documents
     np.testing.assert_array_equal(planner.backends(planner.plan(0)[0]).shape, (1, 2))
+
+
+@pytest.mark.parametrize("mode", ["dense_best", "hybrid"])
+def test_the_runner_runs_a_sparse_peer_where_the_simulator_does(sparse_profile, reference, mode):
+    planned = planned_backends(sparse_profile, mode)
+    assert planned == simulated_backends(sparse_profile, mode)
+    ran = {name for step in planned for name in step}
+    assert ran == {"dense_best": {NAME}, "hybrid": {NAME, SPARSE}}[mode]  # dense_best never runs a sparse peer
+
+
+def test_hybrid_loads_the_sparse_peer_at_the_profiles_block_size_and_dense_best_does_not(sparse_profile, reference):
+    planner, _ = build_planner(compose(overrides(sparse_profile, "hybrid")), ONE_RANK)
+    loaded = planner.dense
+    assert set(loaded) == {NAME, SPARSE} and loaded[SPARSE].block_size == planner.planner.cost.block_size == 128
+    planner, _ = build_planner(compose(overrides(sparse_profile, "dense_best")), ONE_RANK)
+    assert set(planner.dense) == {NAME}
+
+
+def test_a_profile_that_prices_a_sparse_peer_as_dense_is_one_line(sparse_profile, reference, tmp_path):
+    priced = json.loads(sparse_profile.read_text())
+    del priced["backends"][SPARSE]["sparse"]
+    path = tmp_path / "mislabelled.json"
+    path.write_text(json.dumps(priced))
+    with pytest.raises(ConfigError, match=rf"^cost\.attention_backend=hybrid: the cost profile prices {SPARSE} as a "
+                                          rf"dense backend, but kernels.backends' {SPARSE} is sparse; allowed: a "
+                                          rf"profile whose backends entry for {SPARSE} says \"sparse\": true$"):
+        build_planner(compose(overrides(path, "hybrid")), ONE_RANK)
+
+
+@pytest.mark.parametrize("budget", [{"kept_fraction": torch.tensor([0.5, 0.25, 1.0])},
+                                    {"top_k": torch.tensor([2, 1, 3]), "p": None}])
+def test_a_micro_batch_on_a_sparse_peer_runs_its_selection_and_reports_it(budget):
+    """runner.attention: the peer selects at the micro-batch's budgets (as our kernel would), computes the kept
+    blocks, and its sequences report that selection's kept fractions and coverages; gradients reach q, k, v."""
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 256, 333, 400], dtype=torch.int32)
+    q = torch.randn(400, 4, 16, requires_grad=True)
+    k, v = (torch.randn(400, 2, 16, requires_grad=True) for _ in range(2))
+    peer = DenseRun.of(NaiveSparse(block_size=32), cu, torch.device("cpu"))
+    budgets = (budget.get("p"), budget.get("kept_fraction"), budget.get("top_k"), peer)
+    o, kept, coverage = make_attention("kernel", 32)(q, k, v, cu, budgets)
+    expected, sel = sparse_attention(q, k, v, cu, **budget, block_size=32, return_selection=True, backend="naive")
+    torch.testing.assert_close(o, expected)
+    torch.testing.assert_close(kept, sel.kept_fraction)
+    torch.testing.assert_close(coverage, sel.coverage)
+    assert (kept < 1.0).any() and (coverage < 1.0).any()
+    o.sum().backward()
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, k, v))
+    dense = DenseRun.of(Reference(), cu, torch.device("cpu"))
+    _, kept, coverage = make_attention("kernel", 32)(q, k, v, cu, (None, budget.get("kept_fraction"), None, dense))
+    assert kept.tolist() == coverage.tolist() == [1.0, 1.0, 1.0]  # a dense peer keeps every block
+
+
+@pytest.mark.slow
+def test_a_hybrid_run_on_a_sparse_peer_records_its_selection(sparse_profile, tmp_path):
+    """A CPU run through dense_train.py: micro_batches.csv names the sparse peer where it ran (the simulator's
+    choice), and its sequences report what its selection kept at their kept fraction 0.5, where the dense one's
+    report every block."""
+    cmd = [sys.executable, "tests/runner/dense_train.py", f"hydra.run.dir={tmp_path}",
+           *overrides(sparse_profile, "hybrid")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = pd.read_csv(tmp_path / "micro_batches.csv")
+    recorded = [g.sort_values("micro_batch").attention_backend.tolist() for _, g in rows.groupby("step")]
+    assert recorded == simulated_backends(sparse_profile, "hybrid")
+    sequences = pd.read_csv(tmp_path / "sequences.csv").merge(rows, on=["step", "dp_rank", "micro_batch"],
+                                                              suffixes=("", "_mb"))
+    sparse, dense = sequences[sequences.attention_backend == SPARSE], sequences[sequences.attention_backend == NAME]
+    assert len(sparse) and len(dense)
+    assert (sparse.kept_fraction < 1.0).any() and (sparse.kept_fraction >= 0.5 - 1e-6).all()
+    assert (sparse.coverage < 1.0).any()
+    assert (dense.kept_fraction == 1.0).all() and (dense.coverage == 1.0).all()
