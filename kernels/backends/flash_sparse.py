@@ -122,8 +122,9 @@ class FlashAttention4Sparse:
         from torch.nn.attention.flex_attention import flex_attention
 
         require_cuda()
-        # one compiled function for every micro-batch: automatic dynamic shapes after the first padded length
-        self.flex = torch.compile(flex_attention)
+        # one compiled function for every micro-batch, whatever its padded length (a static compile per length
+        # would reach dynamo's recompile limit within a training run)
+        self.flex = torch.compile(flex_attention, dynamic=True)
 
     def version(self) -> str:
         import torch
