@@ -21,7 +21,7 @@ CPU_CHECK = ["runner.device=cpu", "model.hidden=32", "model.heads=2", "model.kv_
 
 def test_the_scripts_are_named_by_what_they_do_and_parse():
     assert [s.name for s in SCRIPTS] == ["gpu_cp_bench.sh", "gpu_env.sh", "gpu_fair.sh", "gpu_fidelity.sh",
-                                         "gpu_learning.sh", "gpu_replay.sh", "gpu_sensitivity.sh"]
+                                         "gpu_learning.sh", "gpu_replay.sh", "gpu_sensitivity.sh", "gpu_sparse_peer.sh"]
     for script in SCRIPTS:
         assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script.name
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# FlashAttention-4's block-sparse form (kernels.backends fa4_sparse) on one GPU of the kind GPU (default h200;
+# scripts/gpu_env.sh) in one call: its GPU tests against our kernel on the same selections
+# (tests/kernels/test_flash_sparse.py), then its calibration beside the GPU's committed profile: calibrate.run
+# --backends fa4_sparse over a copy of calibrate/profiles/<GPU>_raw.csv (our attention grid's documents and kept
+# fractions; the points already there are skipped), calibrate.fit --backends-only into a copy of <GPU>.json (its
+# own terms unchanged), and --check of that copy.
+#
+# Writes under $OUT (8 files): pytest.txt, <GPU>_raw.csv and <GPU>_raw.meta.json (the raw points with
+# fa4_sparse's), <GPU>.json (the profile with fa4_sparse's terms), check.txt, peer.log (everything printed),
+# environment.txt, status.txt (the exit code of each part). The profile is also left at $PROFILE_OUT (default
+# /tmp/<GPU>_peers.json) for a later call on the same machine (gpu_fair.sh PROFILE=...). FlashAttention-4 comes
+# from the wheels in .whl/ (carried; ignored by git) and the parts gpu_env.sh names. Calibration stops starting
+# points after BUDGET_S seconds (default 180).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. scripts/gpu_env.sh
+OUT=${OUT:-/tmp/gpu_sparse_peer}
+BUDGET_S=${BUDGET_S:-180}
+PROFILE_OUT=${PROFILE_OUT:-/tmp/${GPU}_peers.json}
+mkdir -p "$OUT"
+
+part() {  # part NAME COMMAND...: run it, record its exit code
+  local name=$1
+  shift
+  "$@"
+  local code=$?
+  echo "$name: exit $code" | tee -a "$OUT/status.txt"
+  return "$code"
+}
+
+experiment() {
+  gpu_environment >"$OUT/environment.txt" 2>&1 && peers_environment >>"$OUT/environment.txt" 2>&1
+  code=$?
+  git log -1 --format='commit %H' >>"$OUT/environment.txt" 2>/dev/null
+  cat "$OUT/environment.txt"
+  [ "$code" = 0 ] || exit 1
+
+  : >"$OUT/status.txt"
+  part pytest python3 -m pytest tests/kernels/test_flash_sparse.py -q -p no:cacheprovider -k gpu \
+    >"$OUT/pytest.txt" 2>&1
+  tail -5 "$OUT/pytest.txt"
+  cp "calibrate/profiles/${GPU}_raw.csv" "calibrate/profiles/${GPU}_raw.meta.json" "calibrate/profiles/$GPU.json" \
+    "$OUT/"
+  part calibrate python3 -m calibrate.run --csv "$OUT/${GPU}_raw.csv" --backends fa4_sparse \
+    --time-budget-s "$BUDGET_S" --code-version "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" || return 1
+  part fit python3 -m calibrate.fit --csv "$OUT/${GPU}_raw.csv" --out "$OUT/$GPU.json" --backends-only || return 1
+  cp "$OUT/$GPU.json" "$PROFILE_OUT"
+  part check python3 -m calibrate.fit --check "$OUT/$GPU.json" | tee "$OUT/check.txt"
+}
+
+experiment 2>&1 | tee "$OUT/peer.log"
+exit "${PIPESTATUS[0]}"
