@@ -94,7 +94,7 @@ def hybrid_costs(profile: str) -> dict:
             raise ConfigError(f"--profile {profile}: {exc}") from None
     cost = costs[next(iter(FAIR_HEADS))]
     timed = {**DENSE_IMPLS, **SPARSE_IMPLS}
-    untimed = [name for name in cost.dense_terms if name not in timed]
+    untimed = [name for name in (*cost.dense_backends(), *cost.sparse_backends()) if name not in timed]
     if untimed:
         raise ConfigError(f"--profile {profile}: it prices the backend {untimed[0]}, which this benchmark does "
                           f"not time; allowed: a profile whose backends are among {', '.join(timed)}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.attention import breakdown, cli, common, fair, flex_variants, grid
-from pinned import BACKENDS_PROFILE, PINNED_PROFILE
+from pinned import BACKENDS_PROFILE, PINNED_PROFILE, SPARSE_PEER_PROFILE
 from sparsebalance.kernels.backends.flash_sparse import padded_documents, selection_block_mask
 from sparsebalance.sim.cost import diag_fraction
 
@@ -244,6 +244,15 @@ def test_hybrid_takes_the_profiles_choice_for_the_fair_batch():
         assert (cost.model.heads, cost.model.kv_heads) == fair.FAIR_HEADS[heads]
         assert fair.hybrid_choice(cost, lengths, np.ones(lengths.size)) == "fa4"
         assert fair.hybrid_choice(cost, lengths, diag_fraction(lengths, common.B)) == "ours"
+
+
+def test_hybrid_may_run_the_sparse_peer_a_profile_prices():
+    """With a profile that prices FlashAttention-4's block-sparse form (the fixture's made-up terms), hybrid runs
+    the fair batch dense, on the sparse peer, or on ours, as the kept fraction falls."""
+    costs = fair.hybrid_costs(str(SPARSE_PEER_PROFILE))
+    lengths = np.array(fair.fair_lengths()[1])
+    choices = [fair.hybrid_choice(costs["mha"], lengths, np.full(lengths.size, kept)) for kept in (1.0, 0.4, 0.05)]
+    assert choices == ["fa4", "fa4_sparse", "ours"]
 
 
 @pytest.mark.parametrize("args, message", [
