@@ -2,9 +2,10 @@
 # FlashAttention-4's block-sparse form (kernels.backends fa4_sparse) on one GPU of the kind GPU (default h200;
 # scripts/gpu_env.sh) in one call: its GPU tests against our kernel on the same selections
 # (tests/kernels/test_flash_sparse.py), then its calibration beside the GPU's committed profile: calibrate.run
-# --backends fa4_sparse over a copy of calibrate/profiles/<GPU>_raw.csv (our attention grid's documents and kept
-# fractions; the points already there are skipped), calibrate.fit --backends-only into a copy of <GPU>.json (its
-# own terms unchanged), and --check of that copy.
+# --backends $BACKENDS (default fa4_sparse; a GPU whose profile prices no dense peer yet: fa4_sparse,fa4,cudnn) over
+# a copy of calibrate/profiles/<GPU>_raw.csv (our attention grid's documents and kept fractions; the points
+# already there are skipped), calibrate.fit --backends-only into a copy of <GPU>.json (its own terms
+# unchanged), and --check of that copy.
 #
 # Writes under $OUT (8 files): pytest.txt, <GPU>_raw.csv and <GPU>_raw.meta.json (the raw points with
 # fa4_sparse's), <GPU>.json (the profile with fa4_sparse's terms), check.txt, peer.log (everything printed),
@@ -17,6 +18,7 @@ cd "$(dirname "$0")/.."
 . scripts/gpu_env.sh
 OUT=${OUT:-/tmp/gpu_sparse_peer}
 BUDGET_S=${BUDGET_S:-180}
+BACKENDS=${BACKENDS:-fa4_sparse}
 PROFILE_OUT=${PROFILE_OUT:-/tmp/${GPU}_peers.json}
 mkdir -p "$OUT"
 
@@ -42,7 +44,7 @@ experiment() {
   tail -5 "$OUT/pytest.txt"
   cp "calibrate/profiles/${GPU}_raw.csv" "calibrate/profiles/${GPU}_raw.meta.json" "calibrate/profiles/$GPU.json" \
     "$OUT/"
-  part calibrate python3 -m calibrate.run --csv "$OUT/${GPU}_raw.csv" --backends fa4_sparse \
+  part calibrate python3 -m calibrate.run --csv "$OUT/${GPU}_raw.csv" --backends "$BACKENDS" \
     --time-budget-s "$BUDGET_S" --code-version "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" || return 1
   part fit python3 -m calibrate.fit --csv "$OUT/${GPU}_raw.csv" --out "$OUT/$GPU.json" --backends-only || return 1
   cp "$OUT/$GPU.json" "$PROFILE_OUT"
