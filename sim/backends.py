@@ -66,6 +66,31 @@ def grouped_sparse(per_seq: dict, group: np.ndarray, n_groups: int, kept_flops: 
     return feats | {"flops": np.broadcast_to(np.asarray(kept_flops, dtype=np.float64), (n_groups,))}
 
 
+def peer_options(dense: dict, sparse: dict, per_seq: dict, group: np.ndarray, n_groups: int, kept_flops: np.ndarray,
+                 select: np.ndarray, pair_flops: float, block_size: int, heads: int, kv_heads: int,
+                 cp: int = 1) -> dict[str, tuple]:
+    """(attn_fwd, attn_bwd, select) per layer of each micro-batch on each peer, by name: each dense one of ``dense``
+    (name -> terms) over all its causal blocks (:func:`grouped_dense`) with no selection, each sparse one of
+    ``sparse`` over the blocks our selection keeps (:func:`grouped_sparse`, ``kept_flops``) with our selection's
+    time ``select``."""
+    dense_feats = grouped_dense(per_seq, group, n_groups, pair_flops, heads, kv_heads, cp)
+    sparse_feats = grouped_sparse(per_seq, group, n_groups, kept_flops, block_size, heads, kv_heads, cp)
+    options = {}
+    for name in sorted(dense | sparse):
+        terms, feats, sel = ((sparse[name], sparse_feats, select) if name in sparse
+                             else (dense[name], dense_feats, np.zeros(n_groups)))
+        options[name] = (*(linear_ms(terms[t], feats) for t in DENSE_TERMS), sel)
+    return options
+
+
+def missing_peers(mode: str, dense: dict, sparse: dict) -> str | None:
+    """What ``mode`` needs a profile to price that it does not (dense_best a dense peer, hybrid any peer), or
+    None."""
+    if mode == "dense_best" and not dense:
+        return "dense backend"
+    return "dense backend nor sparse peer" if mode == "hybrid" and not dense | sparse else None
+
+
 def linear_ms(coefs: dict[str, float], feats: dict[str, np.ndarray]) -> np.ndarray:
     """``sum(coef[f] * feature[f])``: a term's time per micro-batch."""
     return sum((c * feats[f] for f, c in coefs.items()), np.zeros_like(feats["const"]))

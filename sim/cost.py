@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from sparsebalance.sim.backends import (DENSE_FEATURES, DENSE_TERMS, OURS, choose, grouped_dense, grouped_sparse,
-                                        is_sparse, linear_ms)
+from sparsebalance.sim.backends import (DENSE_FEATURES, OURS, choose, grouped_dense, grouped_sparse, is_sparse,
+                                        missing_peers, peer_options)
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.config import CostConfig, ModelConfig
 from sparsebalance.sim.core import ConfigError
@@ -320,23 +320,16 @@ class CostModel(ABC):
         lengths = np.asarray(lengths, dtype=np.int64)
         kept = np.asarray(kept_fractions, dtype=np.float64)
         group = np.asarray(group, dtype=np.int64)
-        per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
-        attn = self._attention(per_seq, group, n_groups, layout.cp, lengths, kept)
-        sparse = (kept < 1.0).astype(np.float64)
-        select = summed_features({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n_groups, layout.cp)
-        tokens = attn["tokens"] * layout.cp  # back to the micro-batch's tokens (features are per CP rank)
+        mode = self.attention_backend
+        # the options of the mode: ours alone, ours and the dense peers (dense_best), or every peer (hybrid)
+        sparse_peers = None if mode == OURS else self.sparse_backends() if mode == "hybrid" else ()
+        options, tokens = self._options(lengths, kept, group, n_groups, layout, sparse_peers)
         layer = {k: v / layout.cp if k != "const" else v for k, v in self._layer(tokens).items()}
-
         comm_f, comm_b = self._cp_comm(tokens, layout)
-        a_f, a_b = self._term("attn_fwd", attn), self._term("attn_bwd", attn)
-        sel = self._term("select", select)
+        a_f, a_b, sel = options[OURS]
         backend = np.full(n_groups, OURS)
-        if self.attention_backend != OURS:
-            sparse_peers = self.sparse_backends() if self.attention_backend == "hybrid" else ()
-            options = {OURS: (a_f, a_b, sel),
-                       **self._peer_options(per_seq, attn["flops"], sel, group, n_groups, layout.cp, sparse_peers)}
-            backend = choose(self.attention_backend,
-                             {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()})
+        if mode != OURS:
+            backend = choose(mode, {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()})
             runs = [backend == name for name in options]
             a_f, a_b, sel = (np.select(runs, [o[i] for o in options.values()]) for i in range(3))
         o_f, o_b = self._term("layer_fwd", layer), self._term("layer_bwd", layer)
@@ -364,22 +357,21 @@ class CostModel(ABC):
         """The sparse peers this model prices (a profile's ``backends`` with ``"sparse": true``), by name."""
         return tuple(sorted(self.sparse_terms))
 
-    def _peer_options(self, per_seq: dict, kept_flops: np.ndarray, select: np.ndarray, group: np.ndarray,
-                      n_groups: int, cp: int, sparse_peers: tuple[str, ...]) -> dict[str, tuple]:
-        """(attn_fwd, attn_bwd, select) per layer of each micro-batch on every dense peer (all its causal blocks,
-        no selection) and on each of ``sparse_peers`` (the blocks our selection keeps, ``kept_flops``, on
-        documents padded to whole blocks, and our selection's time ``select``), the peers by name."""
-        dense = grouped_dense(per_seq, group, n_groups, _head_pair_flops(self.model, self.block_size),
-                              self.model.heads, self.model.kv_heads, cp)
-        sparse = grouped_sparse(per_seq, group, n_groups, kept_flops, self.block_size, self.model.heads,
-                                self.model.kv_heads, cp)
-        priced = {name: (self.dense_terms[name], dense, np.zeros(n_groups)) for name in self.dense_backends()}
-        priced |= {name: (self.sparse_terms[name], sparse, select) for name in sparse_peers}
-        options = {}
-        for name in sorted(priced):
-            terms, feats, sel = priced[name]
-            options[name] = (*(linear_ms(terms[t], feats) for t in DENSE_TERMS), sel)
-        return options
+    def _options(self, lengths, kept, group, n_groups: int, layout: Layout,
+                 sparse_peers: tuple[str, ...] | None) -> tuple[dict[str, tuple], np.ndarray]:
+        """(attn_fwd, attn_bwd, select) per layer of each micro-batch on ours, then (``sparse_peers`` not None)
+        on every dense peer and each of ``sparse_peers`` (sim.backends.peer_options); and its tokens."""
+        per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
+        attn = self._attention(per_seq, group, n_groups, layout.cp, lengths, kept)
+        sparse = (kept < 1.0).astype(np.float64)
+        select = summed_features({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n_groups, layout.cp)
+        options = {OURS: (self._term("attn_fwd", attn), self._term("attn_bwd", attn), self._term("select", select))}
+        if sparse_peers is not None:
+            shape = (_head_pair_flops(self.model, self.block_size), self.block_size, self.model.heads,
+                     self.model.kv_heads, layout.cp)
+            options |= peer_options(self.dense_terms, {n: self.sparse_terms[n] for n in sparse_peers}, per_seq,
+                                    group, n_groups, attn["flops"], options[OURS][2], *shape)
+        return options, attn["tokens"] * layout.cp  # back to the micro-batch's tokens (features are per CP rank)
 
     def _attention_ms(self, option: tuple, comm_f: np.ndarray, comm_b: np.ndarray) -> np.ndarray:
         """What an option's attention adds to a micro-batch per layer: its forward behind the CP ring (again
@@ -392,17 +384,9 @@ class CostModel(ABC):
         micro-batch: ``ours`` and each sparse peer at its kept fraction, each dense peer at kept 1 (the
         break-even table)."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        kept = np.asarray(kept_fractions, dtype=np.float64)
-        group, n = np.arange(lengths.size), lengths.size
-        per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
-        attn = self._attention(per_seq, group, n, layout.cp, lengths, kept)
-        sparse = (kept < 1.0).astype(np.float64)
-        select = summed_features({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n, layout.cp)
-        comm_f, comm_b = self._cp_comm(attn["tokens"] * layout.cp, layout)
-        sel = self._term("select", select)
-        ours = (self._term("attn_fwd", attn), self._term("attn_bwd", attn), sel)
-        options = {OURS: ours, **self._peer_options(per_seq, attn["flops"], sel, group, n, layout.cp,
-                                                    self.sparse_backends())}
+        options, tokens = self._options(lengths, np.asarray(kept_fractions, dtype=np.float64), np.arange(lengths.size),
+                                        lengths.size, layout, self.sparse_backends())
+        comm_f, comm_b = self._cp_comm(tokens, layout)
         return {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()}
 
     def _term(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
@@ -506,12 +490,10 @@ def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster, *, recomput
     cost = COST_MODELS[cfg.name](model, cluster, cfg)
     cost.recompute = recompute
     cost.attention_backend = mode = str(getattr(cfg.attention_backend, "value", cfg.attention_backend))
-    # dense_best runs dense peers only; hybrid any peer, a sparse one included
-    peers = cost.dense_terms if mode == "dense_best" else cost.dense_terms | cost.sparse_terms
-    if mode != OURS and not peers:
+    missing = missing_peers(mode, cost.dense_terms, cost.sparse_terms)
+    if missing:
         where = f"profile {cfg.profile}" if cfg.name == "calibrated" else f"cost.name={cfg.name}"
-        kind = "dense backend" if mode == "dense_best" else "dense backend nor sparse peer"
-        raise ConfigError(f"cost.attention_backend={mode}: the {where} prices no {kind}; "
+        raise ConfigError(f"cost.attention_backend={mode}: the {where} prices no {missing}; "
                           f"allowed: {OURS}, or a profile with a 'backends' section (python -m calibrate.run on a "
                           "GPU with the peers installed, then calibrate.fit)")
     return cost
