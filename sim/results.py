@@ -37,7 +37,7 @@ class MicroBatchRecord:
     coverage: float
     # GB on this (rank, stage) while this micro-batch's backward runs (sim.memory); NaN where not modelled
     peak_memory_gb: float = math.nan
-    # the kernel that runs its attention: ours, or the dense backend cost.attention_backend picks (sim.backends)
+    # the kernel that runs its attention: ours, or the peer backend cost.attention_backend picks (sim.backends)
     attention_backend: str = OURS
 
 
