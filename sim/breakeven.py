@@ -1,11 +1,14 @@
-"""``python -m sim.breakeven [overrides...]``: from which kept fraction sparse attention on our kernel pays.
+"""``python -m sim.breakeven [overrides...]``: from which kept fraction sparse attention pays.
 
 For one document alone in a micro-batch, at each length from 1K to 128K tokens, the kept fraction at which our
 kernel's attention (selection, forward and backward, one layer of ``model=``) takes as long as each dense
 backend of the profile (``cost.profile=``) takes for all of its causal blocks: below it, sparsity on our kernel
 is faster than that backend; ``always``: ours is faster even dense; ``never``: slower even keeping only the
 diagonal blocks. ``fastest dense`` is the break-even against the fastest dense backend at that length (the
-user's real alternative), ``dense: a/b`` the time of dense backend a over dense backend b. Prices only, from the
+user's real alternative), ``dense: a/b`` the time of dense backend a over dense backend b. Where the profile
+prices a sparse peer (FlashAttention-4's block-sparse form on our selection), its columns follow, ``<peer> vs
+<dense>`` and ``<peer>: fastest dense``, and ``best sparse: fastest dense``: below it the faster of ours and the
+peers beats every dense backend (what ``cost.attention_backend=hybrid`` can pick). Prices only, from the
 profile's fitted terms; nothing is written.
 """
 from __future__ import annotations
@@ -29,45 +32,53 @@ ALWAYS, NEVER = 1.0, 0.0  # table cells: ours wins even dense / loses even at th
 BISECTIONS = 50  # halvings of the kept-fraction interval: far below any printed digit
 
 
-def break_even(cost: CostModel, lengths, backend: str) -> np.ndarray:
-    """Per length, the largest kept fraction at which ours takes no longer than ``backend`` (ALWAYS where ours
-    dense does, NEVER where even the diagonal blocks alone take longer). Ours grows with the kept fraction below
-    1, where it also pays the selection, which a dense call of our kernel (kept 1) skips."""
+def break_even(cost: CostModel, lengths, backend: str, sparse: str = OURS) -> np.ndarray:
+    """Per length, the largest kept fraction at which the sparse backend ``sparse`` (ours, or a sparse peer on
+    our selection) takes no longer than ``backend`` (ALWAYS where it does keeping every block, NEVER where even
+    the diagonal blocks alone take longer). It grows with the kept fraction below 1, where it also pays the
+    selection, which a dense call of our kernel (kept 1) skips."""
     lengths = np.asarray(lengths, dtype=np.int64)
     layout = Layout(dp=1)
 
     def times(kept):
         options = cost.attention_options(lengths, kept, layout)
-        return options[OURS], options[backend]
+        return options[sparse], options[backend]
 
-    ours_dense, target = times(np.ones(lengths.size))
+    dense_ms, target = times(np.ones(lengths.size))
     low, high = diag_fraction(lengths, cost.block_size), np.ones(lengths.size)
-    ours_low, _ = times(low)
+    at_low, _ = times(low)
     for _ in range(BISECTIONS):
         mid = (low + high) / 2.0
-        ours, _ = times(mid)
-        faster = ours <= target
+        ms, _ = times(mid)
+        faster = ms <= target
         low, high = np.where(faster, mid, low), np.where(faster, high, mid)
-    return np.where(ours_dense <= target, ALWAYS, np.where(ours_low > target, NEVER, low))
+    return np.where(dense_ms <= target, ALWAYS, np.where(at_low > target, NEVER, low))
 
 
 def table(cost: CostModel, lengths=LENGTHS) -> pd.DataFrame:
-    """One row per length: the break-even kept fraction against each dense backend and the fastest of them,
-    and each pair of dense backends' time ratio."""
+    """One row per length: the break-even kept fraction of ours and of each sparse peer against each dense
+    backend and the fastest of them, each pair of dense backends' time ratio, and (with sparse peers) the best
+    sparse option's break-even against the fastest dense backend."""
     dense = cost.dense_backends()
     if not dense:
         raise ConfigError("the cost model prices no dense attention backend, so there is nothing to break even "
                           "with; allowed: a profile with a 'backends' section (cost.profile=...)")
     lengths = np.asarray(lengths, dtype=np.int64)
     frame = pd.DataFrame({"length": lengths})
-    even = {name: break_even(cost, lengths, name) for name in dense}
-    for name in dense:
-        frame[f"ours vs {name}"] = even[name]
-    frame["fastest dense"] = np.min(np.array(list(even.values())), axis=0)
-    dense_ms = cost.attention_options(lengths, np.ones(lengths.size), Layout(dp=1))
-    for i, a in enumerate(dense):
-        for b in dense[i + 1:]:
-            frame[f"dense: {a}/{b}"] = dense_ms[a] / dense_ms[b]
+    fastest = {}
+    for sparse in (OURS, *cost.sparse_backends()):
+        even = {name: break_even(cost, lengths, name, sparse) for name in dense}
+        for name in dense:
+            frame[f"{sparse} vs {name}"] = even[name]
+        fastest[sparse] = np.min(np.array(list(even.values())), axis=0)
+        frame["fastest dense" if sparse == OURS else f"{sparse}: fastest dense"] = fastest[sparse]
+        if sparse == OURS:
+            dense_ms = cost.attention_options(lengths, np.ones(lengths.size), Layout(dp=1))
+            for i, a in enumerate(dense):
+                for b in dense[i + 1:]:
+                    frame[f"dense: {a}/{b}"] = dense_ms[a] / dense_ms[b]
+    if len(fastest) > 1:
+        frame["best sparse: fastest dense"] = np.max(np.array(list(fastest.values())), axis=0)
     return frame
 
 

@@ -112,6 +112,26 @@ def test_break_even_options_price_the_sparse_peer_at_each_sequences_kept_fractio
         assert low[PEER][i] == pytest.approx(priced("attn_fwd", feats) + priced("attn_bwd", feats) + select)
 
 
+def test_break_even_table_adds_the_sparse_peers_columns_and_the_best_sparse_option():
+    from sparsebalance.sim.breakeven import break_even, table
+
+    cost = cost_for("ours", recompute=False)
+    frame = table(cost, lengths=(8192, 32768, 131072))
+    assert list(frame.columns) == ["length", "ours vs cudnn", "ours vs fa4", "fastest dense", "dense: cudnn/fa4",
+                                   f"{PEER} vs cudnn", f"{PEER} vs fa4", f"{PEER}: fastest dense",
+                                   "best sparse: fastest dense"]
+    best = np.maximum(frame["fastest dense"], frame[f"{PEER}: fastest dense"])
+    np.testing.assert_array_equal(frame["best sparse: fastest dense"], best)
+    # the fixture's peer never pays at 8K, and pays from higher kept fractions than ours at 32K and 128K
+    assert frame[f"{PEER}: fastest dense"][0] == 0.0
+    assert frame["best sparse: fastest dense"][0] == frame["fastest dense"][0]
+    assert (frame[f"{PEER}: fastest dense"][1:] > frame["fastest dense"][1:]).all()
+    lengths = np.array([32768, 131072])
+    kept = break_even(cost, lengths, "fa4", PEER)
+    at = cost.attention_options(lengths, kept, Layout(dp=1))
+    np.testing.assert_allclose(at[PEER], at["fa4"], rtol=1e-9)  # where the peer costs what dense FA4 costs
+
+
 def test_the_engine_keeps_the_budget_on_the_sparse_peers_micro_batches():
     small = ["steps=3", "workload.global_batch=8", f"cost.profile={SPARSE_PEER_PROFILE}",
              "cost.attention_backend=hybrid"]
