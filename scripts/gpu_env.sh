@@ -74,3 +74,13 @@ loaded, absent = load_all()
 print('attention backends:', {name: b.version() for name, b in loaded.items()})
 print(*absent, sep='\n')"
 }
+
+peers_report() {
+  # gpu_environment and peers_environment into $1 (the run's environment.txt), with the commit, printed too;
+  # called directly, not in a pipeline, since both export the PYTHONPATH of what they install.
+  gpu_environment >"$1" 2>&1 && peers_environment >>"$1" 2>&1
+  local code=$?
+  git log -1 --format='commit %H' >>"$1" 2>/dev/null
+  cat "$1"
+  return "$code"
+}

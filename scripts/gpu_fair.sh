@@ -25,12 +25,7 @@ DEADLINE_S=${DEADLINE_S:-360}
 mkdir -p "$OUT"
 
 experiment() {
-  # not in a pipeline: the environment functions export the PYTHONPATH of what they install
-  gpu_environment >"$OUT/environment.txt" 2>&1 && peers_environment >>"$OUT/environment.txt" 2>&1
-  code=$?
-  git log -1 --format='commit %H' >>"$OUT/environment.txt" 2>/dev/null
-  cat "$OUT/environment.txt"
-  [ "$code" = 0 ] || exit 1
+  peers_report "$OUT/environment.txt" || exit 1
 
   : >"$OUT/status.txt"
   timeout $((DEADLINE_S + 120)) python3 -m benchmarks.attention --fair --profile "$PROFILE" --rounds "$ROUNDS" \

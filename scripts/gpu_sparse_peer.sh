@@ -32,11 +32,7 @@ part() {  # part NAME COMMAND...: run it, record its exit code
 }
 
 experiment() {
-  gpu_environment >"$OUT/environment.txt" 2>&1 && peers_environment >>"$OUT/environment.txt" 2>&1
-  code=$?
-  git log -1 --format='commit %H' >>"$OUT/environment.txt" 2>/dev/null
-  cat "$OUT/environment.txt"
-  [ "$code" = 0 ] || exit 1
+  peers_report "$OUT/environment.txt" || exit 1
 
   : >"$OUT/status.txt"
   part pytest python3 -m pytest tests/kernels/test_flash_sparse.py -q -p no:cacheprovider -k gpu \

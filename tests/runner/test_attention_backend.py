@@ -105,11 +105,9 @@ def test_the_runner_picks_each_micro_batchs_backend_as_the_simulator_does(profil
     assert ran == {"ours": {"ours"}, "dense_best": {NAME}, "hybrid": {"ours", NAME}}[mode]
 
 
-@pytest.mark.slow
-def test_a_hybrid_run_records_which_backend_ran_each_micro_batch(profile, tmp_path):
-    """A CPU run through dense_train.py: micro_batches.csv names the backend of each micro-batch (the simulator's
-    choice); the sequences that reference ran report every block kept and all their attention covered, those
-    on our kernel what it selected at their kept fraction."""
+def hybrid_run(profile, tmp_path) -> pd.DataFrame:
+    """A CPU hybrid run through dense_train.py: checks that micro_batches.csv names, per step and micro-batch, the
+    backend the simulator chooses; returns sequences.csv joined to its micro-batch's row."""
     cmd = [sys.executable, "tests/runner/dense_train.py", f"hydra.run.dir={tmp_path}", *overrides(profile, "hybrid")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -117,8 +115,16 @@ def test_a_hybrid_run_records_which_backend_ran_each_micro_batch(profile, tmp_pa
     rows = pd.read_csv(tmp_path / "micro_batches.csv")
     recorded = [g.sort_values("micro_batch").attention_backend.tolist() for _, g in rows.groupby("step")]
     assert recorded == simulated_backends(profile, "hybrid")
-    sequences = pd.read_csv(tmp_path / "sequences.csv").merge(rows, on=["step", "dp_rank", "micro_batch"],
-                                                              suffixes=("", "_mb"))
+    return pd.read_csv(tmp_path / "sequences.csv").merge(rows, on=["step", "dp_rank", "micro_batch"],
+                                                         suffixes=("", "_mb"))
+
+
+@pytest.mark.slow
+def test_a_hybrid_run_records_which_backend_ran_each_micro_batch(profile, tmp_path):
+    """A CPU run through dense_train.py: micro_batches.csv names the backend of each micro-batch (the simulator's
+    choice); the sequences that reference ran report every block kept and all their attention covered, those
+    on our kernel what it selected at their kept fraction."""
+    sequences = hybrid_run(profile, tmp_path)
     dense = sequences[sequences.attention_backend == NAME]
     ours = sequences[sequences.attention_backend == "ours"]
     assert len(dense) and len(ours)
@@ -216,16 +222,7 @@ def test_a_hybrid_run_on_a_sparse_peer_records_its_selection(sparse_profile, tmp
     """A CPU run through dense_train.py: micro_batches.csv names the sparse peer where it ran (the simulator's
     choice), and its sequences report what its selection kept at their kept fraction 0.5, where the dense one's
     report every block."""
-    cmd = [sys.executable, "tests/runner/dense_train.py", f"hydra.run.dir={tmp_path}",
-           *overrides(sparse_profile, "hybrid")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = pd.read_csv(tmp_path / "micro_batches.csv")
-    recorded = [g.sort_values("micro_batch").attention_backend.tolist() for _, g in rows.groupby("step")]
-    assert recorded == simulated_backends(sparse_profile, "hybrid")
-    sequences = pd.read_csv(tmp_path / "sequences.csv").merge(rows, on=["step", "dp_rank", "micro_batch"],
-                                                              suffixes=("", "_mb"))
+    sequences = hybrid_run(sparse_profile, tmp_path)
     sparse, dense = sequences[sequences.attention_backend == SPARSE], sequences[sequences.attention_backend == NAME]
     assert len(sparse) and len(dense)
     assert (sparse.kept_fraction < 1.0).any() and (sparse.kept_fraction >= 0.5 - 1e-6).all()
