@@ -58,25 +58,30 @@ def padded_documents(lengths: Sequence[int], block_size: int, device) -> PaddedD
                            kv_end.to(device))
 
 
-def _dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[1, H, NB, NB]`` bool -> (counts ``[1, H, NB]``, indices ``[1, H, NB, NB]``): each row's kept blocks
-    first, ascending, then the others (what ``create_block_mask`` produces)."""
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[1, H, R, C]`` bool -> (counts ``[1, H, R]``, indices ``[1, H, R, C]``), int32: each row's kept columns
+    first, ascending, zeros after them (the kernels read a row's first ``count`` entries only). A running count
+    gives each kept column its slot, so no sort runs: the mask is built every layer, inside the timed call."""
     import torch
 
-    counts = dense.sum(-1).to(torch.int32)
-    indices = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return counts, indices
+    columns = dense.shape[-1]
+    slot = torch.where(dense, dense.cumsum(-1, dtype=torch.int32) - 1, columns)  # the unkept to a spare slot
+    indices = torch.zeros(*dense.shape[:-1], columns + 1, dtype=torch.int32, device=dense.device)
+    indices.scatter_(-1, slot.long(), torch.arange(columns, dtype=torch.int32, device=dense.device).expand_as(slot))
+    return dense.sum(-1, dtype=torch.int32), indices[..., :columns].contiguous()
 
 
 def diagonal_partial_mask(dense: torch.Tensor, mask_mod, tokens: int, block_size: int):
     """The BlockMask of the kept blocks ``dense`` ``[1, H, NB, NB]`` over ``tokens`` rows: the diagonal blocks
-    partial (``mask_mod`` evaluated there), every other kept block full."""
+    partial (``mask_mod`` evaluated there), every other kept block full; the query-side lists (the backward's)
+    from the same blocks transposed."""
     import torch
     from torch.nn.attention.flex_attention import BlockMask
 
     eye = torch.eye(dense.shape[-1], dtype=torch.bool, device=dense.device)
-    return BlockMask.from_kv_blocks(*_dense_to_ordered(dense & eye), *_dense_to_ordered(dense & ~eye),
-                                    BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(tokens, tokens))
+    partial, full = dense & eye, dense & ~eye
+    return BlockMask((tokens, tokens), *_ordered(partial), *_ordered(full), *_ordered(partial.transpose(-2, -1)),
+                     *_ordered(full.transpose(-2, -1)), BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod)
 
 
 def selection_block_mask(selection, query_heads: int, kv_end: torch.Tensor):

@@ -96,6 +96,30 @@ def test_the_mask_keeps_each_diagonal_block_partial_and_the_rest_full():
     assert (full == below).all()
 
 
+@pytest.mark.parametrize("lengths,hq,hkv,block", CASES)
+def test_the_masks_lists_are_flexattentions_own_for_the_same_blocks(lengths, hq, hkv, block):
+    """Every list the kernels read (forward: kept blocks per query block; backward: per key block), partial and
+    full, as FlexAttention's from_kv_blocks builds them from the same blocks: the same counts and, within each
+    count, the same blocks in ascending order."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    g = torch.Generator().manual_seed(sum(lengths))
+    q, k = torch.randn(sum(lengths), hq, 16, generator=g), torch.randn(sum(lengths), hkv, 16, generator=g)
+    docs = padded_documents(lengths, block, "cpu")
+    mask = selection_block_mask(select_blocks(q, k, docs.batch, kept_fraction=0.4, block_size=block), hq,
+                                docs.kv_end)
+    theirs = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                      mask.full_kv_indices, BLOCK_SIZE=block, seq_lengths=mask.seq_lengths)
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                            ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        ours_n, theirs_n = getattr(mask, counts), getattr(theirs, counts)
+        assert torch.equal(ours_n, theirs_n), counts
+        valid = torch.arange(getattr(mask, indices).shape[-1]) < ours_n[..., None]
+        ours_i, theirs_i = getattr(mask, indices), getattr(theirs, indices)
+        assert torch.equal(torch.where(valid, ours_i, -1), torch.where(valid, theirs_i, -1)), indices
+        assert (torch.where(valid, ours_i, 1 << 30).diff(dim=-1)[valid[..., 1:]] > 0).all()  # ascending
+
+
 def test_the_backend_is_sparse_and_absent_here_in_one_line():
     assert FlashAttention4Sparse.sparse
     if torch.cuda.is_available():
