@@ -23,7 +23,7 @@ BACKENDS = {"kernel": "auto", "triton": "triton", "naive": "naive"}
 
 
 @dataclass(frozen=True)
-class DenseRun:
+class PeerRun:
     """A micro-batch's attention on a peer (dense or sparse) instead of our kernel: the loaded backend and its
     documents, built once per micro-batch when it is packed (off the clock, as calibrate.run times the backend)."""
 
@@ -32,7 +32,7 @@ class DenseRun:
     n_docs: int
 
     @classmethod
-    def of(cls, backend, cu_seqlens: torch.Tensor, device: torch.device) -> DenseRun:
+    def of(cls, backend, cu_seqlens: torch.Tensor, device: torch.device) -> PeerRun:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         return cls(backend, backend.documents(lengths, device), len(lengths))
 
@@ -47,12 +47,12 @@ def budget_keywords(budgets) -> dict:
     return {"p": p} if top_k is None else {"top_k": top_k, "p": p}
 
 
-def dense_run(budgets) -> DenseRun | None:
+def peer_run(budgets) -> PeerRun | None:
     """The peer a micro-batch's budgets carry (their fourth item), or None: our kernel runs it."""
     return budgets[3] if len(budgets) > 3 else None
 
 
-def peer_attention(peer: DenseRun, q, k, v, budgets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def peer_attention(peer: PeerRun, q, k, v, budgets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, kept [n], coverage [n])`` of a micro-batch on ``peer``: a sparse one selects at the budgets first
     (the selection is not differentiated)."""
     backend = peer.backend
@@ -67,7 +67,7 @@ def peer_attention(peer: DenseRun, q, k, v, budgets) -> tuple[torch.Tensor, torc
 def make_attention(backend: str, block_size: int):
     """``attend(q, k, v, docs, budgets) -> (o, kept [n], coverage [n])``, ``budgets`` as
     :func:`budget_keywords` takes them; ``docs`` is a ``VarlenBatch`` (built once per micro-batch, so no layer
-    reads the offsets again) or a cu_seqlens tensor. Where the budgets carry a :class:`DenseRun`, that backend
+    reads the offsets again) or a cu_seqlens tensor. Where the budgets carry a :class:`PeerRun`, that backend
     runs it: a dense one every causal block (kept fraction and coverage 1), a sparse one the blocks its selection
     keeps at the budgets (that selection's kept fractions and coverages)."""
     if backend not in BACKENDS:
@@ -75,7 +75,7 @@ def make_attention(backend: str, block_size: int):
     kernel_backend = BACKENDS[backend]
 
     def attend(q, k, v, docs, budgets):
-        peer = dense_run(budgets)
+        peer = peer_run(budgets)
         if peer is not None:
             return peer_attention(peer, q, k, v, budgets)
         o, sel = sparse_attention(q, k, v, docs, **budget_keywords(budgets), block_size=block_size,

@@ -29,13 +29,13 @@ class MicroBatch:
     # rank holds; tokens and target positions are then this rank's, cu_seqlens and budgets the micro-batch's
     shards: object = None
     top_k: torch.Tensor | None = None  # [n] int64 KV blocks per query block, when the policy set them, on the host
-    # runner.attention.DenseRun: the dense backend that runs its attention instead of our kernel (None: ours)
-    dense: object = None
+    # runner.attention.PeerRun: the peer (dense or sparse) that runs its attention instead of our kernel (None: ours)
+    peer: object = None
 
     @property
     def budgets(self) -> tuple:
         """``(p, kept_fraction, top_k, dense)``: what the model hands its attention (``runner.attention``)."""
-        return self.p, self.kept_fraction, self.top_k, self.dense
+        return self.p, self.kept_fraction, self.top_k, self.peer
 
     @property
     def n_tokens(self) -> int:

@@ -41,7 +41,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from sparsebalance.kernels.sparse_attention import compile_count
 from sparsebalance.model import make_model
 from sparsebalance.runner import checkpoint
-from sparsebalance.runner.attention import BACKENDS, DenseRun, make_attention
+from sparsebalance.runner.attention import BACKENDS, PeerRun, make_attention
 from sparsebalance.runner.config import LRSchedule
 from sparsebalance.runner.cp import make_cp_attention, shard_micro_batch
 from sparsebalance.runner.cp_kernel import make_cp_kernel_attention
@@ -195,11 +195,11 @@ class Trainer:
     def _pack(self, assignments, truth, backend: str):
         """This rank's share of a micro-batch: all of it, or under CP its zigzag chunks of every sequence; with
         the peer (dense or sparse) that runs its attention where ``backend`` names one
-        (runner.attention.DenseRun)."""
+        (runner.attention.PeerRun)."""
         batch = (pack(assignments, truth, self.task, self.cfg.model.vocab, self.cfg.seed, self.device) if assignments
                  else placeholder(self.device, 2 * self.comm.layout.cp))
-        if backend in self.planner.dense:
-            batch.dense = DenseRun.of(self.planner.dense[backend], batch.cu_seqlens, self.device)
+        if backend in self.planner.peers:
+            batch.peer = PeerRun.of(self.planner.peers[backend], batch.cu_seqlens, self.device)
         return batch if self.comm.ring is None else shard_micro_batch(batch, self.comm.layout.cp, self.comm.cp_rank)
 
     # ------------------------------------------------------------------ records

@@ -62,8 +62,9 @@ class StepPlanner:
 
     workload: Workload
     planner: Planner
-    # the dense attention backends the run's micro-batches may run on, loaded (runner.dense.load_dense)
-    dense: dict = field(default_factory=dict)
+    # the peer attention backends (dense or sparse) the run's micro-batches may run on, loaded
+    # (runner.dense.load_dense)
+    peers: dict = field(default_factory=dict)
 
     @property
     def layout(self) -> Layout:
@@ -120,8 +121,8 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[StepPlanner, Cluster]:
     planner = make_planner(run, setup)
     # the policy's attention_backend (verl_dense: dense_best) where it sets one, else cost.attention_backend
     key = "cost.attention_backend" if cfg.policy.get("attention_backend") is None else "policy.attention_backend"
-    dense = load_dense(planner.cost, key, process_layout(cfg, layout).cp)
-    return StepPlanner(setup.workload, planner, dense), setup.cluster
+    peers = load_dense(planner.cost, key, process_layout(cfg, layout).cp)
+    return StepPlanner(setup.workload, planner, peers), setup.cluster
 
 
 def process_layout(cfg: DictConfig, layout: Layout) -> Layout:

@@ -25,7 +25,7 @@ from pinned import BACKENDS_PROFILE
 from sparse_peer import NAME as SPARSE, NaiveSparse
 from sparsebalance.kernels.backends import BACKENDS
 from sparsebalance.kernels.sparse_attention import sparse_attention
-from sparsebalance.runner.attention import DenseRun, make_attention
+from sparsebalance.runner.attention import PeerRun, make_attention
 from sparsebalance.runner.dist import World
 from sparsebalance.runner.train import build_planner, compose
 from sparsebalance.sim.backends import DENSE_FEATURES
@@ -162,7 +162,7 @@ def test_dense_modes_refuse_context_parallel_processes(profile, reference):
                                           r"peer backend on whole documents only; allowed: "):
         build_planner(compose([*overrides(profile, "hybrid"), *two]), world)
     planner, _ = build_planner(compose([*overrides(profile, "hybrid"), *two, "runner.one_process=true"]), ONE_RANK)
-    assert set(planner.dense) == {NAME}  # one process holds whole documents
+    assert set(planner.peers) == {NAME}  # one process holds whole documents
     np.testing.assert_array_equal(planner.backends(planner.plan(0)[0]).shape, (1, 2))
 
 
@@ -176,10 +176,10 @@ def test_the_runner_runs_a_sparse_peer_where_the_simulator_does(sparse_profile, 
 
 def test_hybrid_loads_the_sparse_peer_at_the_profiles_block_size_and_dense_best_does_not(sparse_profile, reference):
     planner, _ = build_planner(compose(overrides(sparse_profile, "hybrid")), ONE_RANK)
-    loaded = planner.dense
+    loaded = planner.peers
     assert set(loaded) == {NAME, SPARSE} and loaded[SPARSE].block_size == planner.planner.cost.block_size == 128
     planner, _ = build_planner(compose(overrides(sparse_profile, "dense_best")), ONE_RANK)
-    assert set(planner.dense) == {NAME}
+    assert set(planner.peers) == {NAME}
 
 
 def test_a_profile_that_prices_a_sparse_peer_as_dense_is_one_line(sparse_profile, reference, tmp_path):
@@ -202,7 +202,7 @@ def test_a_micro_batch_on_a_sparse_peer_runs_its_selection_and_reports_it(budget
     cu = torch.tensor([0, 256, 333, 400], dtype=torch.int32)
     q = torch.randn(400, 4, 16, requires_grad=True)
     k, v = (torch.randn(400, 2, 16, requires_grad=True) for _ in range(2))
-    peer = DenseRun.of(NaiveSparse(block_size=32), cu, torch.device("cpu"))
+    peer = PeerRun.of(NaiveSparse(block_size=32), cu, torch.device("cpu"))
     budgets = (budget.get("p"), budget.get("kept_fraction"), budget.get("top_k"), peer)
     o, kept, coverage = make_attention("kernel", 32)(q, k, v, cu, budgets)
     expected, sel = sparse_attention(q, k, v, cu, **budget, block_size=32, return_selection=True, backend="naive")
@@ -212,7 +212,7 @@ def test_a_micro_batch_on_a_sparse_peer_runs_its_selection_and_reports_it(budget
     assert (kept < 1.0).any() and (coverage < 1.0).any()
     o.sum().backward()
     assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, k, v))
-    dense = DenseRun.of(Reference(), cu, torch.device("cpu"))
+    dense = PeerRun.of(Reference(), cu, torch.device("cpu"))
     _, kept, coverage = make_attention("kernel", 32)(q, k, v, cu, (None, budget.get("kept_fraction"), None, dense))
     assert kept.tolist() == coverage.tolist() == [1.0, 1.0, 1.0]  # a dense peer keeps every block
 
