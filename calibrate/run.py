@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 
 from sparsebalance.calibrate import grid, store, timing
+from sparsebalance.calibrate.backends import is_sparse_peer
 from sparsebalance.kernels.backends import BACKENDS, load_all
 from sparsebalance.calibrate.grid import GridPoint, build_grid
 from sparsebalance.sim.backends import OURS
@@ -272,7 +273,7 @@ def peer_backends(named: list[str] | None, dry_run: bool, block_size: int) -> tu
 
 def split_peers(peers) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(dense, sparse) peers among the names ``peers``, as the registry's classes say."""
-    return (tuple(n for n in peers if not BACKENDS[n].sparse), tuple(n for n in peers if BACKENDS[n].sparse))
+    return (tuple(n for n in peers if not is_sparse_peer(n)), tuple(n for n in peers if is_sparse_peer(n)))
 
 
 @one_line_errors

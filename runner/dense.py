@@ -17,7 +17,7 @@ from sparsebalance.sim.estimate import Belief
 from sparsebalance.sim.plan import Plan
 
 
-def load_dense(cost: CostModel, key: str, cp: int) -> dict[str, object]:
+def load_peers(cost: CostModel, key: str, cp: int) -> dict[str, object]:
     """The peers a run's micro-batches may run on, loaded by name: under ``dense_best`` every dense one the cost
     model prices, under ``hybrid`` every one it prices, dense or sparse (its choice may fall on any of them),
     under ``ours`` none. A sparse peer selects at the profile's block size, as ours does. One ConfigError line,

@@ -30,7 +30,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sparsebalance.runner.dense import load_dense, micro_batch_backends
+from sparsebalance.runner.dense import load_peers, micro_batch_backends
 from sparsebalance.runner.capacity import check_fits, device_capacity
 from sparsebalance.runner.config import register
 from sparsebalance.runner.device import check_attention, device_type
@@ -63,7 +63,7 @@ class StepPlanner:
     workload: Workload
     planner: Planner
     # the peer attention backends (dense or sparse) the run's micro-batches may run on, loaded
-    # (runner.dense.load_dense)
+    # (runner.dense.load_peers)
     peers: dict = field(default_factory=dict)
 
     @property
@@ -121,7 +121,7 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[StepPlanner, Cluster]:
     planner = make_planner(run, setup)
     # the policy's attention_backend (verl_dense: dense_best) where it sets one, else cost.attention_backend
     key = "cost.attention_backend" if cfg.policy.get("attention_backend") is None else "policy.attention_backend"
-    peers = load_dense(planner.cost, key, process_layout(cfg, layout).cp)
+    peers = load_peers(planner.cost, key, process_layout(cfg, layout).cp)
     return StepPlanner(setup.workload, planner, peers), setup.cluster
 
 

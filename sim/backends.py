@@ -73,13 +73,17 @@ def peer_options(dense: dict, sparse: dict, per_seq: dict, group: np.ndarray, n_
     (name -> terms) over all its causal blocks (:func:`grouped_dense`) with no selection, each sparse one of
     ``sparse`` over the blocks our selection keeps (:func:`grouped_sparse`, ``kept_flops``) with our selection's
     time ``select``."""
-    dense_feats = grouped_dense(per_seq, group, n_groups, pair_flops, heads, kv_heads, cp)
-    sparse_feats = grouped_sparse(per_seq, group, n_groups, kept_flops, block_size, heads, kv_heads, cp)
+    # each kind's features only where the profile prices one of that kind (this runs for every Plan priced)
+    feats = {}
+    if dense:
+        feats["dense"] = grouped_dense(per_seq, group, n_groups, pair_flops, heads, kv_heads, cp)
+    if sparse:
+        feats["sparse"] = grouped_sparse(per_seq, group, n_groups, kept_flops, block_size, heads, kv_heads, cp)
     options = {}
     for name in sorted(dense | sparse):
-        terms, feats, sel = ((sparse[name], sparse_feats, select) if name in sparse
-                             else (dense[name], dense_feats, np.zeros(n_groups)))
-        options[name] = (*(linear_ms(terms[t], feats) for t in DENSE_TERMS), sel)
+        terms, kind, sel = (sparse[name], "sparse", select) if name in sparse else (dense[name], "dense",
+                                                                                   np.zeros(n_groups))
+        options[name] = (*(linear_ms(terms[t], feats[kind]) for t in DENSE_TERMS), sel)
     return options
 
 

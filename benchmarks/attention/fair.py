@@ -106,7 +106,7 @@ def hybrid_costs(profile: str) -> dict:
 
 def hybrid_choice(cost, lens, kept) -> str:
     """The backend ``cost`` runs one micro-batch of the documents ``lens`` on, at ours' kept fractions ``kept``
-    (one per document): ours or a dense backend's name."""
+    (one per document): ours or a peer's name (dense or sparse)."""
     lengths = np.asarray(lens, dtype=np.int64)
     costs = cost.micro_batch_costs(lengths, np.asarray(kept, dtype=np.float64), np.zeros(lengths.size, dtype=np.int64),
                                    1, Layout(dp=1))
