@@ -18,7 +18,7 @@ from dataclasses import fields
 import numpy as np
 
 from sparsebalance.calibrate.linear import ape, fit_term, predict, summarise
-from sparsebalance.kernels.backends import BACKENDS
+from sparsebalance.kernels.backends import is_sparse_backend  # a name the registry does not know: dense
 from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, SPARSE_KEY
 from sparsebalance.sim.config import ModelConfig
 from sparsebalance.sim.core import ConfigError
@@ -36,14 +36,9 @@ def recorded_versions(runs: list[dict]) -> dict[str, str]:
     return versions
 
 
-def is_sparse_peer(name: str) -> bool:
-    """Whether ``name`` is a sparse peer of the registry (a name it does not know was timed as a dense peer)."""
-    return name in BACKENDS and BACKENDS[name].sparse
-
-
 def peer_features(name: str, lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
     """The features the simulator prices peer ``name`` on for one micro-batch (dense or sparse)."""
-    if is_sparse_peer(name):
+    if is_sparse_backend(name):
         return sparse_features(lengths, kept_fractions, model, block_size)
     return dense_features(lengths, model, block_size)
 
@@ -70,7 +65,7 @@ def fit_backends(measurements: list, models: dict[str, dict], block_size: int, v
             terms[term], conditioning[term] = fitted.coefs, fitted.conditioning()
         section[name] = {
             "version": versions.get(name) or "unknown (not recorded by calibrate.run)",
-            **({SPARSE_KEY: True} if is_sparse_peer(name) else {}),
+            **({SPARSE_KEY: True} if is_sparse_backend(name) else {}),
             "terms": terms,
             "fit": {"heldout_mape": summarise(_errors(points, terms, feats, "heldout")),
                     "fit_mape": summarise(_errors(points, terms, feats, "fit")),

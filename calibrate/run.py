@@ -28,8 +28,7 @@ import warnings
 from pathlib import Path
 
 from sparsebalance.calibrate import grid, store, timing
-from sparsebalance.calibrate.backends import is_sparse_peer
-from sparsebalance.kernels.backends import BACKENDS, load_all
+from sparsebalance.kernels.backends import BACKENDS, is_sparse_backend, load_all
 from sparsebalance.calibrate.grid import GridPoint, build_grid
 from sparsebalance.sim.backends import OURS
 from sparsebalance.sim.core import ArgumentParser, ConfigError, number_list, one_line_errors
@@ -262,18 +261,15 @@ def peer_backends(named: list[str] | None, dry_run: bool, block_size: int) -> tu
     peers = [b for b in (BACKENDS if named is None else named) if b != OURS]
     if dry_run:
         return dict.fromkeys(peers), []
-    loaded, absent = load_all(peers)
+    loaded, absent = load_all(peers, block_size)
     if named is not None and absent:
         raise ConfigError(f"--backends {','.join(named)}: {absent[0]}; allowed: backends that run here")
-    for backend in loaded.values():
-        if backend.sparse:
-            backend.block_size = block_size
     return loaded, absent
 
 
 def split_peers(peers) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(dense, sparse) peers among the names ``peers``, as the registry's classes say."""
-    return (tuple(n for n in peers if not is_sparse_peer(n)), tuple(n for n in peers if is_sparse_peer(n)))
+    return (tuple(n for n in peers if not is_sparse_backend(n)), tuple(n for n in peers if is_sparse_backend(n)))
 
 
 @one_line_errors

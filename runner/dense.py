@@ -41,7 +41,7 @@ def _load_peer(name: str, sparse: bool, block_size: int, setting: str, allowed: 
     profile says it is."""
     kind = "sparse peer" if sparse else "dense backend"
     try:
-        backend = load(name)
+        backend = load(name, block_size)
     except (BackendAbsent, ValueError) as exc:
         raise ConfigError(f"{setting}: the cost profile prices the {kind} {name}, which cannot run here ({exc}); "
                           f"allowed: {allowed}") from None
@@ -49,8 +49,6 @@ def _load_peer(name: str, sparse: bool, block_size: int, setting: str, allowed: 
         raise ConfigError(f"{setting}: the cost profile prices {name} as a {kind}, but kernels.backends' {name} is "
                           f"{'sparse' if backend.sparse else 'dense'}; allowed: a profile whose backends entry for "
                           f"{name} says \"sparse\": {str(backend.sparse).lower()}")
-    if sparse:
-        backend.block_size = block_size
     return backend
 
 

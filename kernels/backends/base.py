@@ -37,13 +37,21 @@ def register(name: str):
     return add
 
 
-def load(name: str) -> AttentionBackend:
-    """The backend ``name`` ready to run: its package imported and its device checked. An unknown name is a
+def is_sparse_backend(name: str) -> bool:
+    """Whether ``name`` is a sparse backend of the registry (ours, a sparse peer); a name it does not know is
+    not."""
+    return name in BACKENDS and BACKENDS[name].sparse
+
+
+def load(name: str, block_size: int | None = None) -> AttentionBackend:
+    """The backend ``name`` ready to run: its package imported and its device checked; a sparse one selecting at
+    ``block_size`` where given (a profile's or a calibration's), else at its own default. An unknown name is a
     ValueError; a backend that cannot run here raises BackendAbsent with one line naming it and the reason."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown; allowed: {', '.join(BACKENDS)}")
+    cls = BACKENDS[name]
     try:
-        backend = BACKENDS[name]()
+        backend = cls(block_size) if cls.sparse and block_size is not None else cls()
         backend.check()
     except (ImportError, RuntimeError, OSError) as exc:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
@@ -51,13 +59,15 @@ def load(name: str) -> AttentionBackend:
     return backend
 
 
-def load_all(names: Sequence[str] | None = None) -> tuple[dict[str, AttentionBackend], list[str]]:
-    """The backends of ``names`` (default: every registered one) that run here, and one line for each that
-    does not (``fa4: absent (ModuleNotFoundError: No module named 'flash_attn')``)."""
+def load_all(names: Sequence[str] | None = None,
+             block_size: int | None = None) -> tuple[dict[str, AttentionBackend], list[str]]:
+    """The backends of ``names`` (default: every registered one) that run here (the sparse ones at
+    ``block_size``, as :func:`load`), and one line for each that does not (``fa4: absent (ModuleNotFoundError:
+    No module named 'flash_attn')``)."""
     loaded, absent = {}, []
     for name in BACKENDS if names is None else names:
         try:
-            loaded[name] = load(name)
+            loaded[name] = load(name, block_size)
         except BackendAbsent as exc:
             absent.append(str(exc))
     return loaded, absent
