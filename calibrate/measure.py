@@ -108,7 +108,17 @@ class Measurer:
         """A peer's forward and backward over the point's documents, handed over once as for every layer of a
         micro-batch: a dense peer's over every causal block; a sparse peer's over the blocks its selection (ours,
         at the point's kept fractions) keeps, selected once and not timed (ours' ``select`` term prices it), and
-        the kept fractions it realised are what the rows record."""
+        the kept fractions it realised are what the rows record.
+
+        A compiled peer (``fa4_sparse``) would donate its saved buffers to a single backward, which the timing
+        runs again and again on one graph (``retain_graph``); so it compiles here without donation, which
+        changes its memory, not its kernels."""
+        import torch._functorch.config
+
+        with torch._functorch.config.patch(donated_buffer=False):
+            return self._peer_timings(point)
+
+    def _peer_timings(self, point: GridPoint) -> tuple[dict[str, Timing], tuple[float, ...]]:
         s, backend = self.shapes[point.model], self.backends[point.backend]
         torch.manual_seed(self.seed)
         q = self._randn(point.tokens, s.heads, s.head_dim).requires_grad_()

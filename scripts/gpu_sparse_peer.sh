@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # FlashAttention-4's block-sparse form (kernels.backends fa4_sparse) on one GPU of the kind GPU (default h200;
-# scripts/gpu_env.sh) in one call: its GPU tests against our kernel on the same selections
-# (tests/kernels/test_flash_sparse.py), then its calibration beside the GPU's committed profile: calibrate.run
+# scripts/gpu_env.sh) in one call: its calibration beside the GPU's committed profile: calibrate.run
 # --backends $BACKENDS (default fa4_sparse; a GPU whose profile prices no dense peer yet: fa4_sparse,fa4,cudnn) over
 # a copy of calibrate/profiles/<GPU>_raw.csv (our attention grid's documents and kept fractions; the points
 # already there are skipped), calibrate.fit --backends-only into a copy of <GPU>.json (its own terms
-# unchanged), and --check of that copy.
+# unchanged), and --check of that copy; then its GPU tests against our kernel on the same selections
+# (tests/kernels/test_flash_sparse.py), stopped after TEST_S seconds (default 240), since each case compiles.
 #
 # Writes under $OUT (8 files): pytest.txt, <GPU>_raw.csv and <GPU>_raw.meta.json (the raw points with
 # fa4_sparse's), <GPU>.json (the profile with fa4_sparse's terms), check.txt, peer.log (everything printed),
@@ -19,6 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_sparse_peer}
 BUDGET_S=${BUDGET_S:-180}
 BACKENDS=${BACKENDS:-fa4_sparse}
+TEST_S=${TEST_S:-240}
 PROFILE_OUT=${PROFILE_OUT:-/tmp/${GPU}_peers.json}
 mkdir -p "$OUT"
 
@@ -35,9 +36,6 @@ experiment() {
   peers_report "$OUT/environment.txt" || exit 1
 
   : >"$OUT/status.txt"
-  part pytest python3 -m pytest tests/kernels/test_flash_sparse.py -q -p no:cacheprovider -k gpu \
-    >"$OUT/pytest.txt" 2>&1
-  tail -5 "$OUT/pytest.txt"
   cp "calibrate/profiles/${GPU}_raw.csv" "calibrate/profiles/${GPU}_raw.meta.json" "calibrate/profiles/$GPU.json" \
     "$OUT/"
   part calibrate python3 -m calibrate.run --csv "$OUT/${GPU}_raw.csv" --backends "$BACKENDS" \
@@ -45,6 +43,9 @@ experiment() {
   part fit python3 -m calibrate.fit --csv "$OUT/${GPU}_raw.csv" --out "$OUT/$GPU.json" --backends-only || return 1
   cp "$OUT/$GPU.json" "$PROFILE_OUT"
   part check python3 -m calibrate.fit --check "$OUT/$GPU.json" | tee "$OUT/check.txt"
+  part pytest timeout "$TEST_S" python3 -m pytest tests/kernels/test_flash_sparse.py -q -p no:cacheprovider -k gpu \
+    >"$OUT/pytest.txt" 2>&1
+  tail -5 "$OUT/pytest.txt"
 }
 
 experiment 2>&1 | tee "$OUT/peer.log"
