@@ -36,6 +36,16 @@ def recorded_versions(runs: list[dict]) -> dict[str, str]:
     return versions
 
 
+def unfinished_backends(runs: list[dict]) -> dict[str, int]:
+    """Peers whose last run stopped with points of their grid left (its time budget spent), with how many: the
+    points a run starts last are the longest, so a fit on the rest would price long documents from short ones."""
+    left: dict[str, int] = {}
+    for run in runs:
+        for name in run.get("backends") or {}:
+            left[name] = run.get("points_left") or 0
+    return {name: n for name, n in left.items() if n}
+
+
 def peer_features(name: str, lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
     """The features the simulator prices peer ``name`` on for one micro-batch (dense or sparse)."""
     if is_sparse_backend(name):
@@ -82,7 +92,7 @@ def with_backends(profile: dict, section: dict, runs: list[dict], fit_command: s
     if not section:
         raise ConfigError("--backends-only: the CSV holds no dense backend's measurements; allowed: a CSV that "
                           "calibrate.run timed a peer (dense or sparse) into")
-    timed = [run["command"] for run in runs if run.get("backends")]
+    timed = [run["command"] for run in runs if set(run.get("backends") or ()) & section.keys()]
     meta = profile["meta"] | {"backends_command": " && ".join([*timed, fit_command])}
     return profile | {"meta": meta, "backends": section}
 

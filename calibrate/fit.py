@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from sparsebalance.calibrate.backends import (HELDOUT_MAX_PCT, HELDOUT_MEDIAN_PCT, fit_backends, print_backends,
-                                              recorded_versions, with_backends)
+                                              recorded_versions, unfinished_backends, with_backends)
 from sparsebalance.calibrate.fitting import (FeatureSource, as_trained, build_profile, fit_all, load_measurements,
                                              write_profile)
 from sparsebalance.calibrate.report import (HELDOUT_TARGET_PCT, VALIDATION_TARGET_PCT, check, error_report,
@@ -41,8 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"{HELDOUT_MEDIAN_PCT:g}%%, max <= {HELDOUT_MAX_PCT:g}%%; whole layers median <= "
                          f"{HELDOUT_TARGET_PCT:g}%%; every validation point within {VALIDATION_TARGET_PCT:g}%%")
     ap.add_argument("--backends-only", action="store_true",
-                    help="fit only the dense backends' terms and write them into the profile at --out, whose own "
-                         "terms and fit stay as they are (a peer timed later, beside a committed profile)")
+                    help="fit only the peer backends' terms and write them into the profile at --out, whose own "
+                         "terms and fit stay as they are (a peer timed later, beside a committed profile); a peer "
+                         "whose last calibrate.run left points unmeasured is never fitted")
     return ap.parse_args(argv)
 
 
@@ -96,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     measurements = [m for m in measured if m.backend == OURS]  # our kernel's and the layer's
     features = FeatureSource(grid["models"], grid["block_size"])
     fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])
+    unfinished = unfinished_backends(runs)
+    for name, left in unfinished.items():
+        print(f"backend {name}: not fitted, {left} of its points are not measured; measure them first: python -m "
+              f"calibrate.run --csv {args.csv} --backends {name}", file=sys.stderr)
     try:
-        backends = fit_backends([m for m in measured if m.backend != OURS], grid["models"], grid["block_size"],
-                                recorded_versions(runs))
+        backends = fit_backends([m for m in measured if m.backend not in (OURS, *unfinished)], grid["models"],
+                                grid["block_size"], recorded_versions(runs))
         if args.backends_only:
             write_profile(out, with_backends(load_profile(str(out), key="--out"), backends, runs, fit_command))
             print_backends(backends)

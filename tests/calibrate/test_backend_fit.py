@@ -209,6 +209,34 @@ def test_backends_only_adds_the_dense_backends_to_a_profile_and_leaves_its_own_f
         capsys.readouterr().err
 
 
+def test_a_peer_whose_run_left_points_is_not_fitted_until_a_rerun_measures_them(tmp_path, shapes, capsys):
+    """A run that spent its time budget leaves the longest points of a peer unmeasured: a fit of the rest would
+    price long documents from short ones, so the peer stays out of the profile, with one line, until a rerun
+    on the same CSV measures them (its run then leaves none)."""
+    ours_only = [r for r in rows_of(shapes) if "@" not in r["key"]]
+    out = tmp_path / "h100.json"
+    assert fit.main(["--csv", str(write_run(tmp_path, shapes, ours_only, ())), "--out", str(out)]) == 0
+    later = tmp_path / "later"
+    later.mkdir()
+    csv = write_run(later, shapes, rows_of(shapes))
+    meta = json.loads(run.meta_path(csv).read_text())
+    cut = {**meta["runs"][-1], "command": "python -m calibrate.run --backends fa4", "points_left": 7}
+    run.meta_path(csv).write_text(json.dumps({"runs": [*meta["runs"][:-1], cut]}))
+    with pytest.raises(SystemExit) as done:
+        fit.main(["--csv", str(csv), "--out", str(out), "--backends-only"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "backend fa4: not fitted, 7 of its points are not measured; measure them " \
+        f"first: python -m calibrate.run --csv {csv} --backends fa4" in err
+    assert "backends" not in json.loads(out.read_text())
+    assert fit.main(["--csv", str(csv), "--out", str(later / "h100.json")]) == 0  # a whole fit leaves it out too
+    assert "backends" not in json.loads((later / "h100.json").read_text())
+    run.write_meta(csv, {**cut, "command": "python -m calibrate.run --backends fa4 (rerun)", "points_left": 0})
+    assert fit.main(["--csv", str(csv), "--out", str(out), "--backends-only"]) == 0
+    after = load_profile(str(out))
+    assert set(after["backends"]) == {"fa4"}
+    assert after["meta"]["backends_command"].startswith("python -m calibrate.run --backends fa4 && ")
+
+
 def test_the_calibration_figures_leave_the_dense_backends_rows_to_their_own_terms(tmp_path, shapes):
     from sparsebalance.viz.calibration import calibration_frame
 
