@@ -100,23 +100,42 @@ def linear_ms(coefs: dict[str, float], feats: dict[str, np.ndarray]) -> np.ndarr
     return sum((c * feats[f] for f, c in coefs.items()), np.zeros_like(feats["const"]))
 
 
-def choose(mode: str, times: dict[str, np.ndarray]) -> np.ndarray:
+def choose(mode: str, times: dict[str, np.ndarray], dense: tuple[str, ...] = (), margin: float = 0.0) -> np.ndarray:
     """The backend that runs each micro-batch's attention under ``mode`` (``cost.attention_backend``), by name.
 
     ``times`` maps ``ours`` and each peer the mode may run to its attention time per micro-batch (what it adds
     to the micro-batch: ``CostModel._attention_ms``): under ``dense_best`` the dense peers, under ``hybrid`` the
-    sparse ones too. ``ours``: ours everywhere; ``dense_best``: the fastest peer in ``times`` besides ours;
-    ``hybrid``: the fastest of all. A tie goes to the first in ``times`` (ours, then the peers by name). The
-    simulator's cost model decides with it, and so do the runner (at the kept fractions its planner expects)
-    and the attention benchmark's hybrid column (at the measured ones)."""
+    sparse ones too; ``dense`` names the dense ones. ``ours``: ours everywhere; ``dense_best``: the fastest peer in
+    ``times`` besides ours; ``hybrid``: the fastest sparse option (ours or a sparse peer) where it is priced
+    faster than the fastest dense peer by at least ``margin`` (a share of the dense time), else that dense peer.
+    A tie goes to the first in ``times`` (ours, then the peers by name). The simulator's cost model decides with
+    it, and so do the runner (at the kept fractions its planner expects) and the attention benchmark's hybrid
+    column (at the measured ones)."""
     if mode not in (OURS, "dense_best", "hybrid"):
         raise ValueError(f"attention backend mode {mode!r} is unknown; allowed: {OURS}, dense_best, hybrid")
     n_groups = np.shape(times[OURS])
     if mode == OURS:
         return np.full(n_groups, OURS)
-    names = [name for name in times if mode == "hybrid" or name != OURS]
-    if not names:
-        raise ValueError(f"attention backend mode {mode}: no dense backend is priced")
+    if mode == "dense_best":
+        return _fastest({name: t for name, t in times.items() if name != OURS}, n_groups)
+    sparse = _fastest({name: t for name, t in times.items() if name not in dense}, n_groups)
+    dense_times = {name: t for name, t in times.items() if name in dense}
+    if not dense_times:
+        return sparse
+    fastest_dense = _fastest(dense_times, n_groups)
+    at = {name: np.broadcast_to(t, n_groups) for name, t in times.items()}
+
+    def ms(chosen: np.ndarray) -> np.ndarray:
+        return np.select([chosen == name for name in at], list(at.values()))
+
+    return np.where(ms(sparse) <= ms(fastest_dense) * (1.0 - margin), sparse, fastest_dense)
+
+
+def _fastest(times: dict[str, np.ndarray], n_groups) -> np.ndarray:
+    """The name of the fastest in ``times`` per micro-batch (a tie: the first)."""
+    if not times:
+        raise ValueError("attention backend mode dense_best: no dense backend is priced")
+    names = list(times)
     fastest = np.argmin(np.array([np.broadcast_to(times[name], n_groups) for name in names]), axis=0)
     return np.array(names)[fastest]
 

@@ -213,6 +213,10 @@ class CostConfig:
     launch_ms: float = bounded(0.0, NON_NEGATIVE)  # roofline: fixed overhead per kernel call
     profile: str = "calibrate/profiles/h200.json"  # calibrated: profile file
     attention_backend: AttentionBackend = AttentionBackend.ours
+    # hybrid: ours or a sparse peer runs a micro-batch only where priced faster than the fastest dense peer by
+    # at least this share; within it the profile's error (the calibration's 3% held-out median target) could
+    # decide, and dense attention carries no accuracy question.
+    hybrid_margin: float = bounded(0.03, Bound(0, 1, hi_open=True))
 
 
 @dataclass

@@ -256,8 +256,10 @@ class CostModel(ABC):
     # Activation checkpointing: the backward recomputes the layers' forward (attention and the other work, not
     # the selection, whose block lists are kept), so it is charged to the backward.
     recompute: bool = False
-    # Which kernel runs each micro-batch's attention (CostConfig.attention_backend; sim.backends).
+    # Which kernel runs each micro-batch's attention (CostConfig.attention_backend; sim.backends), and by how
+    # much a sparse option must beat the fastest dense one under hybrid (CostConfig.hybrid_margin).
     attention_backend: str = OURS
+    hybrid_margin: float = 0.0
 
     def __init__(self, model: ModelConfig, cluster: Cluster, block_size: int) -> None:
         if block_size < 1:
@@ -329,7 +331,8 @@ class CostModel(ABC):
         a_f, a_b, sel = options[OURS]
         backend = np.full(n_groups, OURS)
         if mode != OURS:
-            backend = choose(mode, {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()})
+            backend = choose(mode, {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()},
+                             self.dense_backends(), self.hybrid_margin)
             runs = [backend == name for name in options]
             a_f, a_b, sel = (np.select(runs, [o[i] for o in options.values()]) for i in range(3))
         o_f, o_b = self._term("layer_fwd", layer), self._term("layer_bwd", layer)
@@ -490,6 +493,7 @@ def make_cost(cfg: CostConfig, model: ModelConfig, cluster: Cluster, *, recomput
     cost = COST_MODELS[cfg.name](model, cluster, cfg)
     cost.recompute = recompute
     cost.attention_backend = mode = str(getattr(cfg.attention_backend, "value", cfg.attention_backend))
+    cost.hybrid_margin = cfg.hybrid_margin
     missing = missing_peers(mode, cost.dense_terms, cost.sparse_terms)
     if missing:
         where = f"profile {cfg.profile}" if cfg.name == "calibrated" else f"cost.name={cfg.name}"

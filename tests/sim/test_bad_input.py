@@ -62,6 +62,7 @@ CONFIG_CASES = [
     (["cluster.nodes=1000", "steps=1000"], "simulated GPU-steps"),
     (["cost=roofline", "cost.attn_efficiency=1.5"], "cost.attn_efficiency=1.5 is out of range; allowed: in (0, 1]"),
     (["cost=roofline", "cost.launch_ms=-1"], "cost.launch_ms=-1.0 is out of range; allowed: >= 0"),
+    (["cost.hybrid_margin=1"], "cost.hybrid_margin=1.0 is out of range; allowed: in [0, 1)"),
     (["cost=roofline", "cost.block_size=0"], "cost.block_size=0 is out of range; allowed: in [16, 1024]"),
     (["cost.profile=calibrate/profiles/missing.json"], "no such file"),
     (["+foo=1"], "foo is not a config key; allowed under the top: baseline, cluster"),
