@@ -34,7 +34,7 @@ class MicroBatch:
 
     @property
     def budgets(self) -> tuple:
-        """``(p, kept_fraction, top_k, dense)``: what the model hands its attention (``runner.attention``)."""
+        """``(p, kept_fraction, top_k, peer)``: what the model hands its attention (``runner.attention``)."""
         return self.p, self.kept_fraction, self.top_k, self.peer
 
     @property

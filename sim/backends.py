@@ -117,27 +117,24 @@ def choose(mode: str, times: dict[str, np.ndarray], dense: tuple[str, ...] = (),
     if mode == OURS:
         return np.full(n_groups, OURS)
     if mode == "dense_best":
-        return _fastest({name: t for name, t in times.items() if name != OURS}, n_groups)
-    sparse = _fastest({name: t for name, t in times.items() if name not in dense}, n_groups)
+        peers = {name: t for name, t in times.items() if name != OURS}
+        if not peers:
+            raise ValueError("attention backend mode dense_best: no dense backend is priced")
+        return _fastest(peers, n_groups)[0]
+    sparse, sparse_ms = _fastest({name: t for name, t in times.items() if name not in dense}, n_groups)
     dense_times = {name: t for name, t in times.items() if name in dense}
     if not dense_times:
         return sparse
-    fastest_dense = _fastest(dense_times, n_groups)
-    at = {name: np.broadcast_to(t, n_groups) for name, t in times.items()}
-
-    def ms(chosen: np.ndarray) -> np.ndarray:
-        return np.select([chosen == name for name in at], list(at.values()))
-
-    return np.where(ms(sparse) <= ms(fastest_dense) * (1.0 - margin), sparse, fastest_dense)
+    fastest_dense, dense_ms = _fastest(dense_times, n_groups)
+    return np.where(sparse_ms <= dense_ms * (1.0 - margin), sparse, fastest_dense)
 
 
-def _fastest(times: dict[str, np.ndarray], n_groups) -> np.ndarray:
-    """The name of the fastest in ``times`` per micro-batch (a tie: the first)."""
-    if not times:
-        raise ValueError("attention backend mode dense_best: no dense backend is priced")
+def _fastest(times: dict[str, np.ndarray], n_groups) -> tuple[np.ndarray, np.ndarray]:
+    """(name, time) of the fastest in ``times`` per micro-batch (a tie: the first)."""
     names = list(times)
-    fastest = np.argmin(np.array([np.broadcast_to(times[name], n_groups) for name in names]), axis=0)
-    return np.array(names)[fastest]
+    stacked = np.array([np.broadcast_to(times[name], n_groups) for name in names])
+    fastest = np.argmin(stacked, axis=0)
+    return np.array(names)[fastest], np.take_along_axis(stacked, fastest[None], axis=0)[0]
 
 
 def backends_problem(section) -> str | None:
