@@ -18,7 +18,7 @@ from dataclasses import fields
 import numpy as np
 
 from sparsebalance.calibrate.linear import ape, fit_term, predict, summarise
-from sparsebalance.kernels.backends import is_sparse_backend  # a name the registry does not know: dense
+from sparsebalance.kernels.backends import has_host_work, is_sparse_backend  # a name it does not know: dense, none
 from sparsebalance.sim.backends import DENSE_FEATURES, DENSE_TERMS, OURS, SPARSE_KEY
 from sparsebalance.sim.config import ModelConfig
 from sparsebalance.sim.core import ConfigError
@@ -44,6 +44,13 @@ def unfinished_backends(runs: list[dict]) -> dict[str, int]:
         for name in run.get("backends") or {}:
             left[name] = run.get("points_left") or 0
     return {name: n for name, n in left.items() if n}
+
+
+def busy_timed_host_work(runs: list[dict]) -> list[str]:
+    """Peers whose call does host work (the registry's ``host_work``) that a run timed on the busy clock: it sums
+    their kernels and leaves out the host time the GPU waits on, so a fit of it would price them low."""
+    return sorted({name for run in runs if run.get("timing", "busy") == "busy" for name in run.get("backends") or {}
+                   if has_host_work(name)})
 
 
 def peer_features(name: str, lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from sparsebalance.calibrate.backends import (HELDOUT_MAX_PCT, HELDOUT_MEDIAN_PCT, fit_backends, print_backends,
-                                              recorded_versions, unfinished_backends, with_backends)
+                                              busy_timed_host_work, recorded_versions, unfinished_backends,
+                                              with_backends)
 from sparsebalance.calibrate.fitting import (FeatureSource, as_trained, build_profile, fit_all, load_measurements,
                                              write_profile)
 from sparsebalance.calibrate.report import (HELDOUT_TARGET_PCT, VALIDATION_TARGET_PCT, check, error_report,
@@ -77,6 +78,18 @@ def check_same_gpu(out: Path, gpu_name: str | None, csv: Path) -> None:
                           f"{gpu_name!r}; pass --replace-measured to overwrite it with this fit")
 
 
+def unfitted_backends(runs: list[dict], csv: Path) -> dict[str, str]:
+    """The peers of ``csv``'s runs that the fit leaves out, each with the line it prints (and prints it)."""
+    lines = {name: f"{left} of its points are not measured; measure them first: python -m calibrate.run --csv {csv} "
+                   f"--backends {name}" for name, left in unfinished_backends(runs).items()}
+    for name in busy_timed_host_work(runs):
+        lines.setdefault(name, "its calls do host work beside their kernels, which the busy clock this CSV was timed "
+                               "on leaves out; allowed: a CSV timed with calibrate.run --timing events")
+    for name, why in lines.items():
+        print(f"backend {name}: not fitted, {why}", file=sys.stderr)
+    return lines
+
+
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -97,12 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     measurements = [m for m in measured if m.backend == OURS]  # our kernel's and the layer's
     features = FeatureSource(grid["models"], grid["block_size"])
     fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])
-    unfinished = unfinished_backends(runs)
-    for name, left in unfinished.items():
-        print(f"backend {name}: not fitted, {left} of its points are not measured; measure them first: python -m "
-              f"calibrate.run --csv {args.csv} --backends {name}", file=sys.stderr)
+    unfitted = [*unfitted_backends(runs, args.csv)]
     try:
-        backends = fit_backends([m for m in measured if m.backend not in (OURS, *unfinished)], grid["models"],
+        backends = fit_backends([m for m in measured if m.backend not in (OURS, *unfitted)], grid["models"],
                                 grid["block_size"], recorded_versions(runs))
         if args.backends_only:
             write_profile(out, with_backends(load_profile(str(out), key="--out"), backends, runs, fit_command))

@@ -4,11 +4,13 @@
 # --backends $BACKENDS (default fa4_sparse; a GPU whose profile prices no dense peer yet: fa4_sparse,fa4,cudnn) over
 # a copy of calibrate/profiles/<GPU>_raw.csv (our attention grid's documents and kept fractions; the points
 # already there are skipped), calibrate.fit --backends-only into a copy of <GPU>.json (its own terms
-# unchanged), and --check of that copy; then its GPU tests against our kernel on the same selections
-# (tests/kernels/test_flash_sparse.py), stopped after TEST_S seconds (default 240), since each case compiles.
+# unchanged; fa4_sparse does host work in each call, so the fit leaves it out of a CSV timed on the busy clock,
+# as the committed ones are, and says so: its points are then for reading, not pricing), and --check of that
+# copy; then its GPU tests against our kernel on the same selections (tests/kernels/test_flash_sparse.py),
+# stopped after TEST_S seconds (default 240), since each case compiles.
 #
 # Writes under $OUT (8 files): pytest.txt, <GPU>_raw.csv and <GPU>_raw.meta.json (the raw points with
-# fa4_sparse's), <GPU>.json (the profile with fa4_sparse's terms), check.txt, peer.log (everything printed),
+# fa4_sparse's), <GPU>.json (the profile with the peers fitted), check.txt, peer.log (everything printed),
 # environment.txt, status.txt (the exit code of each part). The profile is also left at $PROFILE_OUT (default
 # /tmp/<GPU>_peers.json) for a later call on the same machine (gpu_fair.sh PROFILE=...). FlashAttention-4 comes
 # from the wheels in .whl/ (carried; ignored by git) and the parts gpu_env.sh names. Calibration stops starting

@@ -17,6 +17,7 @@ NAME = "naive_sparse"
 class NaiveSparse:
     name = NAME
     sparse = True
+    host_work = False
 
     def __init__(self, block_size: int = 128) -> None:
         self.block_size = block_size

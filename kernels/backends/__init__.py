@@ -16,9 +16,9 @@ backend, on our selection). The peers come with the ``peers`` extra (GPU machine
 by :func:`load`, so a machine without them imports this package as any other; nothing here imports torch
 before a backend is loaded (calibrate.run's dry run lists the backends on machines without it).
 """
-from .base import (BACKENDS, AttentionBackend, BackendAbsent, cu_seqlens, is_sparse_backend, load, load_all,
-                   register, require_cuda)
+from .base import (BACKENDS, AttentionBackend, BackendAbsent, cu_seqlens, has_host_work, is_sparse_backend, load,
+                   load_all, register, require_cuda)
 from . import ours, cudnn, flash, flash_sparse  # noqa: E402,F401,I001  (registers the backends, ours first)
 
-__all__ = ["BACKENDS", "AttentionBackend", "BackendAbsent", "cu_seqlens", "is_sparse_backend", "load", "load_all",
-           "register", "require_cuda"]
+__all__ = ["BACKENDS", "AttentionBackend", "BackendAbsent", "cu_seqlens", "has_host_work", "is_sparse_backend",
+           "load", "load_all", "register", "require_cuda"]

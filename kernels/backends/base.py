@@ -14,6 +14,9 @@ class BackendAbsent(RuntimeError):
 class AttentionBackend(Protocol):
     name: str
     sparse: bool  # takes a kept fraction (our kernel); a dense backend computes every causal block
+    # Its call does work on the host beside its kernels that the GPU waits on (fa4_sparse: padding the documents,
+    # building a BlockMask, a compiled function's dispatch): the busy clock, which sums kernel times, leaves it out.
+    host_work: bool
 
     def version(self) -> str:
         """The package (and library) versions that a calibration of this backend records."""
@@ -41,6 +44,11 @@ def is_sparse_backend(name: str) -> bool:
     """Whether ``name`` is a sparse backend of the registry (ours, a sparse peer); a name it does not know is
     not."""
     return name in BACKENDS and BACKENDS[name].sparse
+
+
+def has_host_work(name: str) -> bool:
+    """Whether ``name`` is a backend of the registry whose call does host work the busy clock does not time."""
+    return name in BACKENDS and BACKENDS[name].host_work
 
 
 def load(name: str, block_size: int | None = None) -> AttentionBackend:

@@ -36,6 +36,7 @@ def per_document(q, k, v, spans: Sequence[int], sdpa_backend):
 @register("cudnn")
 class Cudnn:
     sparse = False
+    host_work = False  # a launch per document, ahead of the GPU
 
     def check(self) -> None:
         import torch

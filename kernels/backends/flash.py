@@ -15,6 +15,7 @@ from .base import cu_seqlens, register, require_cuda
 
 class _Varlen:
     sparse = False
+    host_work = False
     module = ""  # the peer's module
     packages: tuple[str, ...] = ()  # distributions whose versions a calibration records
 

@@ -10,6 +10,7 @@ from .base import cu_seqlens, register
 @register("ours")
 class Ours:
     sparse = True
+    host_work = False
 
     def __init__(self, block_size: int = 128) -> None:
         self.block_size = block_size  # the calibrated profile's (conf/cost)

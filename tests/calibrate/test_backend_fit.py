@@ -289,6 +289,30 @@ def test_fit_recovers_a_sparse_peers_terms_at_the_kept_fractions_it_realised(tmp
     assert cost.sparse_backends() == (SPARSE,) and cost.dense_backends() == ("fa4",)
 
 
+def test_a_peer_with_host_work_is_fitted_only_from_the_event_clock(tmp_path, shapes, naive_sparse, monkeypatch,
+                                                                    capsys):
+    """The busy clock sums a call's kernels; a peer whose call also does host work the GPU waits on (fa4_sparse:
+    padding, a BlockMask, a compiled dispatch) would be priced low from it, so the fit leaves it out, with one
+    line, and fits it from a CSV timed on the event clock, which holds that work."""
+    monkeypatch.setattr(NaiveSparse, "host_work", True)
+    rows = rows_of(shapes, sparse=(SPARSE,))
+    busy = write_run(tmp_path, shapes, rows, backends=("fa4", SPARSE))
+    out = tmp_path / "h100.json"
+    assert fit.main(["--csv", str(busy), "--out", str(out)]) == 0
+    assert set(load_profile(str(out))["backends"]) == {"fa4"}
+    assert (f"backend {SPARSE}: not fitted, its calls do host work beside their kernels, which the busy clock this "
+            "CSV was timed on leaves out; allowed: a CSV timed with calibrate.run --timing events") \
+        in capsys.readouterr().err
+    timed = tmp_path / "events"
+    timed.mkdir()
+    events = write_run(timed, shapes, rows, backends=("fa4", SPARSE))
+    meta = json.loads(run.meta_path(events).read_text())
+    run.meta_path(events).write_text(json.dumps({"runs": [{**meta["runs"][-1], "timing": "events"}]}))
+    assert fit.main(["--csv", str(events), "--out", str(timed / "h100.json")]) == 0
+    assert set(load_profile(str(timed / "h100.json"))["backends"]) == {"fa4", SPARSE}
+    assert "not fitted" not in capsys.readouterr().err
+
+
 def test_the_measurer_times_a_sparse_peer_on_its_selection_and_records_the_kept_fractions_realised():
     tiny = ModelShape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100,
                       max_context=4096)

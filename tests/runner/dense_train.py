@@ -17,6 +17,7 @@ NAME = "reference"
 class Reference:
     name = NAME
     sparse = False
+    host_work = False
 
     def check(self) -> None:
         """Runs wherever torch does."""
