@@ -3,8 +3,8 @@
 Replays every recorded Plan through ``sim.engine.Engine`` with the calibrated cost model and the run's
 layout, twice:
 
-* ``sim_ms``: with the kept fractions the kernel actually selected (``sequences.csv``) as fixed budgets,
-  which tests the time model alone;
+* ``sim_ms``: with the kept fractions the kernel actually selected (``sequences.csv``) as fixed budgets, on
+  the attention backend each micro-batch ran (``micro_batches.csv``), which tests the time model alone;
 * ``sim_plan_ms``: with the Plan's own budgets, so the simulator's coverage model also decides how much
   is kept (what a policy comparison in the simulator sees).
 
@@ -47,6 +47,7 @@ from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.config import compose_config, policy_cost, validate
 from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, group_options,
                                     one_line_errors, write_json_atomic)
+from sparsebalance.sim.backends import OURS
 from sparsebalance.sim.cost import make_cost
 from sparsebalance.sim.engine import Engine, PlanArrays
 from sparsebalance.sim.memory import GB, MemoryModel
@@ -138,6 +139,17 @@ def _summary(path: Path) -> dict:
     return summary
 
 
+def backends_ran(micro_batches: pd.DataFrame, step: int, layout: Layout) -> np.ndarray | None:
+    """``[dp, m]`` the backend each micro-batch of ``step`` ran its attention on, as micro_batches.csv records it
+    (its first stage); None for a run that records none (before the backends), which ran ours throughout."""
+    if "attention_backend" not in micro_batches:
+        return None
+    rows = micro_batches[(micro_batches["step"] == step) & (micro_batches["stage"] == 0)]
+    ran = np.full((layout.dp, layout.micro_batches), OURS, dtype=object)
+    ran[rows["dp_rank"].to_numpy(), rows["micro_batch"].to_numpy()] = rows["attention_backend"].astype(str).to_numpy()
+    return ran.astype(str)
+
+
 def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(per-step table, memory table, summary) of one run dir, priced by ``profile`` (None: ``DEFAULT_PROFILE``,
     which a run on the CPU is refused)."""
@@ -169,7 +181,8 @@ def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame,
                        for a in plan.assignments}
         rows.append({
             "step": plan.step,
-            "sim_ms": engine.step(plan.with_budgets(measured_kf), truth).record.step_ms,
+            "sim_ms": engine.step(plan.with_budgets(measured_kf), truth,
+                                  ran=backends_ran(micro_batches, plan.step, layout)).record.step_ms,
             "sim_plan_ms": engine.step(plan, truth).record.step_ms,
         })
     table = steps[["step", "step_ms"]].rename(columns={"step_ms": "measured_ms"}).merge(pd.DataFrame(rows), on="step")

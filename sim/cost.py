@@ -317,22 +317,26 @@ class CostModel(ABC):
         costs = self.micro_batch_costs(lengths, kept_fractions, np.arange(lengths.size), lengths.size, layout)
         return costs.fwd_ms + costs.bwd_ms
 
-    def micro_batch_costs(self, lengths, kept_fractions, group, n_groups: int, layout: Layout) -> MicroBatchCosts:
-        """Costs of ``n_groups`` micro-batches; ``group[i]`` is the micro-batch of sequence i."""
+    def micro_batch_costs(self, lengths, kept_fractions, group, n_groups: int, layout: Layout,
+                          ran=None) -> MicroBatchCosts:
+        """Costs of ``n_groups`` micro-batches; ``group[i]`` is the micro-batch of sequence i. ``ran``: the backend
+        each micro-batch's attention ran on (a run's record, replayed) in place of the mode's choice."""
         lengths = np.asarray(lengths, dtype=np.int64)
         kept = np.asarray(kept_fractions, dtype=np.float64)
         group = np.asarray(group, dtype=np.int64)
         mode = self.attention_backend
-        # the options of the mode: ours alone, ours and the dense peers (dense_best), or every peer (hybrid)
-        sparse_peers = None if mode == OURS else self.sparse_backends() if mode == "hybrid" else ()
+        # the options of the mode: ours alone, ours and the dense peers (dense_best), or every peer (hybrid or a
+        # replay of what ran)
+        sparse_peers = self.sparse_backends() if mode == "hybrid" or ran is not None else None if mode == OURS else ()
         options, tokens = self._options(lengths, kept, group, n_groups, layout, sparse_peers)
         layer = {k: v / layout.cp if k != "const" else v for k, v in self._layer(tokens).items()}
         comm_f, comm_b = self._cp_comm(tokens, layout)
         a_f, a_b, sel = options[OURS]
-        backend = np.full(n_groups, OURS)
-        if mode != OURS:
+        backend = np.full(n_groups, OURS) if ran is None else self._priced(ran, options)
+        if mode != OURS and ran is None:
             backend = choose(mode, {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()},
                              self.dense_backends(), self.hybrid_margin)
+        if (backend != OURS).any():
             runs = [backend == name for name in options]
             a_f, a_b, sel = (np.select(runs, [o[i] for o in options.values()]) for i in range(3))
         o_f, o_b = self._term("layer_fwd", layer), self._term("layer_bwd", layer)
@@ -351,6 +355,17 @@ class CostModel(ABC):
             dense=np.isin(backend, self.dense_backends()),
             backend=backend,
         )
+
+    @staticmethod
+    def _priced(ran, options: dict) -> np.ndarray:
+        """``ran`` (names) as an array, each a backend among ``options`` (a ConfigError names the first that is not)."""
+        ran = np.asarray(ran, dtype=str)
+        unpriced = sorted(set(ran.tolist()) - options.keys())
+        if unpriced:
+            raise ConfigError(f"a micro-batch ran its attention on {unpriced[0]}, which the cost profile does not "
+                              f"price; allowed: {', '.join(options)} (a profile that prices every backend the run "
+                              "used)")
+        return ran
 
     def dense_backends(self) -> tuple[str, ...]:
         """The dense peers this model prices (a profile's ``backends`` without ``sparse``), by name."""

@@ -190,17 +190,20 @@ class Engine:
         return max(t, b * t - last_bwd_ms * (1 - 1 / b))
 
     def step(self, plan: Plan, truth: Mapping[int, float], trace: bool = False,
-             busy_ms: tuple[np.ndarray, np.ndarray] | None = None, predicted_ms: float = float("nan")) -> StepOutcome:
+             busy_ms: tuple[np.ndarray, np.ndarray] | None = None, predicted_ms: float = float("nan"),
+             ran: np.ndarray | None = None) -> StepOutcome:
         """One step of ``plan`` on sequences whose sensitivities are ``truth`` (id -> s). ``busy_ms``: (fwd, bwd)
         ms per [dp, m, pp] in place of the cost model's compute times (measured ones, runner.replay); hand-offs,
         the all-reduce, memory and coverage stay modelled. ``predicted_ms``: what the planner expected the step
-        to take, recorded beside it."""
+        to take, recorded beside it. ``ran``: ``[dp, m]`` the backend each micro-batch's attention ran on (a
+        run's record, runner.compare) in place of the cost model's choice."""
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
         arrays = PlanArrays.from_plan(plan, truth)
         group = arrays.dp_rank * m + arrays.micro_batch
         kept = arrays.kept(cost)
-        mb_cost = cost.micro_batch_costs(arrays.length, kept, group, dp * m, layout)
+        mb_cost = cost.micro_batch_costs(arrays.length, kept, group, dp * m, layout,
+                                         None if ran is None else np.reshape(ran, dp * m))
         # a micro-batch the cost model runs on a dense backend (cost.attention_backend) keeps every block
         kept = np.where(mb_cost.dense[group], 1.0, kept)
         coverage = cost.coverages(arrays.sensitivity, kept)

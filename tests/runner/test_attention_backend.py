@@ -228,3 +228,17 @@ def test_a_hybrid_run_on_a_sparse_peer_records_its_selection(sparse_profile, tmp
     assert (sparse.kept_fraction < 1.0).any() and (sparse.kept_fraction >= 0.5 - 1e-6).all()
     assert (sparse.coverage < 1.0).any()
     assert (dense.kept_fraction == 1.0).all() and (dense.coverage == 1.0).all()
+
+
+def test_runner_compare_replays_each_micro_batch_on_the_backend_it_ran():
+    """micro_batches.csv holds a row per (step, rank, micro-batch, stage); the replay takes each micro-batch's
+    backend from it, and a run that records none ran ours throughout."""
+    from sparsebalance.runner.compare import backends_ran
+    from sparsebalance.sim.cluster import Layout
+
+    rows = pd.DataFrame([(step, rank, mb, stage, name) for step, names in ((0, ["fa4", "ours"]), (1, ["ours", "fa4"]))
+                         for rank in range(2) for mb, name in enumerate(names) for stage in range(2)],
+                        columns=["step", "dp_rank", "micro_batch", "stage", "attention_backend"])
+    layout = Layout(dp=2, micro_batches=2)
+    assert backends_ran(rows, 1, layout).tolist() == [["ours", "fa4"], ["ours", "fa4"]]
+    assert backends_ran(rows.drop(columns="attention_backend"), 1, layout) is None

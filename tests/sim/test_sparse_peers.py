@@ -178,3 +178,31 @@ def test_a_profile_with_a_malformed_sparse_flag_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1
     assert f"backends.{PEER}.sparse='yes': must be true (a sparse peer) or false" in err and str(path) in err
+
+
+def test_a_replay_prices_the_backend_each_micro_batch_ran_whatever_the_mode_would_choose():
+    """runner.compare replays a run on what ran: hybrid chose from the kept fractions its plan expected, so at the
+    ones realised the mode's choice may differ, and the time model is tested on the backend that ran."""
+    ran = np.array(["ours", "ours", PEER, "cudnn", PEER, "fa4"])
+    by_mode = {mode: costs(cost_for(mode)) for mode in ("ours", "hybrid")}
+    for mode in ("ours", "dense_best", "hybrid"):
+        cost = cost_for(mode)
+        replayed = cost.micro_batch_costs(LENGTHS, KEPT, np.arange(LENGTHS.size), LENGTHS.size, Layout(dp=8), ran=ran)
+        assert replayed.backend.tolist() == ran.tolist()
+        np.testing.assert_array_equal(replayed.dense, np.isin(ran, ["cudnn", "fa4"]))
+        np.testing.assert_allclose(replayed.fwd_ms[:2], by_mode["ours"].fwd_ms[:2])
+        on_peer = by_mode["hybrid"].backend == PEER  # micro-batches 1 and 5 in the test above
+        np.testing.assert_allclose(replayed.attn_fwd_ms[2], layers_priced(cost, "attn_fwd", 2))
+        assert not np.allclose(replayed.fwd_ms[on_peer], by_mode["hybrid"].fwd_ms[on_peer])  # not hybrid's choice
+
+
+def layers_priced(cost, term, i):
+    return cost.model.layers * priced(term, sparse_features(LENGTHS[i:i + 1], KEPT[i:i + 1], cost.model, 128))
+
+
+def test_a_replay_of_a_backend_the_profile_does_not_price_is_one_config_error():
+    ran = np.array(["ours", PEER, "ours", "ours", "ours", "ours"])
+    with pytest.raises(ConfigError, match=f"a micro-batch ran its attention on {PEER}, which the cost profile does "
+                                          "not price; allowed: ours, cudnn, fa4 "):
+        cost_for("hybrid", BACKENDS_PROFILE).micro_batch_costs(LENGTHS, KEPT, np.arange(LENGTHS.size), LENGTHS.size,
+                                                               Layout(dp=8), ran=ran)
