@@ -78,8 +78,8 @@ def check_same_gpu(out: Path, gpu_name: str | None, csv: Path) -> None:
                           f"{gpu_name!r}; pass --replace-measured to overwrite it with this fit")
 
 
-def unfitted_backends(runs: list[dict], csv: Path) -> dict[str, str]:
-    """The peers of ``csv``'s runs that the fit leaves out, each with the line it prints (and prints it)."""
+def unfitted_backends(runs: list[dict], csv: Path) -> list[str]:
+    """The peers of ``csv``'s runs that the fit leaves out; prints a line for each, saying why."""
     lines = {name: f"{left} of its points are not measured; measure them first: python -m calibrate.run --csv {csv} "
                    f"--backends {name}" for name, left in unfinished_backends(runs).items()}
     for name in busy_timed_host_work(runs):
@@ -87,7 +87,7 @@ def unfitted_backends(runs: list[dict], csv: Path) -> dict[str, str]:
                                "on leaves out; allowed: a CSV timed with calibrate.run --timing events")
     for name, why in lines.items():
         print(f"backend {name}: not fitted, {why}", file=sys.stderr)
-    return lines
+    return list(lines)
 
 
 @one_line_errors
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     measurements = [m for m in measured if m.backend == OURS]  # our kernel's and the layer's
     features = FeatureSource(grid["models"], grid["block_size"])
     fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])
-    unfitted = [*unfitted_backends(runs, args.csv)]
+    unfitted = unfitted_backends(runs, args.csv)
     try:
         backends = fit_backends([m for m in measured if m.backend not in (OURS, *unfitted)], grid["models"],
                                 grid["block_size"], recorded_versions(runs))

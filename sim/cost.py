@@ -325,15 +325,22 @@ class CostModel(ABC):
         kept = np.asarray(kept_fractions, dtype=np.float64)
         group = np.asarray(group, dtype=np.int64)
         mode = self.attention_backend
-        # the options of the mode: ours alone, ours and the dense peers (dense_best), or every peer (hybrid or a
-        # replay of what ran)
-        sparse_peers = self.sparse_backends() if mode == "hybrid" or ran is not None else None if mode == OURS else ()
+        # the options: every peer (hybrid, or a replay of what ran), ours and the dense peers (dense_best), or ours
+        if mode == "hybrid" or ran is not None:
+            sparse_peers = self.sparse_backends()
+        elif mode == "dense_best":
+            sparse_peers = ()
+        else:
+            sparse_peers = None
         options, tokens = self._options(lengths, kept, group, n_groups, layout, sparse_peers)
         layer = {k: v / layout.cp if k != "const" else v for k, v in self._layer(tokens).items()}
         comm_f, comm_b = self._cp_comm(tokens, layout)
         a_f, a_b, sel = options[OURS]
-        backend = np.full(n_groups, OURS) if ran is None else self._priced(ran, options)
-        if mode != OURS and ran is None:
+        if ran is not None:
+            backend = self._priced(ran, options)
+        elif mode == OURS:
+            backend = np.full(n_groups, OURS)
+        else:
             backend = choose(mode, {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()},
                              self.dense_backends(), self.hybrid_margin)
         if (backend != OURS).any():

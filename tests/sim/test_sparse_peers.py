@@ -38,6 +38,11 @@ def priced(term, feats):
     return sum(c * feats[f] for f, c in TERMS[term].items())
 
 
+def layers_priced(cost, term, i):
+    """Sequence i alone on the sparse peer: its ``term`` over the model's layers."""
+    return cost.model.layers * priced(term, sparse_features(LENGTHS[i:i + 1], KEPT[i:i + 1], cost.model, 128))
+
+
 def test_hybrid_runs_each_micro_batch_on_its_cheapest_option_the_sparse_peer_included():
     cost = cost_for("hybrid")
     mb = costs(cost)
@@ -54,11 +59,9 @@ def test_a_micro_batch_on_the_sparse_peer_keeps_its_budget_and_pays_our_selectio
     assert hybrid[1].backend == PEER and hybrid[1].dense is False
     np.testing.assert_array_equal(hybrid.select_ms[on_peer], ours.select_ms[on_peer])
     assert (hybrid.select_ms[on_peer] > 0).all()
-    layers = cost_for("hybrid").model.layers
     for i in np.flatnonzero(on_peer):
-        feats = sparse_features(LENGTHS[i:i + 1], KEPT[i:i + 1], cost_for("ours").model, 128)
-        assert hybrid.attn_fwd_ms[i] == pytest.approx(layers * priced("attn_fwd", feats))
-        assert hybrid.attn_bwd_ms[i] == pytest.approx(layers * priced("attn_bwd", feats))
+        assert hybrid.attn_fwd_ms[i] == pytest.approx(layers_priced(cost_for("hybrid"), "attn_fwd", i))
+        assert hybrid.attn_bwd_ms[i] == pytest.approx(layers_priced(cost_for("hybrid"), "attn_bwd", i))
     # the other layers' work is the same whichever kernel runs attention
     np.testing.assert_array_equal(hybrid.other_fwd_ms, ours.other_fwd_ms)
 
@@ -185,19 +188,15 @@ def test_a_replay_prices_the_backend_each_micro_batch_ran_whatever_the_mode_woul
     ones realised the mode's choice may differ, and the time model is tested on the backend that ran."""
     ran = np.array(["ours", "ours", PEER, "cudnn", PEER, "fa4"])
     by_mode = {mode: costs(cost_for(mode)) for mode in ("ours", "hybrid")}
+    on_peer = by_mode["hybrid"].backend == PEER  # micro-batches 1 and 5 in the test above
     for mode in ("ours", "dense_best", "hybrid"):
         cost = cost_for(mode)
         replayed = cost.micro_batch_costs(LENGTHS, KEPT, np.arange(LENGTHS.size), LENGTHS.size, Layout(dp=8), ran=ran)
         assert replayed.backend.tolist() == ran.tolist()
         np.testing.assert_array_equal(replayed.dense, np.isin(ran, ["cudnn", "fa4"]))
         np.testing.assert_allclose(replayed.fwd_ms[:2], by_mode["ours"].fwd_ms[:2])
-        on_peer = by_mode["hybrid"].backend == PEER  # micro-batches 1 and 5 in the test above
         np.testing.assert_allclose(replayed.attn_fwd_ms[2], layers_priced(cost, "attn_fwd", 2))
         assert not np.allclose(replayed.fwd_ms[on_peer], by_mode["hybrid"].fwd_ms[on_peer])  # not hybrid's choice
-
-
-def layers_priced(cost, term, i):
-    return cost.model.layers * priced(term, sparse_features(LENGTHS[i:i + 1], KEPT[i:i + 1], cost.model, 128))
 
 
 def test_a_replay_of_a_backend_the_profile_does_not_price_is_one_config_error():
