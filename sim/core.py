@@ -85,12 +85,25 @@ def interrupted(detail: str = "") -> NoReturn:
     sys.exit(EXIT_INTERRUPTED)
 
 
+def quiet_interrupts_in_callbacks() -> None:
+    """Ctrl-C that lands while Python runs a callback it cannot raise from (a weakref's, during garbage collection)
+    is printed as "Exception ignored in ..." and a traceback, by the process it lands in (a sweep's joblib workers
+    get it too); :func:`interrupted` reports the interrupt once, so such a KeyboardInterrupt is dropped here and
+    every other unraisable exception still goes to Python's own hook."""
+    def hook(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            sys.__unraisablehook__(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
     """Wrap a command-line ``main`` so that a ConfigError ends it as one line and exit code 2, and Ctrl-C as one
     line and exit code 130, never a traceback."""
 
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
+        quiet_interrupts_in_callbacks()
         try:
             return main(*args, **kwargs)
         except ConfigError as exc:

@@ -31,7 +31,7 @@ from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfi
                                       register, validate)
 from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
                                     did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
-                                    preset_overrides)
+                                    preset_overrides, quiet_interrupts_in_callbacks)
 from sparsebalance.sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
 from sparsebalance.sim.engine import Engine
 from sparsebalance.sim.progress import with_progress
@@ -355,6 +355,7 @@ register()
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """One job; its value (``objective``) is what a sweeper such as hydra/sweeper=dst_optuna optimises."""
+    quiet_interrupts_in_callbacks()  # a sweep's jobs run in joblib workers, which get Ctrl-C too
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         # A time that overflows is reported once, as a result that is not finite (Results.write refuses it).
@@ -368,6 +369,7 @@ def main(cfg: DictConfig) -> float | None:
 def cli() -> None:
     """Check every job, then run them; Ctrl-C ends the command with one line, exit code 130, and removes what
     never got its results (``sim.outputs``)."""
+    quiet_interrupts_in_callbacks()
     argv = preset_overrides(sys.argv[1:])  # experiment=<name> as well as +experiment=<name>
     if "--help" in argv or "-h" in argv:
         return print_help(argv)
