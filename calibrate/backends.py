@@ -36,6 +36,12 @@ def recorded_versions(runs: list[dict]) -> dict[str, str]:
     return versions
 
 
+def recorded_clocks(runs: list[dict]) -> dict[str, str]:
+    """Each backend's clock (``busy`` or ``events``; a run that did not record it: busy) as the last run that
+    timed it ran."""
+    return {name: run.get("timing", "busy") for run in runs for name in run.get("backends") or {}}
+
+
 def unfinished_backends(runs: list[dict]) -> dict[str, int]:
     """Peers whose last run stopped with points of their grid left (its time budget spent), with how many: the
     points a run starts last are the longest, so a fit on the rest would price long documents from short ones."""
@@ -60,8 +66,10 @@ def peer_features(name: str, lengths, kept_fractions, model: ModelConfig, block_
     return dense_features(lengths, model, block_size)
 
 
-def fit_backends(measurements: list, models: dict[str, dict], block_size: int, versions: dict[str, str]) -> dict:
-    """The profile's ``backends`` section from the peers' measurements (none: empty)."""
+def fit_backends(measurements: list, models: dict[str, dict], block_size: int, versions: dict[str, str],
+                 clocks: dict[str, str]) -> dict:
+    """The profile's ``backends`` section from the peers' measurements (none: empty), each entry with the version
+    and the clock its run recorded."""
     keys = [f.name for f in fields(ModelConfig)]
     shapes = {name: ModelConfig(**{k: shape[k] for k in keys if k in shape}) for name, shape in models.items()}
     by_backend: dict[str, list] = defaultdict(list)
@@ -83,6 +91,7 @@ def fit_backends(measurements: list, models: dict[str, dict], block_size: int, v
         section[name] = {
             "version": versions.get(name) or "unknown (not recorded by calibrate.run)",
             **({SPARSE_KEY: True} if is_sparse_backend(name) else {}),
+            "timing": clocks.get(name, "busy"),
             "terms": terms,
             "fit": {"heldout_mape": summarise(_errors(points, terms, feats, "heldout")),
                     "fit_mape": summarise(_errors(points, terms, feats, "fit")),
@@ -94,14 +103,17 @@ def fit_backends(measurements: list, models: dict[str, dict], block_size: int, v
 
 
 def with_backends(profile: dict, section: dict, runs: list[dict], fit_command: str) -> dict:
-    """``profile`` with ``section`` as its dense backends (none: an error) and, in its meta, the commands that
-    timed and fitted them; its own terms and fit unchanged."""
+    """``profile`` with the peers of ``section`` (none: an error) added to its backends, replacing those of the
+    same names and keeping the rest (a peer may be timed from another CSV, on another clock), and, in its meta,
+    the commands that timed and fitted them after those of the peers it keeps; its own terms and fit unchanged."""
     if not section:
-        raise ConfigError("--backends-only: the CSV holds no dense backend's measurements; allowed: a CSV that "
+        raise ConfigError("--backends-only: the CSV holds no peer backend's measurements; allowed: a CSV that "
                           "calibrate.run timed a peer (dense or sparse) into")
     timed = [run["command"] for run in runs if set(run.get("backends") or ()) & section.keys()]
-    meta = profile["meta"] | {"backends_command": " && ".join([*timed, fit_command])}
-    return profile | {"meta": meta, "backends": section}
+    kept = {name: entry for name, entry in (profile.get("backends") or {}).items() if name not in section}
+    earlier = [profile["meta"]["backends_command"]] if kept and profile["meta"].get("backends_command") else []
+    meta = profile["meta"] | {"backends_command": " && ".join([*earlier, *timed, fit_command])}
+    return profile | {"meta": meta, "backends": kept | section}
 
 
 def _errors(points: list, terms: dict, feats: dict, split: str) -> dict[str, list[float]]:

@@ -12,9 +12,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from sparsebalance.calibrate.backends import (HELDOUT_MAX_PCT, HELDOUT_MEDIAN_PCT, fit_backends, print_backends,
-                                              busy_timed_host_work, recorded_versions, unfinished_backends,
-                                              with_backends)
+from sparsebalance.calibrate.backends import (HELDOUT_MAX_PCT, HELDOUT_MEDIAN_PCT, busy_timed_host_work,
+                                              fit_backends, print_backends, recorded_clocks, recorded_versions,
+                                              unfinished_backends, with_backends)
 from sparsebalance.calibrate.fitting import (FeatureSource, as_trained, build_profile, fit_all, load_measurements,
                                              write_profile)
 from sparsebalance.calibrate.report import (HELDOUT_TARGET_PCT, VALIDATION_TARGET_PCT, check, error_report,
@@ -110,10 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     measurements = [m for m in measured if m.backend == OURS]  # our kernel's and the layer's
     features = FeatureSource(grid["models"], grid["block_size"])
     fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])
+    if not measurements and not args.backends_only:
+        raise ConfigError(f"--csv {args.csv}: holds no measurements of our kernel or the layer (calibrate.run "
+                          "--peers-only timed only peers into it); allowed: --backends-only, which adds its peers to "
+                          "the profile at --out")
     unfitted = unfitted_backends(runs, args.csv)
     try:
         backends = fit_backends([m for m in measured if m.backend not in (OURS, *unfitted)], grid["models"],
-                                grid["block_size"], recorded_versions(runs))
+                                grid["block_size"], recorded_versions(runs), recorded_clocks(runs))
         if args.backends_only:
             write_profile(out, with_backends(load_profile(str(out), key="--out"), backends, runs, fit_command))
             print_backends(backends)

@@ -10,7 +10,8 @@ go to ``<csv>.meta.json`` beside it, one entry per run.
 Every attention backend of ``--backends`` that runs here is timed over the same documents (``kernels.backends``:
 our kernel over the whole grid, each dense peer over the grid's documents, all kept, each sparse peer over our
 attention points, at their kept fractions, on our selection); one that cannot run is one line (``fa4: absent
-(...)``) and is left out, unless named on the command line.
+(...)``) and is left out, unless named on the command line. ``--peers-only`` leaves our kernel's and the layer's
+points out: a peer timed on another clock goes into a CSV of its own (a CSV holds one clock).
 """
 from __future__ import annotations
 
@@ -55,7 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the grid and its estimated cost, time nothing")
     ap.add_argument("--backends", type=number_list(str, lambda b: b in BACKENDS, ", ".join(BACKENDS)), default=None,
                     help=f"attention backends to time (default: every one that runs here, of {', '.join(BACKENDS)}); "
-                         f"{OURS} always runs")
+                         f"{OURS} always runs, unless --peers-only")
+    ap.add_argument("--peers-only", action="store_true",
+                    help=f"time only the peers' points, none of {OURS}' or the layer's: a peer timed on another "
+                         "clock than the profile's own terms, into a CSV of its own (calibrate.fit --backends-only "
+                         "adds it to the profile)")
     ap.add_argument("--code-version", default=None,
                     help="commit of the kernel and layer code being timed (GPU boxes get a copy without .git)")
     args = ap.parse_args(argv)
@@ -281,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in absent:
         print(line, file=sys.stderr)
     points = select_points(build_grid(shapes, *split_peers(peers)), args.max_tokens)
+    if args.peers_only:
+        if not peers:
+            raise ConfigError("--peers-only: no peer backend runs here to time; allowed: --backends naming one that "
+                              "does (the peers extra, on a GPU machine)")
+        points = [p for p in points if p.backend != OURS]
     grid_facts = grid_description(shapes, args.block_size, args.max_tokens, len(points), tuple(peers))
     check_same_settings(args.csv, measurement_settings({"grid": grid_facts, "timing": args.timing,
                                                          "device": args.device}))

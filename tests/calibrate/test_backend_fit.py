@@ -4,6 +4,7 @@ pricing them."""
 from __future__ import annotations
 
 import json
+from shlex import join as shlex_join
 
 import numpy as np
 import pytest
@@ -205,7 +206,7 @@ def test_backends_only_adds_the_dense_backends_to_a_profile_and_leaves_its_own_f
     csv = write_run(tmp_path / "none", shapes, ours_only, ())
     with pytest.raises(SystemExit) as done:
         fit.main(["--csv", str(csv), "--out", str(out), "--backends-only"])
-    assert done.value.code == 2 and "--backends-only: the CSV holds no dense backend's measurements" in \
+    assert done.value.code == 2 and "--backends-only: the CSV holds no peer backend's measurements" in \
         capsys.readouterr().err
 
 
@@ -341,3 +342,36 @@ def test_calibrate_run_times_a_sparse_peer_at_our_attention_points(tmp_path, cap
     assert run.split_peers(["fa4", SPARSE, "cudnn"]) == (("fa4", "cudnn"), (SPARSE,))
     loaded, absent = run.peer_backends([SPARSE], dry_run=False, block_size=64)
     assert absent == [] and loaded[SPARSE].block_size == 64  # it selects at the calibration's block size
+
+
+def test_a_peer_timed_on_the_event_clock_in_a_csv_of_its_own_joins_the_profile_beside_the_others(
+        tmp_path, shapes, naive_sparse, monkeypatch, capsys):
+    """A CSV holds one clock: a host-work peer is timed alone (--peers-only) on the event clock into a CSV of its
+    own, and --backends-only adds it to a profile fitted from the busy clock, keeping the peers already there."""
+    monkeypatch.setattr(NaiveSparse, "host_work", True)
+    out = tmp_path / "h100.json"
+    assert fit.main(["--csv", str(write_run(tmp_path, shapes, rows_of(shapes))), "--out", str(out)]) == 0
+    before = load_profile(str(out))
+    assert before["backends"]["fa4"]["timing"] == "busy"
+    assert run.main(["--dry-run", "--csv", str(tmp_path / "x.csv"), "--backends", SPARSE, "--peers-only"]) == 0
+    only = [p for p in build_grid(shapes, (), (SPARSE,)) if p.backend == SPARSE]
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"{len(only)} points, {len(only)} to measure")
+    timed = tmp_path / "events"
+    timed.mkdir()
+    rows = [r for r in rows_of(shapes, (), sparse=(SPARSE,)) if r["key"].startswith(f"attn@{SPARSE}|")]
+    events = write_run(timed, shapes, rows, backends=(SPARSE,), name="h100_fa4_sparse_events_raw.csv")
+    meta = json.loads(run.meta_path(events).read_text())
+    timed_run = {**meta["runs"][-1], "timing": "events", "command": f"python -m calibrate.run --backends {SPARSE} "
+                 "--peers-only --timing events"}
+    run.meta_path(events).write_text(json.dumps({"runs": [timed_run]}))
+    with pytest.raises(SystemExit) as done:
+        fit.main(["--csv", str(events), "--out", str(out)])
+    assert done.value.code == 2 and f"--csv {events}: holds no measurements of our kernel or the layer" in \
+        capsys.readouterr().err
+    assert fit.main(["--csv", str(events), "--out", str(out), "--backends-only"]) == 0
+    after = load_profile(str(out))
+    assert set(after["backends"]) == {"fa4", SPARSE} and after["backends"]["fa4"] == before["backends"]["fa4"]
+    assert after["backends"][SPARSE]["timing"] == "events" and after["backends"][SPARSE]["sparse"] is True
+    assert after["terms"] == before["terms"] and after["fit"] == before["fit"]
+    assert after["meta"]["backends_command"].split(" && ")[-2:] == [timed_run["command"], shlex_join(
+        ["python", "-m", "calibrate.fit", "--csv", str(events), "--out", str(out), "--backends-only"])]
