@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"conf/model/ names (default: {' '.join(CALIBRATED_MODELS)})")
     ap.add_argument("--block-size", type=int, default=128, help="kernel block size in tokens (the simulator's, conf/cost)")
     ap.add_argument("--max-tokens", type=int, default=None, help="only points with at most this many tokens")
+    ap.add_argument("--min-tokens", type=int, default=None,
+                    help="only points with at least this many tokens (the long end timed again, into another --csv)")
     ap.add_argument("--time-budget-s", type=float, default=None, help="start no new point after this long")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: Triton interpreter, fp32")
     ap.add_argument("--timing", default="busy", choices=("busy", "events"),
@@ -72,15 +74,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--models {' '.join(unknown)}: no such model config; allowed: {', '.join(known)}")
     if args.block_size not in (64, 128):
         ap.error(f"--block-size {args.block_size}: the kernel is tuned for 64 or 128")
-    for name in ("max_tokens", "time_budget_s"):
+    for name in ("max_tokens", "min_tokens", "time_budget_s"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             ap.error(f"--{name.replace('_', '-')} {value}: must be a finite number > 0")
+    if None not in (args.min_tokens, args.max_tokens) and args.min_tokens > args.max_tokens:
+        ap.error(f"--min-tokens {args.min_tokens}: above --max-tokens {args.max_tokens}; allowed: at most it")
     return args
 
 
-def select_points(points: list[GridPoint], max_tokens: int | None) -> list[GridPoint]:
-    return [p for p in points if max_tokens is None or p.tokens <= max_tokens]
+def select_points(points: list[GridPoint], max_tokens: int | None, min_tokens: int | None = None) -> list[GridPoint]:
+    return [p for p in points if (max_tokens is None or p.tokens <= max_tokens)
+            and (min_tokens is None or p.tokens >= min_tokens)]
 
 
 def pending(points: list[GridPoint], csv: Path) -> list[GridPoint]:
@@ -118,10 +123,11 @@ def estimated_seconds(points: list[GridPoint], shapes: dict[str, ModelShape]) ->
 
 def measurement_settings(run: dict) -> dict:
     """What changes the time a run (a meta entry) records for a point, flattened (``models.<name>.<field>``):
-    the block size, the grid's timing settings, each model's shape, the clock and the device. The models and
-    ``max_tokens`` only choose which points are measured."""
+    the block size, the grid's timing settings, each model's shape, the clock and the device. The models, the
+    backends and ``max_tokens`` / ``min_tokens`` only choose which points are measured."""
     facts = run.get("grid", {})
-    settings = {k: v for k, v in facts.items() if k not in ("models", "max_tokens", "points", "backends")}
+    chooses = ("models", "max_tokens", "min_tokens", "points", "backends")
+    settings = {k: v for k, v in facts.items() if k not in chooses}
     settings |= {f"models.{name}.{k}": v for name, shape in facts.get("models", {}).items() for k, v in shape.items()}
     return settings | {k: run[k] for k in ("timing", "device") if k in run}
 
@@ -285,13 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     peers, absent = peer_backends(args.backends, args.dry_run, args.block_size)
     for line in absent:
         print(line, file=sys.stderr)
-    points = select_points(build_grid(shapes, *split_peers(peers)), args.max_tokens)
+    points = select_points(build_grid(shapes, *split_peers(peers)), args.max_tokens, args.min_tokens)
     if args.peers_only:
         if not peers:
             raise ConfigError("--peers-only: no peer backend runs here to time; allowed: --backends naming one that "
                               "does (the peers extra, on a GPU machine)")
         points = [p for p in points if p.backend != OURS]
     grid_facts = grid_description(shapes, args.block_size, args.max_tokens, len(points), tuple(peers))
+    grid_facts["min_tokens"] = args.min_tokens
     check_same_settings(args.csv, measurement_settings({"grid": grid_facts, "timing": args.timing,
                                                          "device": args.device}))
     todo = pending(points, args.csv)

@@ -128,10 +128,12 @@ def test_dry_run_prints_estimate_and_writes_nothing(tmp_path, capsys):
     (["--block-size", "96"], "--block-size 96: the kernel is tuned for 64 or 128"),
     (["--models"], "--models: no model named; allowed: one or more of llama3-8b, qwen2.5-3b, tiny"),
     (["--max-tokens", "0"], "--max-tokens 0: must be a finite number > 0"),
+    (["--min-tokens", "-1"], "--min-tokens -1: must be a finite number > 0"),
+    (["--min-tokens", "8192", "--max-tokens", "4096"], "--min-tokens 8192: above --max-tokens 4096; allowed: at most it"),
     (["--time-budget-s", "-5"], "--time-budget-s -5.0: must be a finite number > 0"),
     (["--time-budget-s", "nan"], "--time-budget-s nan: must be a finite number > 0"),
     (["--time-budget-s", "inf"], "--time-budget-s inf: must be a finite number > 0"),
-], ids=["unknown-model", "block-size", "no-model", "max-tokens", "time-budget", "time-budget-nan", "time-budget-inf"])
+], ids=["unknown-model", "block-size", "no-model", "max-tokens", "min-tokens", "min-above-max", "time-budget", "time-budget-nan", "time-budget-inf"])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
         run.main(["--csv", str(tmp_path / "raw.csv"), "--dry-run", *args])
@@ -207,3 +209,14 @@ def test_comm_bandwidth_over_message_sizes_with_two_processes():
 
 def test_one_device_records_comm_as_not_measured():
     assert run.comm_figures("cpu").startswith("not measured")
+
+
+def test_min_tokens_times_only_the_long_end_again(tmp_path, capsys):
+    """The long end of a grid timed again into another CSV: only points of at least --min-tokens tokens."""
+    shapes = load_shapes(["llama3-8b"])
+    long = run.select_points(build_grid(shapes), None, 65536)
+    assert long and all(p.tokens >= 65536 for p in long)
+    assert {p.key for p in long} == {p.key for p in build_grid(shapes) if p.tokens >= 65536}
+    assert run.main(["--csv", str(tmp_path / "raw.csv"), "--dry-run", "--models", "llama3-8b", "--backends", "ours",
+                     "--min-tokens", "65536"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"{len(long)} points, {len(long)} to measure")
