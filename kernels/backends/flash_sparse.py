@@ -116,9 +116,8 @@ def padded_block_sparse(q, k, v, docs: PaddedDocuments, selection, flex, kernel_
 @register("fa4_sparse")
 class FlashAttention4Sparse:
     sparse = True
-    # Each call pads the documents, builds the BlockMask and dispatches the compiled FlexAttention on the host: on
-    # one H100 the runner ran it 2.5-7% slower than FlashAttention-4 dense on micro-batches that its busy-clock
-    # calibration priced faster (calibrate/README.md)
+    # Each call pads the documents, builds the BlockMask and dispatches the compiled FlexAttention on the host, which
+    # the GPU waits on in training: its calibration is timed on the event clock (calibrate/README.md)
     host_work = True
 
     def __init__(self, block_size: int = 128) -> None:
