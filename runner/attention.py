@@ -13,6 +13,7 @@ needs torch and the kernels only (the calibration's measuring side runs it on ma
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,26 @@ def peer_attention(peer: PeerRun, q, k, v, budgets) -> tuple[torch.Tensor, torch
     with torch.no_grad():
         sel = backend.select(q, k, peer.docs, **budget_keywords(budgets))
     return backend.attention(q, k, v, peer.docs, selection=sel), sel.kept_fraction, sel.coverage
+
+
+def warm_peers(peers: dict, heads: int, kv_heads: int, head_dim: int, dtype, device) -> dict[str, float]:
+    """Each peer's forward and backward once, on two small documents, before the first step: what a peer
+    compiles at its first call (FlashAttention-4's kernels: seconds on an H100) would otherwise stall the step
+    that first runs it, which under ``hybrid`` may be any. Returns each peer's milliseconds, by name."""
+    took = {}
+    lengths = [256, 129]  # one document ends mid-block, as training's do
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=device)
+    draws = torch.Generator(device=device).manual_seed(0)  # the run's own random stream stays untouched
+    for name, backend in peers.items():
+        start = time.perf_counter()
+        q, k, v = (torch.randn(sum(lengths), h, head_dim, device=device, dtype=dtype, generator=draws)
+                   .requires_grad_() for h in (heads, kv_heads, kv_heads))
+        out, _, _ = peer_attention(PeerRun.of(backend, cu, device), q, k, v, (torch.full((2,), 0.9), None))
+        out.float().sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        took[name] = (time.perf_counter() - start) * 1e3
+    return took
 
 
 def make_attention(backend: str, block_size: int):

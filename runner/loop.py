@@ -41,7 +41,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from sparsebalance.kernels.sparse_attention import compile_count
 from sparsebalance.model import make_model
 from sparsebalance.runner import checkpoint
-from sparsebalance.runner.attention import BACKENDS, PeerRun, make_attention
+from sparsebalance.runner.attention import BACKENDS, PeerRun, make_attention, warm_peers
 from sparsebalance.runner.config import LRSchedule
 from sparsebalance.runner.cp import make_cp_attention, shard_micro_batch
 from sparsebalance.runner.cp_kernel import make_cp_kernel_attention
@@ -88,6 +88,10 @@ class Trainer:
         # Before a resume: a checkpoint's optimiser state loads into param groups that have the scheduler's key.
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.driver = StageDriver(self.model, comm, self._attention(), dtype, device)
+        warmed = warm_peers(planner.peers, cfg.model.heads, cfg.model.kv_heads, cfg.model.head_dim, dtype, device)
+        if warmed and self.rank == 0:
+            print("attention peers warmed up before step 0:", ", ".join(f"{name} {ms:.0f} ms"
+                                                                     for name, ms in warmed.items()))
         self.history = {"steps": [], "micro_batches": [], "plans": [], "train": [], "sequences": []}
         # The history's steps already in the Results files, and its micro-batch rows they hold.
         self._results, self._rows_written = Results(), 0

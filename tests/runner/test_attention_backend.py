@@ -25,7 +25,7 @@ from pinned import BACKENDS_PROFILE
 from sparse_peer import NAME as SPARSE, NaiveSparse
 from sparsebalance.kernels.backends import BACKENDS
 from sparsebalance.kernels.sparse_attention import sparse_attention
-from sparsebalance.runner.attention import PeerRun, make_attention
+from sparsebalance.runner.attention import PeerRun, make_attention, warm_peers
 from sparsebalance.runner.dist import World
 from sparsebalance.runner.train import build_planner, compose
 from sparsebalance.sim.backends import DENSE_FEATURES
@@ -112,6 +112,7 @@ def hybrid_run(profile, tmp_path) -> pd.DataFrame:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"attention peers warmed up before step 0: {NAME} " in proc.stdout
     rows = pd.read_csv(tmp_path / "micro_batches.csv")
     recorded = [g.sort_values("micro_batch").attention_backend.tolist() for _, g in rows.groupby("step")]
     assert recorded == simulated_backends(profile, "hybrid")
@@ -242,3 +243,31 @@ def test_runner_compare_replays_each_micro_batch_on_the_backend_it_ran():
     layout = Layout(dp=2, micro_batches=2)
     assert backends_ran(rows, 1, layout).tolist() == [["ours", "fa4"], ["ours", "fa4"]]
     assert backends_ran(rows.drop(columns="attention_backend"), 1, layout) is None
+
+
+def test_each_peer_runs_forward_and_backward_once_before_the_first_step(monkeypatch):
+    """What a peer compiles at its first call (FlashAttention-4: 4.7 s on an H100, inside the step that first ran
+    it under hybrid) is paid before step 0: each loaded peer, dense or sparse, runs forward and backward once on
+    small documents, and the run's random stream is left as it was."""
+    calls = []
+
+    class Spy(Reference):
+        def attention(self, q, k, v, docs):
+            calls.append((NAME, q))
+            return super().attention(q, k, v, docs)
+
+    class SparseSpy(NaiveSparse):
+        def attention(self, q, k, v, docs, selection):
+            calls.append((SPARSE, q))
+            return super().attention(q, k, v, docs, selection)
+
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    took = warm_peers({NAME: Spy(), SPARSE: SparseSpy(block_size=32)}, heads=4, kv_heads=2, head_dim=16,
+                      dtype=torch.float32, device=torch.device("cpu"))
+    assert torch.equal(torch.rand(4), expected)
+    assert list(took) == [NAME, SPARSE] and all(ms > 0 for ms in took.values())
+    assert [name for name, _ in calls] == [NAME, SPARSE]
+    assert all(q.grad is not None and q.grad.abs().sum() > 0 for _, q in calls)
+    assert warm_peers({}, 4, 2, 16, torch.float32, torch.device("cpu")) == {}
