@@ -249,7 +249,9 @@ def memory_table(memory: MemoryModel, cost, plans: list[Plan], truths: dict[int,
     runner measured over the same steps' rows, and the relative error; measured and error are missing (an
     empty cell) where the run measured nothing."""
     layout = memory.layout
-    predicted = np.max([truth_bytes(memory, cost, plan, truths[plan.step]) for plan in plans], axis=(0, 2))  # [dp, pp]
+    predicted = np.max([truth_bytes(memory, cost, plan, truths[plan.step],
+                                    backends_ran(micro_batches, plan.step, layout)) for plan in plans],
+                       axis=(0, 2))  # [dp, pp]
     rows = micro_batches[micro_batches["step"].isin([p.step for p in plans])]
     if MEASURED_PEAK in rows.columns:
         measured = pd.to_numeric(rows[MEASURED_PEAK], errors="coerce").groupby(
@@ -263,12 +265,15 @@ def memory_table(memory: MemoryModel, cost, plans: list[Plan], truths: dict[int,
     return pd.DataFrame({"predicted_bytes": want, "measured_bytes": got, "error_pct": error}).reset_index()
 
 
-def truth_bytes(memory: MemoryModel, cost, plan: Plan, truth: dict[int, float]) -> np.ndarray:
+def truth_bytes(memory: MemoryModel, cost, plan: Plan, truth: dict[int, float], ran: np.ndarray | None = None
+                ) -> np.ndarray:
     """[dp, m, pp] bytes of a plan run on sequences of these sensitivities (``MemoryModel.plan_bytes`` prices
-    the most its budgets can keep, as a planner must)."""
+    the most its budgets can keep, as a planner must), with the micro-batches that ran on a sparse peer
+    (``ran``, ``[dp, m]`` names: ``backends_ran``; None: none) holding its padded copies."""
     arrays = PlanArrays.from_plan(plan, truth)
+    on_peer = None if ran is None else np.isin(np.reshape(ran, -1), cost.sparse_backends())
     return memory.bytes_of(arrays.dp_rank, arrays.micro_batch, arrays.length, arrays.kept(cost),
-                           arrays.budgets.fixes_blocks)
+                           arrays.budgets.fixes_blocks, on_peer)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

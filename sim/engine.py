@@ -219,7 +219,8 @@ class Engine:
         # [dp, m, pp] GB of each stage while each micro-batch's backward runs (sim.memory)
         memory_gb = (None if self.memory is None else
                      self.memory.bytes_of(arrays.dp_rank, arrays.micro_batch, arrays.length, kept,
-                                          topk=arrays.budgets.fixes_blocks) / GB)
+                                          topk=arrays.budgets.fixes_blocks,
+                                          on_sparse_peer=np.isin(mb_cost.backend, cost.sparse_backends())) / GB)
         record = StepRecord(
             step=plan.step,
             step_ms=step_ms,

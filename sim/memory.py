@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 GB = 1e9  # bytes; capacities and reports are decimal GB, as the datasheet's 141 GB
 INT32 = 4
+FP32 = 4
 TIE_SLOTS = 16  # list slots the kernel adds to a sparse row for score ties (selection._topk_host_bounds)
 MODES = ("full", "checkpointed")  # activation storage without and with checkpointing (profile keys)
 TERMS = ("held_layer", "held_micro_batch", "transient", "transient_bytes")
@@ -76,6 +77,15 @@ def widths(model: ModelConfig) -> dict[str, float]:
     """The widths TokenBytes coefficients multiply."""
     return {"hidden": model.hidden, "q": model.heads * model.head_dim, "kv": model.kv_heads * model.head_dim,
             "ffn": model.ffn, "heads": model.heads, "head_dim": model.head_dim, "const": 1.0}
+
+
+def sparse_peer_bytes(model: ModelConfig) -> float:
+    """Bytes per padded token and layer that a micro-batch on a sparse peer holds for its backward beside what our
+    kernel's does: the peer (fa4_sparse) runs on the documents padded to whole blocks, and FlexAttention saves its
+    own padded copies of q, k, v and the output (bf16) and the log-sum-exp (fp32) while the unpadded ones stay
+    alive too. On an H100 (qwen2.5-3b, 18-33K documents) the runner measured 9.9-10.2 KB per token and layer
+    above the same micro-batches on ours, this 9.3 KB (results/MANIFEST.md)."""
+    return BF16 * 2 * (model.heads + model.kv_heads) * model.head_dim + FP32 * model.heads
 
 
 def per_token(coefs: TokenBytes, model: ModelConfig) -> float:
@@ -255,17 +265,29 @@ class MemoryModel:
         return cls(cfg.memory, cfg.model, layout, cfg.cluster.hbm_gb, block_size)
 
     # --- per micro-batch
-    def micro_batch_bytes(self, lengths, kept, group, n_groups: int, topk=None) -> tuple[np.ndarray, np.ndarray]:
-        """(held, transient) bytes per micro-batch and stage, [n_groups, pp]; ``topk`` as ``selection_bytes``."""
+    def micro_batch_bytes(self, lengths, kept, group, n_groups: int, topk=None,
+                          on_sparse_peer=None) -> tuple[np.ndarray, np.ndarray]:
+        """(held, transient) bytes per micro-batch and stage, [n_groups, pp]; ``topk`` as ``selection_bytes``;
+        ``on_sparse_peer`` ([n_groups] bool, None: none) the micro-batches whose attention runs on a sparse peer,
+        which hold :func:`sparse_peer_bytes` per padded token more in each layer whose activations are kept (under
+        checkpointing, the one layer being recomputed)."""
         cp, t, model = self.layout.cp, self.terms, self.model
         tokens = np.bincount(group, weights=np.asarray(lengths, dtype=np.float64), minlength=n_groups) / cp
         per_layer, shared = selection_bytes(lengths, kept, group, n_groups, model.kv_heads, self.block_size, topk)
         per_layer, shared = per_layer / cp, shared / cp
+        peer_layer = 0.0
+        if on_sparse_peer is not None:
+            padded = np.ceil(np.asarray(lengths, dtype=np.float64) / self.block_size) * self.block_size
+            padded = np.bincount(group, weights=padded, minlength=n_groups) / cp
+            peer_layer = np.where(on_sparse_peer, sparse_peer_bytes(model) * padded, 0.0)
         busy = tokens > 0
         held = self.layers * (t.held_layer * tokens + per_layer) + t.held_micro_batch * tokens + shared
         transient = np.where(busy, t.transient * tokens + t.transient_bytes, 0.0)
         if self.cfg.activation_checkpointing:
-            transient = transient + per_layer  # the recomputed layer builds its selection again
+            # the recomputed layer builds its selection again, and a sparse peer its padded copies
+            transient = transient + per_layer + peer_layer
+        else:
+            held = held + self.layers * peer_layer
         if cp > 1:
             transient = transient + 2 * 2 * model.kv_heads * model.head_dim * BF16 * tokens  # K/V send + receive
         held = np.repeat(held[:, None], self.layout.pp, axis=1)
@@ -283,17 +305,25 @@ class MemoryModel:
         window = np.take_along_axis(cumulative, np.broadcast_to(end, held.shape), axis=1) - cumulative[:, :m]
         return self.static[None, None, :] + window + transient
 
-    def bytes_of(self, dp_rank, micro_batch, lengths, kept, topk=None) -> np.ndarray:
-        """[dp, m, pp] bytes of a plan given as one row per sequence; ``topk`` as ``selection_bytes``."""
+    def bytes_of(self, dp_rank, micro_batch, lengths, kept, topk=None, on_sparse_peer=None) -> np.ndarray:
+        """[dp, m, pp] bytes of a plan given as one row per sequence; ``topk`` as ``selection_bytes``,
+        ``on_sparse_peer`` ([dp * m] bool) as ``micro_batch_bytes``."""
         dp, m, pp = self.layout.dp, self.layout.micro_batches, self.layout.pp
         group = np.asarray(dp_rank, dtype=np.int64) * m + np.asarray(micro_batch, dtype=np.int64)
-        held, transient = self.micro_batch_bytes(lengths, kept, group, dp * m, topk)
+        held, transient = self.micro_batch_bytes(lengths, kept, group, dp * m, topk, on_sparse_peer)
         return self.stage_bytes(held.reshape(dp, m, pp), transient.reshape(dp, m, pp))
 
     def plan_bytes(self, plan: Plan, cost: CostModel) -> np.ndarray:
-        """[dp, m, pp] bytes of a plan at the kept fractions its budgets give."""
+        """[dp, m, pp] bytes of a plan at the kept fractions its budgets give, on the backends the cost model
+        runs its micro-batches on there (a sparse peer's hold more: ``micro_batch_bytes``)."""
         rows = plan_rows(plan, cost)
-        return self.bytes_of(rows.rank, rows.micro_batch, rows.length, rows.kept, rows.topk)
+        on_peer = None
+        if cost.attention_backend == "hybrid" and cost.sparse_backends():
+            n = self.layout.dp * self.layout.micro_batches
+            group = np.asarray(rows.rank, dtype=np.int64) * self.layout.micro_batches + rows.micro_batch
+            backend = cost.micro_batch_costs(rows.length, rows.kept, group, n, self.layout).backend
+            on_peer = np.isin(backend, cost.sparse_backends())
+        return self.bytes_of(rows.rank, rows.micro_batch, rows.length, rows.kept, rows.topk, on_peer)
 
     def overfull(self, nbytes: np.ndarray) -> Overfull | None:
         """The worst (rank, micro-batch, stage) above the available bytes, or None when everything fits."""
