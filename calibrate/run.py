@@ -145,7 +145,7 @@ def check_same_settings(csv: Path, settings: dict) -> None:
 
 
 def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int | None, n_points: int,
-                     backends: tuple[str, ...] = ()) -> dict:
+                     backends: tuple[str, ...] = (), min_tokens: int | None = None) -> dict:
     return {
         "models": {s.name: vars(s) for s in shapes},
         "backends": [OURS, *backends],
@@ -157,6 +157,7 @@ def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int 
         "validation": [{"lengths": list(l), "kept_fractions": list(f)} for l, f in grid.VALIDATION],
         "max_kept_work": grid.MAX_KEPT_WORK,
         "max_tokens": max_tokens,
+        "min_tokens": min_tokens,
         "points": n_points,
         "do_bench": {"warmup_ms": timing.WARMUP_MS, "rep_ms": timing.REP_MS, "min_reps": timing.MIN_REPS,
                      "heat_ms": timing.HEAT_MS},
@@ -297,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--peers-only: no peer backend runs here to time; allowed: --backends naming one that "
                               "does (the peers extra, on a GPU machine)")
         points = [p for p in points if p.backend != OURS]
-    grid_facts = grid_description(shapes, args.block_size, args.max_tokens, len(points), tuple(peers))
-    grid_facts["min_tokens"] = args.min_tokens
+    grid_facts = grid_description(shapes, args.block_size, args.max_tokens, len(points), tuple(peers),
+                                  args.min_tokens)
     check_same_settings(args.csv, measurement_settings({"grid": grid_facts, "timing": args.timing,
                                                          "device": args.device}))
     todo = pending(points, args.csv)

@@ -171,6 +171,7 @@ def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame,
     kept, sensitivity = by_sequence["kept_fraction"], by_sequence["sensitivity"]
 
     rows, truths = [], {}
+    ran = {plan.step: backends_ran(micro_batches, plan.step, layout) for plan in plans}
     for plan in plans:
         absent = [a.seq_id for a in plan.assignments if (plan.step, a.seq_id) not in kept.index]
         if absent:
@@ -181,8 +182,7 @@ def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame,
                        for a in plan.assignments}
         rows.append({
             "step": plan.step,
-            "sim_ms": engine.step(plan.with_budgets(measured_kf), truth,
-                                  ran=backends_ran(micro_batches, plan.step, layout)).record.step_ms,
+            "sim_ms": engine.step(plan.with_budgets(measured_kf), truth, ran=ran[plan.step]).record.step_ms,
             "sim_plan_ms": engine.step(plan, truth).record.step_ms,
         })
     table = steps[["step", "step_ms"]].rename(columns={"step_ms": "measured_ms"}).merge(pd.DataFrame(rows), on="step")
@@ -193,7 +193,7 @@ def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame,
     if scored.empty:
         raise ConfigError(f"--skip {skip} leaves none of the run's {len(table)} steps to compare")
     memory = memory_table(MemoryModel.from_config(cfg, layout, run_cost.block_size), run_cost,
-                          [p for p in plans if p.step in set(scored["step"])], truths, micro_batches)
+                          [p for p in plans if p.step in set(scored["step"])], truths, ran, micro_batches)
     errors = memory["error_pct"].dropna().abs()
     summary = {
         "run_dir": str(run_dir),
@@ -243,14 +243,13 @@ def _compilations(path: Path, step: pd.Series) -> pd.Series:
 
 
 def memory_table(memory: MemoryModel, cost, plans: list[Plan], truths: dict[int, dict[int, float]],
-                 micro_batches: pd.DataFrame) -> pd.DataFrame:
+                 ran: dict[int, np.ndarray | None], micro_batches: pd.DataFrame) -> pd.DataFrame:
     """Per (DP rank, stage), the most bytes sim.memory predicts over the Plans' micro-batches (at the kept
-    fractions the coverage model gives each sequence's sensitivity, ``truths``: step -> {id: s}) and the most the
-    runner measured over the same steps' rows, and the relative error; measured and error are missing (an
-    empty cell) where the run measured nothing."""
+    fractions the coverage model gives each sequence's sensitivity, ``truths``: step -> {id: s}, on the backends
+    they ran, ``ran``: step -> ``backends_ran``) and the most the runner measured over the same steps' rows, and
+    the relative error; measured and error are missing (an empty cell) where the run measured nothing."""
     layout = memory.layout
-    predicted = np.max([truth_bytes(memory, cost, plan, truths[plan.step],
-                                    backends_ran(micro_batches, plan.step, layout)) for plan in plans],
+    predicted = np.max([truth_bytes(memory, cost, plan, truths[plan.step], ran[plan.step]) for plan in plans],
                        axis=(0, 2))  # [dp, pp]
     rows = micro_batches[micro_batches["step"].isin([p.step for p in plans])]
     if MEASURED_PEAK in rows.columns:
@@ -265,8 +264,7 @@ def memory_table(memory: MemoryModel, cost, plans: list[Plan], truths: dict[int,
     return pd.DataFrame({"predicted_bytes": want, "measured_bytes": got, "error_pct": error}).reset_index()
 
 
-def truth_bytes(memory: MemoryModel, cost, plan: Plan, truth: dict[int, float], ran: np.ndarray | None = None
-                ) -> np.ndarray:
+def truth_bytes(memory: MemoryModel, cost, plan: Plan, truth: dict[int, float], ran: np.ndarray | None) -> np.ndarray:
     """[dp, m, pp] bytes of a plan run on sequences of these sensitivities (``MemoryModel.plan_bytes`` prices
     the most its budgets can keep, as a planner must), with the micro-batches that ran on a sparse peer
     (``ran``, ``[dp, m]`` names: ``backends_ran``; None: none) holding its padded copies."""

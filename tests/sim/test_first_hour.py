@@ -240,7 +240,7 @@ def test_ctrl_c_in_a_garbage_collection_callback_prints_nothing(monkeypatch, cap
     other unraisable exception is still printed."""
     def collect_raising(exc):
         class Box:
-            pass
+            """An object a weakref can watch."""
         box = Box()
         ref = weakref.ref(box, lambda _: (_ for _ in ()).throw(exc))
         del box
