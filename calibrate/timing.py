@@ -47,10 +47,11 @@ class Timing:
 
 
 def heat(fn: Callable[[], object], sync: Callable[[], object], grad_to_none: list | None = None,
-         heat_ms: float = HEAT_MS) -> int:
-    """Run ``fn`` back-to-back (``sync`` after each call) until ``heat_ms`` have passed; the calls made."""
-    calls, start = 0, time.perf_counter()
-    while calls == 0 or (time.perf_counter() - start) * 1e3 < heat_ms:
+         heat_ms: float = HEAT_MS, clock: Callable[[], float] = time.perf_counter) -> int:
+    """Run ``fn`` back-to-back (``sync`` after each call) until ``heat_ms`` have passed on ``clock`` (seconds);
+    the calls made."""
+    calls, start = 0, clock()
+    while calls == 0 or (clock() - start) * 1e3 < heat_ms:
         for x in grad_to_none or ():
             x.grad = None
         fn()

@@ -37,6 +37,7 @@ from sparsebalance.runner import checkpoint
 from sparsebalance.runner.attention import BACKENDS, make_attention
 from sparsebalance.runner.data import pack
 from sparsebalance.runner.device import DEVICES, check_attention, device_type
+from sparsebalance.runner.sensitivity import training_block_size
 from sparsebalance.runner.task import TaskConfig
 from sparsebalance.sim.config import ModelConfig, validate
 from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, number_list,
@@ -112,7 +113,7 @@ def load(path: Path) -> Trained:
         validate(task, "runner.task.")
         workload = config["workload"]
         return Trained(weights=ckpt["model"], steps=ckpt["next_step"], model=model, task=task,
-                       seed=int(config["seed"]), block_size=int(config["cost"]["block_size"]),
+                       seed=int(config["seed"]), block_size=training_block_size(config),
                        sensitivity=(float(workload["sensitivity_a"]), float(workload["sensitivity_b"])),
                        max_len=int(workload["max_len"]))
     except checkpoint.Invalid as exc:

@@ -19,7 +19,6 @@ is written to disk.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
@@ -30,8 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.config import AttentionBackend, PolicyConfig, compose_config, register
-from sparsebalance.sim.core import (ConfigError, did_you_mean, fail, group_options, hydra_reason, interrupted,
-                                    preset_overrides)
+from sparsebalance.sim.core import (ArgumentParser, ConfigError, did_you_mean, fail, group_options, hydra_reason,
+                                    interrupted, preset_overrides)
 from sparsebalance.sim.cost import make_cost
 from sparsebalance.sim.engine import Engine, run_pipeline
 from sparsebalance.sim.plan import Plan
@@ -69,6 +68,7 @@ def compare(overrides: list[str], policies: tuple[str, ...] | None = None, seeds
     means over seeds, with ``<column>_std`` beside each when seeds > 1."""
     if seeds < 1:
         raise ConfigError(f"--seeds={seeds} must be >= 1")
+    check_overrides(overrides)
     base = compose_config(overrides)
     policies, baselines = with_defaults(base, policies, baselines)
     runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds, oracles)
@@ -247,26 +247,61 @@ def finite(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+# Keys of a run that sim.compare sets itself: each policy's config comes from --policies, and nothing is written.
+NOT_READ = {"policy": "it compares the policies of --policies, each with its own config; allowed: a policy's own "
+                      "overrides there, --policies <name>:<key>=<value> (e.g. sparsebalance:estimator=prior), or "
+                      "--oracles for the estimator=oracle bound rows",
+            "baseline": "--baselines names the policies vs_best is over",
+            "write_plans": "it writes nothing", "plot": "it writes nothing"}
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """One ConfigError line for an override of a key that sim.compare does not read (NOT_READ): it would show in
+    the table's header while changing nothing."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        top = key.split(".", 1)[0]
+        if top in NOT_READ:
+            raise ConfigError(f"{override}: sim.compare does not read {top}: {NOT_READ[top]}")
+
+
+def vs_best_note(policies: tuple[str, ...], baselines: tuple[str, ...]) -> str | None:
+    """Where vs_best is over rows the table does not show, a line that names them."""
+    hidden = [name for name in baselines if name not in policies]
+    return f"vs_best: over the fastest of {', '.join(baselines)} on each seed (not shown: {', '.join(hidden)})" \
+        if hidden else None
+
+
+def shown_baselines(policies: tuple[str, ...]) -> tuple[str, ...]:
+    """vs_best's default over a chosen --policies: the baselines among them, else the first of them."""
+    return tuple(name for name in policies if name.split(":")[0] in BASELINES) or policies[:1]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m sim.compare", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m sim.compare", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("overrides", nargs="*", help="experiment=<name> and Hydra overrides")
     parser.add_argument("--policies", help=f"comma-separated; `speedup` is over the first (default {','.join(POLICIES)})")
     parser.add_argument("--baselines", help=f"`vs_best` is over the fastest of these (default {','.join(BASELINES)}; "
-                                            "verl_dense where the profile prices a dense backend)")
+                                            "verl_dense where the profile prices a dense backend; with --policies, "
+                                            "the baselines among them, else the first)")
     parser.add_argument("--seeds", type=int, default=1, help="consecutive seeds from `seed` (mean +- std)")
     parser.add_argument("--bounds", nargs="?", const=",".join(BOUNDS), default="",
                         help=f"perfect-balance rows for these policies' plans (alone: {','.join(BOUNDS)})")
     parser.add_argument("--oracles", default=",".join(ORACLES),
                         help="bound rows 'oracle: <policy>': the policy planning with the data's true sensitivities")
     parser.add_argument("--ablation", action="store_true", help="the mechanisms one by one instead of --policies")
-    args = parser.parse_intermixed_args()  # overrides may come before or after the options
-    register()
-    overrides = preset_overrides(args.overrides)  # experiment=<name> as well as +experiment=<name>
     try:
+        args = parser.parse_intermixed_args()  # overrides may come before or after the options
+        register()
+        overrides = preset_overrides(args.overrides)  # experiment=<name> as well as +experiment=<name>
+        check_overrides(overrides)
         base = compose_config(overrides)
         policies, baselines, notes = default_lists(base, args.ablation)
-        policies = names(args.policies) if args.policies is not None and not args.ablation else policies
+        if args.policies is not None and not args.ablation:
+            policies = names(args.policies)
+            baselines = shown_baselines(policies) if policies else baselines
         baselines = names(args.baselines) if args.baselines is not None else baselines
+        notes += [note for note in [vs_best_note(policies, baselines)] if note]
         check_work(base, args.seeds, len({*policies, *baselines, *names(args.bounds)}) + len(names(args.oracles)))
         with np.errstate(over="ignore", invalid="ignore"):  # reported once below, as a time that is not finite
             table = finite(compare(overrides, policies, args.seeds, baselines, names(args.bounds),

@@ -205,12 +205,14 @@ class AttentionBackend(str, Enum):
 @dataclass
 class CostConfig:
     name: str = MISSING  # a key of sim.cost.COST_MODELS
-    # Attention block size (roofline; the calibrated profile carries its own).
-    block_size: int = bounded(128, Bound(16, 1024))
-    attn_efficiency: float = bounded(0.6, OPEN_FRACTION)  # roofline: share of peak the attention kernel reaches
-    matmul_efficiency: float = bounded(0.7, OPEN_FRACTION)  # roofline: share of peak the dense layers reach
+    # Attention block size in tokens: roofline's (conf/cost/roofline.yaml sets it). A calibrated profile carries
+    # its own: there it stays null, or names the profile's (sim.cost.CalibratedCost refuses any other).
+    block_size: Optional[int] = bounded(None, Bound(16, 1024))
+    # Roofline only; a calibrated profile's fitted coefficients price the kernels, and it refuses other values.
+    attn_efficiency: float = bounded(0.6, OPEN_FRACTION)  # share of peak the attention kernel reaches
+    matmul_efficiency: float = bounded(0.7, OPEN_FRACTION)  # share of peak the dense layers reach
     attn_bwd_ratio: float = bounded(2.5, POSITIVE)  # backward/forward attention FLOPs (5 matmuls vs 2)
-    launch_ms: float = bounded(0.0, NON_NEGATIVE)  # roofline: fixed overhead per kernel call
+    launch_ms: float = bounded(0.0, NON_NEGATIVE)  # fixed overhead per kernel call
     profile: str = "calibrate/profiles/h200.json"  # calibrated: profile file
     attention_backend: AttentionBackend = AttentionBackend.ours
     # hybrid: ours or a sparse peer runs a micro-batch only where priced faster than the fastest dense peer by
@@ -361,6 +363,14 @@ class RunConfig:
             raise ConfigError(
                 f"{prefix}workload.global_batch={self.workload.global_batch} is smaller than the DP degree {dp}, "
                 f"so some ranks would get no sequence; allowed: global_batch >= {dp}"
+            )
+        per_rank, micro_batches = self.workload.global_batch // dp, layout.micro_batches
+        if micro_batches > per_rank:  # the rank with the fewest sequences has at most per_rank
+            raise ConfigError(
+                f"{prefix}layout.micro_batches={micro_batches} is more than the {per_rank} sequences a DP rank gets "
+                f"(workload.global_batch={self.workload.global_batch} over dp={dp}), so micro-batches would be "
+                f"empty; allowed: layout.micro_batches <= {per_rank}, or workload.global_batch >= "
+                f"{dp * micro_batches}"
             )
 
     def check_size(self, prefix: str = "", runs: int = 1, across: str = "") -> None:

@@ -459,10 +459,19 @@ class CostModel(ABC):
         return fwd, bwd
 
 
+# The keys only the roofline model reads, beside the block size.
+ROOFLINE_KEYS = ("attn_efficiency", "matmul_efficiency", "attn_bwd_ratio", "launch_ms")
+# What a layer's time depends on beyond its token count: the model keys a calibrated profile's fit is valid for.
+LAYER_SHAPE_KEYS = ("hidden", "heads", "kv_heads", "head_dim", "ffn")
+
+
 class RooflineCost(CostModel):
     """FLOPs over peak x efficiency; dense layers also bounded below by streaming their weights."""
 
     def __init__(self, model: ModelConfig, cluster: Cluster, cfg: CostConfig) -> None:
+        if cfg.block_size is None:
+            raise ConfigError("cost.block_size is not set; cost=roofline needs a block size (allowed: 16 to 1024, "
+                              "conf/cost/roofline.yaml sets 128)")
         super().__init__(model, cluster, cfg.block_size)
         for name in ("attn_efficiency", "matmul_efficiency"):
             if not 0 < getattr(cfg, name) <= 1:
@@ -494,6 +503,8 @@ class CalibratedCost(CostModel):
 
     def __init__(self, model: ModelConfig, cluster: Cluster, cfg: CostConfig) -> None:
         self.profile = load_profile(cfg.profile)
+        check_calibrated_keys(cfg, self.profile)
+        check_profile_model(model, self.profile, cfg.profile)
         super().__init__(model, cluster, self.profile["block_size"])
         peers = self.profile.get("backends", {})
         self.dense_terms = {name: entry["terms"] for name, entry in peers.items() if not is_sparse(entry)}
@@ -502,6 +513,38 @@ class CalibratedCost(CostModel):
     def term_ms(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
         coefs = self.profile["terms"][term]
         return sum((c * feats[f] for f, c in coefs.items()), np.zeros_like(feats["const"]))
+
+
+def check_calibrated_keys(cfg: CostConfig, profile: dict) -> None:
+    """Under a profile, the roofline's keys are not read: one ConfigError line for any set to other than its
+    default, and for a block size other than the profile's (the block its kernel times were measured at, which
+    the simulator and the runner's kernel then use)."""
+    block = profile["block_size"]
+    if cfg.block_size is not None and cfg.block_size != block:
+        raise ConfigError(f"cost.block_size={cfg.block_size}: the profile {cfg.profile} was measured at block size "
+                          f"{block}, which cost=calibrated runs at; allowed: cost.block_size={block} (or unset), "
+                          f"cost=roofline cost.block_size={cfg.block_size}, or a profile calibrated at that block "
+                          f"(python -m calibrate.run --block-size on a GPU)")
+    given = [key for key in ROOFLINE_KEYS if getattr(cfg, key) != getattr(CostConfig, key)]
+    if given:
+        raise ConfigError(f"cost.{given[0]}={getattr(cfg, given[0])} is read by cost=roofline only; under "
+                          f"cost=calibrated the profile's fitted coefficients price the kernels: drop it, or use "
+                          f"cost=roofline cost.{given[0]}={getattr(cfg, given[0])}")
+
+
+def check_profile_model(model: ModelConfig, profile: dict, path: str) -> None:
+    """The run's layer shape must be one the profile was fitted on (its grid's models, where it names them):
+    the fitted coefficients hold for those shapes' tile sizes and arithmetic intensities, not for any shape."""
+    fitted = profile.get("meta", {}).get("grid", {}).get("models")
+    if not fitted:
+        return
+    wanted = {key: int(getattr(model, key)) for key in LAYER_SHAPE_KEYS}
+    if any({key: int(shape.get(key, -1)) for key in LAYER_SHAPE_KEYS} == wanted for shape in fitted.values()):
+        return
+    raise ConfigError(f"model {model.name!r} has a layer shape ({', '.join(f'{k}={v}' for k, v in wanted.items())}) "
+                      f"that the profile {path} was not fitted on; allowed: a model of the shapes fitted "
+                      f"({', '.join(sorted(fitted))}; depth, vocabulary and context may differ), cost=roofline, or "
+                      f"a profile calibrated on this model (python -m calibrate.run on a GPU)")
 
 
 COST_MODELS: dict[str, type[CostModel]] = {"roofline": RooflineCost, "calibrated": CalibratedCost}

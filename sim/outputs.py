@@ -100,12 +100,25 @@ def discard_run(run_dir: Path, job_name: str, files: tuple[str, ...] = FILES) ->
     return True
 
 
+def stop_workers() -> None:
+    """Kill joblib's worker processes, if this process started any. They get Ctrl-C too, but one that lands
+    where Python cannot raise it (a garbage-collection callback) leaves the worker running its job, and at exit
+    joblib waits for its workers: the command would end only when that job does. Killed first, a worker writes
+    nothing after its directory is cleaned up."""
+    from joblib.externals.loky import reusable_executor
+
+    executor = reusable_executor._executor  # loky has no public accessor that does not start an executor
+    if executor is not None:
+        executor.shutdown(wait=False, kill_workers=True)
+
+
 def discard_sweep(sweep: Outputs, job_name: str, files: tuple[str, ...] = FILES) -> str:
     """After Ctrl-C: ``discard_run`` of each job directory (those with a ``.hydra/``) and, when no job finished,
     of the sweep's ``multirun.yaml``; the sweep directory goes once empty. Returns what the one ``interrupted``
     line adds: the finished jobs kept, or that the launcher's jobs may still run."""
     if not sweep.local:
         return f"; the launcher's jobs may still be running (their directory: {sweep.path})"
+    stop_workers()
     if not sweep.path.is_dir():
         return ""
     jobs = [d for d in sweep.path.iterdir() if (d / ".hydra").is_dir()]

@@ -5,8 +5,6 @@ GPU numbers come from calibrate.run on the device.
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -74,15 +72,19 @@ def test_bench_cpu_returns_quantiles_of_min_reps_calls():
 
 def test_heat_runs_the_call_back_to_back_for_its_window_and_clears_grads():
     """Every call is followed by the sync (the GPU finishes it before the clock is read), grads are cleared
-    before each call, and the window holds at least one call however long a call takes."""
-    events, x = [], torch.ones(1, requires_grad=True)
+    before each call, and the window holds at least one call however long a call takes. A stand-in clock that
+    each call advances by 2 ms: the count does not depend on how busy the machine is."""
+    events, x, now = [], torch.ones(1, requires_grad=True), [0.0]
 
     def call():
         assert x.grad is None
         x.grad = torch.ones(1)
         events.append("call")
-        time.sleep(0.002)
+        now[0] += 0.002
 
-    calls = timing.heat(call, lambda: events.append("sync"), [x], heat_ms=20.0)
-    assert calls >= 2 and events == ["call", "sync"] * calls
-    assert timing.heat(call, lambda: None, [x], heat_ms=0.0) == 1
+    calls = timing.heat(call, lambda: events.append("sync"), [x], heat_ms=20.0, clock=lambda: now[0])
+    assert calls == 10 and events == ["call", "sync"] * calls
+    assert timing.heat(call, lambda: None, [x], heat_ms=0.0, clock=lambda: now[0]) == 1
+    now[0] = 0.0
+    assert timing.heat(lambda: now.__setitem__(0, now[0] + 1.0), lambda: None, heat_ms=20.0,
+                       clock=lambda: now[0]) == 1

