@@ -202,6 +202,11 @@ class LevelTable:
     micro_batch: np.ndarray  # [n]
     pp: int
     quantile: float
+    distinct: int  # samples whose times differ: 1 where every level's kept blocks follow from the lengths
+
+    def priced(self, field: np.ndarray) -> np.ndarray:
+        """``field`` (fwd or bwd) over its distinct samples only: a quantile of alike samples is their value."""
+        return field[:, : self.distinct]
 
     @classmethod
     def build(cls, plan: Plan, layout: Layout, cost: CostModel, budgets: list[Budget], belief: Belief,
@@ -210,24 +215,26 @@ class LevelTable:
         samples = belief.at(plan.seq_ids)  # [S, n]
         dp, m, n, g, s = layout.dp, layout.micro_batches, lengths.size, len(budgets), samples.shape[0]
         cols = BudgetArrays.of(budgets)
-        # One CostModel call for every (level, sample, micro-batch): the sequences repeated per level and sample.
-        shape = (g, s, n)
-        kept = cost.kept_fractions(*(np.broadcast_to(x, shape) for x in (
-            lengths, samples[None], cols.p[:, None, None], cols.kept_fraction[:, None, None],
-            cols.top_k[:, None, None], cols.p_floor[:, None, None])))
-        group = (np.arange(g * s)[:, None] * dp * m + (rank * m + mb)[None, :]).ravel()
-        costs = cost.micro_batch_costs(np.broadcast_to(lengths, shape).ravel(), kept.ravel(), group, g * s * dp * m,
-                                       layout)
+        kept, coverage, inverse = distinct_outcomes(cost, lengths, samples, cols)  # [g, K], [g, K], [S, n]
+        group = rank * m + mb
+        if cols.fixes_blocks.all():
+            # every level's kept blocks follow from the lengths: one CostModel call per level serves every sample
+            costs = cost.micro_batch_costs(lengths, kept[:, inverse[0]], group, dp * m, layout)
+            per_sample = 1
+        else:  # one CostModel call for every (level, sample) pair: the replicas of the batch
+            costs = cost.micro_batch_costs(lengths, kept[:, inverse].reshape(g * s, n), group, dp * m, layout)
+            per_sample = s
+        fwd = np.broadcast_to(costs.fwd_ms.reshape(g, per_sample, dp, m), (g, s, dp, m))
+        bwd = np.broadcast_to(costs.bwd_ms.reshape(g, per_sample, dp, m), (g, s, dp, m))
         share = weight.weights(lengths) / weight.weights(lengths).sum()
         # a micro-batch the cost model runs on a dense backend (cost.attention_backend) keeps every block
-        kept = np.where(costs.dense[group].reshape(shape), 1.0, kept)
-        expected = (share * cost.coverages(samples[None], kept)).mean(axis=1)  # [g, n]
-        covered = np.bincount((np.arange(g)[:, None] * dp * m + rank * m + mb).ravel(), weights=expected.ravel(),
+        dense = costs.dense.reshape(g, per_sample, dp * m)[:, :, group]
+        expected = (share * np.where(dense, 1.0, coverage[:, inverse])).mean(axis=1)  # [g, n]
+        covered = np.bincount((np.arange(g)[:, None] * dp * m + group).ravel(), weights=expected.ravel(),
                               minlength=g * dp * m)
-        fwd, bwd = costs.fwd_ms.reshape(g, s, dp, m), costs.bwd_ms.reshape(g, s, dp, m)
         p2p = cost.hand_off_ms(costs.tokens[: dp * m], layout).reshape(dp, m)
-        rank_ms = np.quantile(pipeline_ms(fwd, bwd, p2p, layout.pp), quantile, axis=1)
-        return cls(fwd, bwd, p2p, covered.reshape(g, dp, m), rank_ms, rank, mb, layout.pp, quantile)
+        rank_ms = np.quantile(pipeline_ms(fwd[:, :per_sample], bwd[:, :per_sample], p2p, layout.pp), quantile, axis=1)
+        return cls(fwd, bwd, p2p, covered.reshape(g, dp, m), rank_ms, rank, mb, layout.pp, quantile, per_sample)
 
     def gather(self, field: np.ndarray, levels: np.ndarray) -> np.ndarray:
         """field[levels[r, j], r, j] for every (rank, micro-batch)."""
@@ -246,7 +253,8 @@ class LevelTable:
 
     def makespan(self, levels: np.ndarray) -> float:
         """The slowest rank's planned (quantile) time."""
-        return float(self.rank_times(self.gather_times(self.fwd, levels), self.gather_times(self.bwd, levels)).max())
+        fwd, bwd = self.priced(self.fwd), self.priced(self.bwd)
+        return float(self.rank_times(self.gather_times(fwd, levels), self.gather_times(bwd, levels)).max())
 
     def expected_ms(self, levels: np.ndarray) -> float:
         """The belief's mean of the slowest rank's time: what the step is expected to take."""
@@ -255,6 +263,24 @@ class LevelTable:
 
     def mean_coverage(self, levels: np.ndarray) -> float:
         return float(self.gather(self.coverage, levels).sum())
+
+
+def distinct_outcomes(cost: CostModel, lengths: np.ndarray, samples: np.ndarray,
+                      cols: BudgetArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(kept, coverage, inverse)``: the kept fraction and the coverage (``[levels, K]``) of each of the K distinct
+    (block count, sampled sensitivity) pairs at each level (a row of ``cols``), and ``inverse`` (``[S, n]``): the
+    pair of each sample of each sequence. The cost model's kept fractions see a length only through its block
+    count (``CostModel.block_counts``), and a belief holds a few sensitivities per length bucket, so the K pairs
+    are far fewer than the samples; each is priced once, with the same bits as priced per sample."""
+    _, s_index = np.unique(samples, return_inverse=True)
+    blocks = cost.block_counts(lengths)
+    keys = blocks[None, :] * (int(s_index.max(initial=0)) + 1) + s_index.reshape(samples.shape)
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    sample, seq = np.unravel_index(first, samples.shape)
+    s = samples[sample, seq]
+    kept = cost.kept_fractions(lengths[seq], s, *(c[:, None] for c in (cols.p, cols.kept_fraction, cols.top_k,
+                                                                       cols.p_floor)))
+    return kept, cost.coverages(s, kept), inverse.reshape(samples.shape)
 
 
 def rank_levels(rank_ms: np.ndarray, tau: float) -> np.ndarray:
@@ -317,14 +343,15 @@ def smallest_good(candidates: np.ndarray, good) -> float:
 
 def fill_bubbles(table: LevelTable, levels: np.ndarray, tau: float) -> np.ndarray:
     """Raise micro-batches one at a time to the highest level that keeps every rank's planned time within tau."""
-    g, s, dp, m = table.fwd.shape
+    all_fwd, all_bwd = table.priced(table.fwd), table.priced(table.bwd)
+    g, s, dp, m = all_fwd.shape
     levels = levels.copy()
     for _ in range(MAX_SWEEPS):
         moved = False
         for j in range(m):
-            fwd = np.broadcast_to(table.gather_times(table.fwd, levels), (g, s, dp, m)).copy()
-            bwd = np.broadcast_to(table.gather_times(table.bwd, levels), (g, s, dp, m)).copy()
-            fwd[..., j], bwd[..., j] = table.fwd[..., j], table.bwd[..., j]
+            fwd = np.broadcast_to(table.gather_times(all_fwd, levels), (g, s, dp, m)).copy()
+            bwd = np.broadcast_to(table.gather_times(all_bwd, levels), (g, s, dp, m)).copy()
+            fwd[..., j], bwd[..., j] = all_fwd[..., j], all_bwd[..., j]
             fits = table.rank_times(fwd, bwd) <= tau  # [levels, dp]
             fits &= np.arange(g)[:, None] >= levels[:, j][None, :]  # only raise
             best = np.where(fits.any(axis=0), g - 1 - np.argmax(fits[::-1], axis=0), levels[:, j])

@@ -38,35 +38,35 @@ OURS = "ours"  # our kernel: the profile's ``terms``, never a ``backends`` entry
 SPARSE_KEY = "sparse"  # a ``backends`` entry's flag: true for a sparse peer, missing or false for a dense one
 
 
-def grouped_dense(per_seq: dict, group: np.ndarray, n_groups: int, pair_flops: float, heads: int, kv_heads: int,
+def grouped_dense(per_seq: dict, groups, pair_flops: float, heads: int, kv_heads: int,
                   cp: int = 1) -> dict[str, np.ndarray]:
-    """DENSE_FEATURES of ``n_groups`` micro-batches from the cost model's per-sequence features (``tokens``,
+    """DENSE_FEATURES of the micro-batches of ``groups`` (sim.groups.Groups) from the cost model's per-sequence features (``tokens``,
     ``blocks``: causal block pairs x heads; ``pair_flops``: FLOPs of one block pair and head). On CP ranks the
     tokens and FLOPs are 1/cp (zigzag sharding balances dense causal work), a rank still holds a share of every
     document, and each micro-batch is one call."""
-    docs = np.bincount(group, weights=np.ones(len(per_seq["tokens"])), minlength=n_groups)
-    tokens = np.bincount(group, weights=per_seq["tokens"], minlength=n_groups) / cp
+    docs = groups.sum(np.ones(np.shape(per_seq["tokens"])[-1]))
+    tokens = groups.sum(per_seq["tokens"]) / cp
     return {
         "const": np.minimum(docs, 1.0),
         "tokens": tokens,
         "head_tokens": tokens * (heads + kv_heads),
         "docs": docs,
         "doc_heads": docs * heads,
-        "flops": np.bincount(group, weights=per_seq["blocks"], minlength=n_groups) * pair_flops / cp,
+        "flops": groups.sum(per_seq["blocks"]) * pair_flops / cp,
     }
 
 
-def grouped_sparse(per_seq: dict, group: np.ndarray, n_groups: int, kept_flops: np.ndarray, block_size: int,
+def grouped_sparse(per_seq: dict, groups, kept_flops: np.ndarray, block_size: int,
                    heads: int, kv_heads: int, cp: int = 1) -> dict[str, np.ndarray]:
-    """DENSE_FEATURES of ``n_groups`` micro-batches on a sparse peer: as :func:`grouped_dense`, but each
+    """DENSE_FEATURES of the micro-batches of ``groups`` on a sparse peer: as :func:`grouped_dense`, but each
     document's tokens padded to whole blocks (the peer pads them so) and ``flops`` the kept blocks' FLOPs,
     ``kept_flops`` per micro-batch (our kernel's ``flops`` feature: on CP ranks that of the slowest rank)."""
     padded = per_seq | {"tokens": np.ceil(np.asarray(per_seq["tokens"], dtype=np.float64) / block_size) * block_size}
-    feats = grouped_dense(padded, group, n_groups, 0.0, heads, kv_heads, cp)
-    return feats | {"flops": np.broadcast_to(np.asarray(kept_flops, dtype=np.float64), (n_groups,))}
+    feats = grouped_dense(padded, groups, 0.0, heads, kv_heads, cp)
+    return feats | {"flops": np.broadcast_to(np.asarray(kept_flops, dtype=np.float64), (groups.size,))}
 
 
-def peer_options(dense: dict, sparse: dict, per_seq: dict, group: np.ndarray, n_groups: int, kept_flops: np.ndarray,
+def peer_options(dense: dict, sparse: dict, per_seq: dict, groups, kept_flops: np.ndarray,
                  select: np.ndarray, pair_flops: float, block_size: int, heads: int, kv_heads: int,
                  cp: int = 1) -> dict[str, tuple]:
     """(attn_fwd, attn_bwd, select) per layer of each micro-batch on each peer, by name: each dense one of ``dense``
@@ -76,13 +76,13 @@ def peer_options(dense: dict, sparse: dict, per_seq: dict, group: np.ndarray, n_
     # each kind's features only where the profile prices one of that kind (this runs for every Plan priced)
     feats = {}
     if dense:
-        feats["dense"] = grouped_dense(per_seq, group, n_groups, pair_flops, heads, kv_heads, cp)
+        feats["dense"] = grouped_dense(per_seq, groups, pair_flops, heads, kv_heads, cp)
     if sparse:
-        feats["sparse"] = grouped_sparse(per_seq, group, n_groups, kept_flops, block_size, heads, kv_heads, cp)
+        feats["sparse"] = grouped_sparse(per_seq, groups, kept_flops, block_size, heads, kv_heads, cp)
     options = {}
     for name in sorted(dense | sparse):
         terms, kind, sel = (sparse[name], "sparse", select) if name in sparse else (dense[name], "dense",
-                                                                                   np.zeros(n_groups))
+                                                                                   np.zeros(groups.size))
         options[name] = (*(linear_ms(terms[t], feats[kind]) for t in DENSE_TERMS), sel)
     return options
 

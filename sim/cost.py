@@ -27,6 +27,7 @@ from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.config import CostConfig, ModelConfig
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.cp_shards import kept_in_row, kept_rows, slowest_rank_extra
+from sparsebalance.sim.groups import Groups
 from sparsebalance.sim.profile import ATTENTION_FEATURES, DKDV_SLOTS, PROFILE_FEATURES, WAVE, load_profile
 from sparsebalance.sim.shapes import ModelShape
 from sparsebalance.sim.workload import Sequence
@@ -130,26 +131,38 @@ def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: 
     }
 
 
-def summed_features(per_seq: dict, group: np.ndarray, n_groups: int, cp: int = 1) -> dict[str, np.ndarray]:
+def summed_features(per_seq: dict, groups: Groups, cp: int = 1) -> dict[str, np.ndarray]:
     """Per-sequence features summed per micro-batch, 1/cp each on CP ranks (zigzag sharding balances the dense
     causal work); ``const`` counts one kernel call per non-empty micro-batch."""
-    out = {k: np.bincount(group, weights=per_seq[k], minlength=n_groups) / cp for k in ATTENTION_FEATURES}
+    out = {k: groups.sum(per_seq[k]) / cp for k in ATTENTION_FEATURES}
     out["const"] = np.minimum(out["const"] * cp, 1.0)
     return out
 
 
-def grouped_attention(per_seq: dict, group: np.ndarray, n_groups: int, model: ModelConfig, block_size: int,
-                      cp: int = 1, extra_flops=0.0) -> dict[str, np.ndarray]:
-    """Attention features of ``n_groups`` micro-batches from _sequence_attention's ``per_seq`` (``group[i]``:
-    the micro-batch of sequence i): the summed ones (:func:`summed_features`, ``flops`` plus ``extra_flops``,
-    the slowest CP rank's excess) and the launch features of each micro-batch's longest row and busiest key
-    block (_launch_features)."""
-    out = summed_features(per_seq, group, n_groups, cp)
+def grouped_attention(per_seq: dict, groups: Groups, model: ModelConfig, block_size: int, cp: int = 1,
+                      extra_flops=0.0, summed: dict | None = None) -> dict[str, np.ndarray]:
+    """Attention features of the micro-batches of ``groups`` from _sequence_attention's ``per_seq``: the summed
+    ones (``summed``, else :func:`summed_features`; ``flops`` plus ``extra_flops``, the slowest CP rank's excess)
+    and the launch features of each micro-batch's longest row and busiest key block (_launch_features)."""
+    out = dict(summed_features(per_seq, groups, cp) if summed is None else summed)
     out["flops"] = out["flops"] + extra_flops
-    row, busiest = np.zeros(n_groups), np.zeros(n_groups)
-    np.maximum.at(row, group, per_seq["row"])
-    np.maximum.at(busiest, group, per_seq["busiest"])
-    return _launch_features(out, row, busiest, model, block_size, cp)
+    return _launch_features(out, groups.max(per_seq["row"]), groups.max(per_seq["busiest"]), model, block_size, cp)
+
+
+def select_features(per_seq: dict, summed: dict, kept: np.ndarray, groups: Groups, cp: int = 1) -> dict:
+    """The selection's features per micro-batch: :func:`summed_features` over the sparse sequences (kept < 1)
+    only. ``summed``: those over every sequence, which a replica whose sequences are all sparse has as they
+    are; one whose sequences are all dense has none."""
+    sparse = np.broadcast_to(kept < 1.0, (groups.replicas, groups.group.size))
+    every, some = sparse.all(axis=1), sparse.any(axis=1)
+    out = {k: np.where(every[:, None], v.reshape(groups.replicas, -1), 0.0) for k, v in summed.items()}
+    mixed = np.flatnonzero(some & ~every)
+    if mixed.size:
+        weights = sparse[mixed].astype(np.float64)
+        rows = {k: np.broadcast_to(per_seq[k], sparse.shape)[mixed] * weights for k in ATTENTION_FEATURES}
+        for k, v in summed_features(rows, Groups(groups.group, groups.n_groups, mixed.size), cp).items():
+            out[k][mixed] = v.reshape(mixed.size, -1)
+    return {k: v.reshape(-1) for k, v in out.items()}
 
 
 def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
@@ -161,7 +174,7 @@ def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: 
     _launch_features (``fwd_path``, ``dq_path``, ``dkdv_path``, ``kv_waves``: what bounds small batches).
     """
     per_seq = _sequence_attention(np.asarray(lengths), np.asarray(kept_fractions), model, block_size)
-    feats = grouped_attention(per_seq, np.zeros(per_seq["tokens"].size, dtype=np.int64), 1, model, block_size)
+    feats = grouped_attention(per_seq, Groups(np.zeros(per_seq["tokens"].size, dtype=np.int64), 1), model, block_size)
     return {k: float(v[0]) for k, v in feats.items()}
 
 
@@ -170,8 +183,8 @@ def dense_features(lengths, model: ModelConfig, block_size: int) -> dict[str, fl
     sim.backends.DENSE_FEATURES, which a dense backend's terms are priced on."""
     lengths = np.asarray(lengths, dtype=np.float64)
     per_seq = _sequence_attention(lengths, np.ones(lengths.size), model, block_size)
-    feats = grouped_dense(per_seq, np.zeros(lengths.size, dtype=np.int64), 1, _head_pair_flops(model, block_size),
-                          model.heads, model.kv_heads)
+    feats = grouped_dense(per_seq, Groups(np.zeros(lengths.size, dtype=np.int64), 1),
+                          _head_pair_flops(model, block_size), model.heads, model.kv_heads)
     return {k: float(feats[k][0]) for k in DENSE_FEATURES}
 
 
@@ -181,7 +194,7 @@ def sparse_features(lengths, kept_fractions, model: ModelConfig, block_size: int
     (sim.backends.grouped_sparse), which a sparse peer's terms are priced on."""
     lengths = np.asarray(lengths, dtype=np.float64)
     per_seq = _sequence_attention(lengths, np.asarray(kept_fractions, dtype=np.float64), model, block_size)
-    feats = grouped_sparse(per_seq, np.zeros(lengths.size, dtype=np.int64), 1, per_seq["flops"].sum(keepdims=True),
+    feats = grouped_sparse(per_seq, Groups(np.zeros(lengths.size, dtype=np.int64), 1), per_seq["flops"].sum(keepdims=True),
                            block_size, model.heads, model.kv_heads)
     return {k: float(feats[k][0]) for k in DENSE_FEATURES}
 
@@ -279,24 +292,34 @@ class CostModel(ABC):
     def coverage(self, seq: Sequence, kept_fraction: float) -> float:
         return float(self.coverages(np.array([seq.sensitivity]), np.array([kept_fraction]))[0])
 
+    def block_counts(self, lengths) -> np.ndarray:
+        """Each length's blocks: all that ``kept_fractions`` sees of a length (callers price each count once)."""
+        return -(-np.asarray(lengths, dtype=np.int64) // self.block_size)
+
     def kept_fractions(self, lengths, sensitivities, p, fixed=None, top_k=None, p_floor=None) -> np.ndarray:
         """Vectorised kept_fraction; where ``fixed`` (a kept fraction) is not NaN it replaces p, and where
         ``top_k`` (blocks per query block) is not NaN the top-k rows replace it, raised to ``p_floor``'s
         top-p rows where that is not NaN (the row keeps the larger of the two sets)."""
-        kf = np.power(np.asarray(p, dtype=np.float64), 1.0 / np.asarray(sensitivities, dtype=np.float64))
-        if fixed is not None:
-            fixed = np.asarray(fixed, dtype=np.float64)
-            kf = np.where(np.isnan(fixed), kf, fixed)
-        if top_k is not None:
-            top_k = np.asarray(top_k, dtype=np.float64)
-            rows = topk_kept_fraction(lengths, np.where(np.isnan(top_k), 1.0, top_k), self.block_size)
-            if p_floor is not None:
-                floor = np.asarray(p_floor, dtype=np.float64)
+        s = np.asarray(sensitivities, dtype=np.float64)
+        top_k = None if top_k is None else np.asarray(top_k, dtype=np.float64)
+        floor = None if p_floor is None else np.asarray(p_floor, dtype=np.float64)
+        shape = np.broadcast_shapes(*(np.shape(x) for x in (lengths, s, p, fixed, top_k, floor) if x is not None))
+        unset = None if top_k is None else np.isnan(top_k)
+        kf = None
+        if unset is None or unset.any():  # where every row is a top-k one, p and fixed decide nothing
+            kf = np.power(np.asarray(p, dtype=np.float64), 1.0 / s)
+            if fixed is not None:
+                fixed = np.asarray(fixed, dtype=np.float64)
+                kf = np.where(np.isnan(fixed), kf, fixed)
+        if unset is not None and not unset.all():
+            rows = topk_kept_fraction(lengths, np.where(unset, 1.0, top_k), self.block_size)
+            if floor is not None and not np.isnan(floor).all():
                 with np.errstate(invalid="ignore"):
-                    raised = np.power(floor, 1.0 / np.asarray(sensitivities, dtype=np.float64))
+                    raised = np.power(floor, 1.0 / s)
                 rows = np.where(np.isnan(floor), rows, np.maximum(rows, raised))
-            kf = np.where(np.isnan(top_k), kf, rows)
-        return np.maximum(kf, diag_fraction(lengths, self.block_size))
+            kf = rows if kf is None else np.where(unset, kf, rows)
+        kept = np.maximum(kf, diag_fraction(lengths, self.block_size))
+        return kept if kept.shape == shape else np.broadcast_to(kept, shape).copy()
 
     @staticmethod
     def coverages(sensitivities, kept_fractions) -> np.ndarray:
@@ -320,10 +343,16 @@ class CostModel(ABC):
     def micro_batch_costs(self, lengths, kept_fractions, group, n_groups: int, layout: Layout,
                           ran=None) -> MicroBatchCosts:
         """Costs of ``n_groups`` micro-batches; ``group[i]`` is the micro-batch of sequence i. ``ran``: the backend
-        each micro-batch's attention ran on (a run's record, replayed) in place of the mode's choice."""
+        each micro-batch's attention ran on (a run's record, replayed) in place of the mode's choice.
+
+        ``kept_fractions`` of shape ``[R, n]`` prices R replicas of the batch at once (the same lengths and
+        micro-batches, other kept fractions): micro-batch ``r * n_groups + g`` is micro-batch g of replica r,
+        the same figures as the replicas laid end to end (sim.groups)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         kept = np.asarray(kept_fractions, dtype=np.float64)
-        group = np.asarray(group, dtype=np.int64)
+        groups = Groups(group, n_groups, kept.shape[0] if kept.ndim == 2 else 1)
+        if ran is not None and groups.replicas > 1:
+            raise ValueError("a run's backends (ran) price one batch, not replicas of it")
         mode = self.attention_backend
         # the options: every peer (hybrid, or a replay of what ran), ours and the dense peers (dense_best), or ours
         if mode == "hybrid" or ran is not None:
@@ -332,14 +361,14 @@ class CostModel(ABC):
             sparse_peers = ()
         else:
             sparse_peers = None
-        options, tokens = self._options(lengths, kept, group, n_groups, layout, sparse_peers)
+        options, tokens = self._options(lengths, kept, groups, layout, sparse_peers)
         layer = {k: v / layout.cp if k != "const" else v for k, v in self._layer(tokens).items()}
         comm_f, comm_b = self._cp_comm(tokens, layout)
         a_f, a_b, sel = options[OURS]
         if ran is not None:
             backend = self._priced(ran, options)
         elif mode == OURS:
-            backend = np.full(n_groups, OURS)
+            backend = np.full(groups.size, OURS)
         else:
             backend = choose(mode, {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()},
                              self.dense_backends(), self.hybrid_margin)
@@ -382,20 +411,20 @@ class CostModel(ABC):
         """The sparse peers this model prices (a profile's ``backends`` with ``"sparse": true``), by name."""
         return tuple(sorted(self.sparse_terms))
 
-    def _options(self, lengths, kept, group, n_groups: int, layout: Layout,
+    def _options(self, lengths, kept, groups: Groups, layout: Layout,
                  sparse_peers: tuple[str, ...] | None) -> tuple[dict[str, tuple], np.ndarray]:
         """(attn_fwd, attn_bwd, select) per layer of each micro-batch on ours, then (``sparse_peers`` not None)
         on every dense peer and each of ``sparse_peers`` (sim.backends.peer_options); and its tokens."""
         per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
-        attn = self._attention(per_seq, group, n_groups, layout.cp, lengths, kept)
-        sparse = (kept < 1.0).astype(np.float64)
-        select = summed_features({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n_groups, layout.cp)
+        summed = summed_features(per_seq, groups, layout.cp)
+        attn = self._attention(per_seq, summed, groups, layout.cp, lengths, kept)
+        select = select_features(per_seq, summed, kept, groups, layout.cp)
         options = {OURS: (self._term("attn_fwd", attn), self._term("attn_bwd", attn), self._term("select", select))}
         if sparse_peers is not None:
             shape = (_head_pair_flops(self.model, self.block_size), self.block_size, self.model.heads,
                      self.model.kv_heads, layout.cp)
             options |= peer_options(self.dense_terms, {n: self.sparse_terms[n] for n in sparse_peers}, per_seq,
-                                    group, n_groups, attn["flops"], options[OURS][2], *shape)
+                                    groups, attn["flops"], options[OURS][2], *shape)
         return options, attn["tokens"] * layout.cp  # back to the micro-batch's tokens (features are per CP rank)
 
     def _attention_ms(self, option: tuple, comm_f: np.ndarray, comm_b: np.ndarray) -> np.ndarray:
@@ -409,8 +438,8 @@ class CostModel(ABC):
         micro-batch: ``ours`` and each sparse peer at its kept fraction, each dense peer at kept 1 (the
         break-even table)."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        options, tokens = self._options(lengths, np.asarray(kept_fractions, dtype=np.float64), np.arange(lengths.size),
-                                        lengths.size, layout, self.sparse_backends())
+        options, tokens = self._options(lengths, np.asarray(kept_fractions, dtype=np.float64),
+                                        Groups(np.arange(lengths.size), lengths.size), layout, self.sparse_backends())
         comm_f, comm_b = self._cp_comm(tokens, layout)
         return {name: self._attention_ms(o, comm_f, comm_b) for name, o in options.items()}
 
@@ -418,7 +447,7 @@ class CostModel(ABC):
         """``term_ms`` on the features that term is priced on (PROFILE_FEATURES)."""
         return self.term_ms(term, {f: feats[f] for f in PROFILE_FEATURES[term]})
 
-    def _attention(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int, lengths,
+    def _attention(self, per_seq: dict, summed: dict, groups: Groups, cp: int, lengths,
                    kept) -> dict[str, np.ndarray]:
         """The attention features of each micro-batch (:func:`grouped_attention`).
 
@@ -429,9 +458,10 @@ class CostModel(ABC):
         rank holds, and every attention term's time grows with ``flops`` (and with ``dkdv_path``, the larger
         of the longest dK/dV program and the kept work over DKDV_SLOTS), its coefficients being >= 0.
         """
-        extra = (slowest_rank_extra(per_seq["flops"], lengths, kept, group, n_groups, cp, self.block_size)
+        extra = (slowest_rank_extra(groups.spread(per_seq["flops"]), np.tile(lengths, groups.replicas),
+                                    groups.spread(kept), groups.flat, groups.size, cp, self.block_size)
                  if cp > 1 else 0.0)
-        return grouped_attention(per_seq, group, n_groups, self.model, self.block_size, cp, extra)
+        return grouped_attention(per_seq, groups, self.model, self.block_size, cp, extra, summed)
 
     def _layer(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         per_token = layer_features(1.0, self.model)["flops"]

@@ -175,9 +175,11 @@ class Engine:
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
         s = kept.shape[0]
-        group = (np.arange(s)[:, None] * dp * m + plan.dp_ranks * m + plan.micro_batch_ids).ravel()
-        costs = cost.micro_batch_costs(np.tile(plan.lengths, s), kept.ravel(), group, s * dp * m, layout)
-        fwd, bwd = costs.fwd_ms.reshape(s, dp, m), costs.bwd_ms.reshape(s, dp, m)
+        rows = 1 if (kept == kept[:1]).all() else s  # rows alike (top-k budgets) are priced once
+        costs = cost.micro_batch_costs(plan.lengths, kept[:rows], plan.dp_ranks * m + plan.micro_batch_ids, dp * m,
+                                       layout)
+        fwd = np.broadcast_to(costs.fwd_ms.reshape(rows, dp, m), (s, dp, m))
+        bwd = np.broadcast_to(costs.bwd_ms.reshape(rows, dp, m), (s, dp, m))
         p2p = cost.hand_off_ms(costs.tokens[: dp * m], layout).reshape(dp, m)
         finish = stage_finish_ms(fwd, bwd, p2p, pp)  # [S, dp, pp]
         last_bwd = bwd[:, :, last_micro_batches(pp, m)]  # [S, dp, pp]

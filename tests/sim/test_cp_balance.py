@@ -151,8 +151,9 @@ def largest(per_seq, group, n_groups):
     return row, busiest
 
 
-def balanced_attention(self, per_seq, group, n_groups, cp, lengths, kept):
+def balanced_attention(self, per_seq, _summed, groups, cp, lengths, kept):
     """The CP price before the selection's shards were modelled: every rank 1/cp of every feature."""
+    group, n_groups = groups.group, groups.n_groups
     return _launch_features(summed(per_seq, group, n_groups, cp), *largest(per_seq, group, n_groups), self.model,
                             self.block_size, cp)
 
