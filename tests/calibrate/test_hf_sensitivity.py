@@ -1,6 +1,8 @@
 """calibrate.hf_sensitivity on a tiny randomly initialised Hugging Face model built from a config (no download):
 the pooled block masses, the raw rows, the profile fitted as calibrate.sensitivity fits, and the advisor's
 starting point reading that profile as its prior."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from sparsebalance.calibrate.hf_sensitivity import (
     block_mass,
     import_transformers,
     kept_counts,
+    main,
     measure,
     row_selection,
 )
@@ -69,3 +72,30 @@ def test_a_tiny_random_model_yields_a_profile_the_simulator_reads(tmp_path):
     assert prior_of(base).startswith(f"the measured profile {path}")
     run = simulate(base)
     assert 0 < run.summary["attention_coverage"] <= 1
+
+
+@pytest.mark.slow
+def test_the_command_measures_a_local_checkpoint_on_jsonl_texts(tmp_path):
+    """The real-weights path on a checkpoint directory (a tiny random Llama and a word-level tokenizer saved
+    there), texts of one task cut at two lengths."""
+    transformers = transformers_or_skip()
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(120)]
+    vocab = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    vocab.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=256, initializer_range=0.5)
+    checkpoint = tmp_path / "tiny"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=vocab, unk_token="[UNK]").save_pretrained(checkpoint)
+    pick = np.random.default_rng(0)
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": " ".join(pick.choice(words, 140)), "task": "qa"}) + "\n"
+                             for _ in range(10)))
+    out = tmp_path / "profile.json"
+    assert main(["--model", str(checkpoint), "--texts", str(texts), "--lengths", "64,128", "--block", "16",
+                 "--dtype", "float32", "--out", str(out)]) == 0
+    assert load_sensitivity_profile(str(out), "qa").lengths == (64, 128)
