@@ -11,6 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 from sparsebalance.sim.advise import split_argv
 from sparsebalance.sim.advise_inputs import hf_model, read_user_trace
+from sparsebalance.sim.advise_report import pareto, tie
+from sparsebalance.sim.advise_search import Scored, rank
 from sparsebalance.sim.advise_space import Candidate, enumerate_space
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.core import CONF_DIR, ConfigError, preset_overrides
@@ -109,3 +111,29 @@ def test_the_recommended_override_line_reruns_to_the_reported_step_time(tmp_path
     assert rerun.summary["step_ms"] == pytest.approx(best["per_seed"][0]["step_ms"], rel=1e-12)
     assert best["step_ms"] == pytest.approx(sum(s["step_ms"] for s in best["per_seed"]) / 2, rel=1e-12)
     assert "elapsed:" in done.stdout
+
+
+def scored(name: str, times: list[float], coverage: float) -> Scored:
+    per_seed = [{"step_ms": t, "attention_coverage": coverage, "min_coverage": 0.5, "peak_memory_gb": 1.0,
+                 "prediction_error_pct": 0.0, "bubble_fraction": 0.0, "steps": 3, "seed": i}
+                for i, t in enumerate(times)]
+    return Scored(Candidate(name, ()), 2, sum(times) / len(times), coverage, per_seed)
+
+
+def test_ranking_puts_what_reaches_the_floor_first_then_the_least_coverage_lost():
+    fast_short, slow_ok, faster_ok, close_short = (scored("a", [1.0], 0.80), scored("b", [3.0], 0.91),
+                                                   scored("c", [2.0], 0.90), scored("d", [0.5], 0.89))
+    assert [s.candidate.policy for s in rank([fast_short, slow_ok, faster_ok, close_short], 0.9)] == ["c", "b", "d", "a"]
+
+
+def test_a_gap_within_the_paired_seed_spread_is_a_tie_and_one_beyond_it_is_not():
+    first = scored("a", [100.0, 110.0, 120.0], 0.9)
+    noisy = scored("b", [101.0, 109.0, 122.0], 0.9)  # gaps 1, -1, 2: mean 0.67, spread 1.53
+    clear = scored("c", [105.0, 115.0, 125.0], 0.9)  # gaps 5, 5, 5: no spread
+    tied, noise = tie([first, noisy, clear], 0.9)
+    assert [s.candidate.policy for s in tied] == ["b"] and noise == pytest.approx(1.5275, rel=1e-3)
+
+
+def test_the_pareto_front_keeps_what_nothing_beats_on_both_axes():
+    points = [scored("a", [1.0], 0.90), scored("b", [2.0], 0.95), scored("c", [2.5], 0.93), scored("d", [0.9], 0.85)]
+    assert {s.candidate.policy for s in pareto(points)} == {"a", "b", "d"}
