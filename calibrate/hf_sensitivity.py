@@ -37,7 +37,13 @@ from sparsebalance.calibrate.sensitivity import (
     print_report,
     write_profile,
 )
-from sparsebalance.sim.core import ConfigError, check_writable, one_line_errors
+from sparsebalance.sim.core import (
+    ArgumentParser,
+    ConfigError,
+    check_writable,
+    number_list,
+    one_line_errors,
+)
 from sparsebalance.sim.sensitivity import RAW_COLUMNS
 
 P_BUDGETS = (0.5, 0.7, 0.8, 0.9, 0.95)
@@ -157,11 +163,12 @@ def tokenised(texts: list[tuple[str, str]], tokenizer, lengths: list[int]) -> li
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m calibrate.hf_sensitivity", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m calibrate.hf_sensitivity", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a Hugging Face model name or local checkpoint directory")
     ap.add_argument("--texts", required=True, type=Path, help="JSONL, one {'text': ..., 'task': ...} per line")
-    ap.add_argument("--lengths", default="1024,2048,4096", help="comma-separated token counts to measure at")
-    ap.add_argument("--block", type=int, default=128, help="the kernel's block size (the cost profile's)")
+    ap.add_argument("--lengths", default="1024,2048,4096", help="comma-separated token counts to measure at",
+                    type=number_list(int, lambda n: n >= 1, "whole token counts >= 1"))
+    ap.add_argument("--block", default=128, type=int, help="the kernel's block size (the cost profile's)")
     ap.add_argument("--out", required=True, type=Path, help="the profile to write")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     return ap.parse_args(argv)
@@ -170,7 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    lengths = sorted({int(n) for n in args.lengths.split(",") if n.strip()})
+    lengths, block = sorted(set(args.lengths)), args.block
+    if block < 1:
+        raise ConfigError(f"--block {block}; allowed: a whole number of tokens >= 1 (the cost profile's block size)")
     check_writable(args.out, "--out")
     transformers = import_transformers()
     AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="eager",
                                                  dtype=getattr(torch, args.dtype)).eval()
-    raw = measure(model, tokenised(texts, tokenizer, lengths), args.block)
+    raw = measure(model, tokenised(texts, tokenizer, lengths), block)
     command = shlex.join(["python", "-m", "calibrate.hf_sensitivity", *(sys.argv[1:] if argv is None else argv)])
     profile = build_profile(raw.assign(source=0), [run_facts(args, model, command, raw)], command)
     write_profile(args.out, profile)

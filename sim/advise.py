@@ -107,7 +107,11 @@ def reference(cfg: DictConfig, base: DictConfig) -> tuple[Candidate, str]:
     settings = [("layout.dp", dp), ("layout.cp", layout.cp), ("layout.pp", layout.pp),
                 ("layout.micro_batches", layout.micro_batches)]
     if cfg.current is None:
-        return Candidate(cfg.baseline, tuple(settings)), f"baseline {cfg.baseline}"
+        name = cfg.baseline or DEFAULT_BASELINE
+        return Candidate(name, tuple(settings)), f"baseline {name}"
+    if cfg.baseline is not None:
+        raise ConfigError(f"baseline={cfg.baseline} with current set: the reference is your configuration; "
+                          "allowed: one of the two")
     policy = base.policy.name
     for item in cfg.current:
         key, sep, value = str(item).partition("=")
@@ -122,6 +126,15 @@ def reference(cfg: DictConfig, base: DictConfig) -> tuple[Candidate, str]:
     return Candidate(policy, tuple(settings)), "current configuration"
 
 
+def check_keys(cfg: DictConfig) -> None:
+    """Settings that would otherwise go unused."""
+    if not cfg.trace.path and (cfg.trace.task_column or cfg.trace.length_column != "length"):
+        raise ConfigError("trace.task_column / trace.length_column name columns of trace.path, which is not set; "
+                          "allowed: trace.path=<your trace>")
+    if cfg.search.jobs == 0:
+        raise ConfigError("search.jobs=0; allowed: a number of processes >= 1, or -1 for one per core")
+
+
 def rungs_of(cfg: DictConfig, steps: int) -> list[Rung]:
     rungs = [Rung(int(r.keep), int(r.steps or steps), int(r.seeds)) for r in cfg.search.rungs]
     if not rungs or min(min(r.keep, r.steps, r.seeds) for r in rungs) < 1 or cfg.search.cheap_steps < 1:
@@ -132,6 +145,7 @@ def rungs_of(cfg: DictConfig, steps: int) -> list[Rung]:
 
 def advise(cfg: DictConfig, out: Path) -> tuple[Advice, list]:
     start, load, own_cpu = time.monotonic(), os.getloadavg()[0], time.process_time()
+    check_keys(cfg)
     overrides, facts = base_overrides(cfg, out)
     base = composed_outside(preset_overrides(overrides))
     rungs = rungs_of(cfg, base.steps)
@@ -186,6 +200,7 @@ def prior_of(base: DictConfig) -> str:
     return f"Beta({workload.sensitivity_a:g}, {workload.sensitivity_b:g}) for every length (workload.sensitivity_a/b)"
 
 
+DEFAULT_BASELINE = "verl_topk"  # the strongest baseline of the README's tables on both presets
 register()
 
 

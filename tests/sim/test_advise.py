@@ -137,3 +137,16 @@ def test_a_gap_within_the_paired_seed_spread_is_a_tie_and_one_beyond_it_is_not()
 def test_the_pareto_front_keeps_what_nothing_beats_on_both_axes():
     points = [scored("a", [1.0], 0.90), scored("b", [2.0], 0.95), scored("c", [2.5], 0.93), scored("d", [0.9], 0.85)]
     assert {s.candidate.policy for s in pareto(points)} == {"a", "b", "d"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, message", [
+    (["trace.task_column=task"], "trace.task_column / trace.length_column name columns of trace.path"),
+    (["current.policy=verl", "baseline=verl"], "baseline=verl with current set"),
+    (["model_config=tests/fixtures/hf_configs/gpt2/config.json"], "architecture 'GPT2LMHeadModel' is not supported"),
+    (["space.policy=[nope]"], "space.policy: 'nope' is not a policy"),
+])
+def test_settings_that_would_go_unused_or_are_bad_end_the_command_in_one_line(argv, message, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "sim.advise", *TINY, *argv, f"hydra.run.dir={tmp_path}"],
+                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
