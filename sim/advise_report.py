@@ -171,26 +171,40 @@ def write(advice: Advice, history: list[list[Scored]], out: Path) -> list[Path]:
 
 def html_page(text: str) -> str:
     """The Markdown page as HTML: headings, lists, code, the table and the figure (no Markdown library)."""
-    body, in_code = [], False
+    body, block = [], None  # block: the open element, "pre", "ul" or "table"
     for line in text.splitlines():
-        if line.startswith("```"):
-            body.append("</pre>" if in_code else "<pre>")
-            in_code = not in_code
-        elif in_code:
+        kind = ("pre" if block == "pre" or line.startswith("```") else "ul" if line.startswith("- ")
+                else "table" if line.startswith("|") else None)
+        if block not in (None, kind) or (block == "pre" and line.startswith("```")):
+            body.append(f"</{block}>")
+            block = None
+            if line.startswith("```"):
+                continue
+        if kind and block is None:
+            body.append(f"<{kind}>")
+            block = kind
+            if kind == "pre":
+                continue
+        if block == "pre":
             body.append(html.escape(line))
+        elif block == "ul":
+            body.append(f"<li>{html.escape(line[2:])}</li>")
+        elif block == "table":
+            cells = [html.escape(c.strip()) for c in line.strip("|").split("|")]
+            if not set("".join(cells)) <= set("-: "):
+                body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         elif line.startswith("#"):
             level = len(line) - len(line.lstrip("#"))
             body.append(f"<h{level}>{html.escape(line.lstrip('# '))}</h{level}>")
         elif line.startswith("!["):
             body.append(f'<img src="{line[line.index("(") + 1:-1]}" alt="step time against coverage">')
-        elif line.startswith("|"):
-            cells = [html.escape(c.strip()) for c in line.strip("|").split("|")]
-            if not set("".join(cells)) <= set("-: "):
-                body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         elif line:
             body.append(f"<p>{html.escape(line)}</p>")
-    page = "\n".join(body).replace("</p>\n<tr>", "</p>\n<table>\n<tr>").replace("</tr>\n<img", "</tr>\n</table>\n<img")
-    return f"<!doctype html>\n<html><head><meta charset='utf-8'><title>sparsebalance-advise</title></head><body>\n{page}\n</body></html>\n"
+    if block:
+        body.append(f"</{block}>")
+    page = "\n".join(body)
+    return (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>sparsebalance-advise</title></head><body>\n"
+            f"{page}\n</body></html>\n")
 
 
 def payload(advice: Advice, history: list[list[Scored]]) -> dict:

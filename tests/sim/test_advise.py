@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 from sparsebalance.sim.advise import split_argv
 from sparsebalance.sim.advise_inputs import hf_model, read_user_trace
-from sparsebalance.sim.advise_report import pareto, tie
+from sparsebalance.sim.advise_report import html_page, pareto, tie
 from sparsebalance.sim.advise_search import Scored, rank
 from sparsebalance.sim.advise_space import Candidate, enumerate_space
 from sparsebalance.sim.config import compose_config
@@ -150,3 +150,9 @@ def test_settings_that_would_go_unused_or_are_bad_end_the_command_in_one_line(ar
     done = subprocess.run([sys.executable, "-m", "sim.advise", *TINY, *argv, f"hydra.run.dir={tmp_path}"],
                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_html_page_holds_the_lists_code_and_table_of_the_markdown():
+    page = html_page("# t\n\n- a fact\n\n```bash\npython -m sim.run x=1\n```\n\n| k | v |\n| --- | --- |\n| 1 | 2 |\n")
+    assert "<ul>\n<li>a fact</li>\n</ul>" in page and "<pre>\npython -m sim.run x=1\n</pre>" in page
+    assert "<table>\n<tr><td>k</td><td>v</td></tr>\n<tr><td>1</td><td>2</td></tr>\n</table>" in page
