@@ -1,9 +1,11 @@
-"""Dynamic-CP policies: Megatron's degrees and grouping, and the matched fixed-top-k baseline of sim.compare."""
+"""Dynamic-CP policies: Megatron's degrees and grouping, verl's order, the sparsity-aware degrees and budgets, and the
+matched fixed-top-k baseline of sim.compare."""
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
 from sparsebalance.policies.dcp import cp_degrees
+from sparsebalance.policies.sparse_dcp import chosen_degrees
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.compare import matched_k
 from sparsebalance.sim.config import compose_config
@@ -63,6 +65,30 @@ def test_a_dynamic_policy_on_a_static_layout_is_refused(cost):
     with pytest.raises(ConfigError, match="layout.cp_mode=dynamic"):
         make_batching("megatron_dcp", {}).plan(batch(), Layout(dp=8, cp=1, micro_batches=2, gpus=8), cost, 0,
                                                oracle(sequences()))
+
+
+def test_the_sparsity_aware_degree_is_the_cheapest_in_gpu_time_within_the_cap():
+    layout = Layout(dp=1, cp=4, micro_batches=1, gpus=4, cp_mode="dynamic")
+    # sequence 0 scales perfectly (long, dense-like), sequence 1 barely (short and sparse): 1 needs no CP
+    times = {1: np.array([400.0, 100.0]), 2: np.array([200.0, 90.0]), 4: np.array([100.0, 85.0])}
+    degrees = chosen_degrees(times, np.array([1, 1]), layout)
+    # cap: max(even share of the least GPU time (400 + 100) / 4 = 125, slowest fastest time 100) = 125
+    assert degrees.tolist() == [4, 1]
+
+
+def test_sparsebalance_dcp_keeps_the_start_coverage_it_expects(cost):
+    policy = make_batching("sparsebalance_dcp", {})
+    belief = oracle(sequences())
+    plan = policy.plan(batch(), LAYOUT, cost, 0, belief)
+    lengths = plan.lengths.astype(float)
+    expected = cost.coverages(belief.at(plan.seq_ids), plan.budgets.kept(cost, plan.lengths, 1.0)).mean(axis=0)
+    start_k = min(k for k in range(1, 256) if np.average(
+        cost.coverages(belief.at(plan.seq_ids), cost.kept_fractions(plan.lengths, np.ones(len(plan)), 1.0, None,
+                                                                    np.full(len(plan), float(k)))).mean(axis=0),
+        weights=lengths**2) >= 0.905)
+    start = cost.coverages(belief.at(plan.seq_ids), cost.kept_fractions(plan.lengths, np.ones(len(plan)), 1.0, None,
+                                                                        np.full(len(plan), float(start_k))))
+    assert np.average(expected, weights=lengths**2) >= np.average(start.mean(axis=0), weights=lengths**2) * (1 - 1e-9)
 
 
 def test_the_matched_fixed_k_is_the_fewest_blocks_reaching_the_coverage():
