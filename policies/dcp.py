@@ -113,12 +113,13 @@ def placed(groups: list[Group], free: np.ndarray, mb: int, c: int, w: float, cap
     degree, if its load stays within ``cap`` and its tokens per rank within ``tokens`` (cap, the sequence's);
     None: nowhere in this micro-batch."""
     token_cap, length = tokens
-    blocks = np.flatnonzero(free.reshape(-1, c).all(axis=1))
-    if blocks.size and w <= cap:
-        first = int(blocks[0]) * c
-        free[first:first + c] = False
-        groups.append(Group(mb, first, c, 0.0, []))
-        return groups[-1]
+    if w <= cap and free.any():
+        blocks = np.flatnonzero(free.reshape(-1, c).all(axis=1))
+        if blocks.size:
+            first = int(blocks[0]) * c
+            free[first:first + c] = False
+            groups.append(Group(mb, first, c, 0.0, []))
+            return groups[-1]
     same = [g for g in groups if g.size == c and g.load + w <= cap and g.tokens + length <= token_cap * c]
     if not same and cap == math.inf:  # the last micro-batch takes what is left: any group with room for its tokens
         same = [g for g in groups if g.tokens + length <= token_cap * g.size]

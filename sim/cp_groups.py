@@ -19,6 +19,7 @@ a leading sample axis, so a planner prices many beliefs of one plan at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from sparsebalance.sim.pipeline import last_micro_batches, schedule
 from sparsebalance.sim.plan import Plan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Units:
     """A plan's units: ``row_unit[i]`` is the unit of plan row i; per unit its micro-batch and CP group."""
 
@@ -41,6 +42,13 @@ class Units:
     @property
     def count(self) -> int:
         return self.micro_batch.size
+
+    @cached_property
+    def cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(unit, domain rank, micro-batch) of every rank of every unit's group."""
+        unit = np.repeat(np.arange(self.count), self.size)
+        offset = np.arange(unit.size) - np.repeat(np.cumsum(self.size) - self.size, self.size)
+        return unit, self.first[unit] + offset, self.micro_batch[unit]
 
 
 def plan_units(plan: Plan, layout: Layout) -> Units:
@@ -161,8 +169,6 @@ def unit_rows(units: Units, layout: Layout, values: np.ndarray, reduce: str = "s
     """[domain, m]: per domain rank and micro-batch the ``reduce`` (sum or max) of ``values`` [U] over the units
     whose group holds the rank."""
     out = np.zeros((layout.domain, layout.micro_batches))
-    for u, (mb, f, c) in enumerate(zip(units.micro_batch.tolist(), units.first.tolist(), units.size.tolist())):
-        cell = out[f:f + c, mb]
-        out[f:f + c, mb] = cell + values[u] if reduce == "sum" else np.maximum(cell, values[u])
+    unit, rank, mb = units.cells
+    (np.add if reduce == "sum" else np.maximum).at(out, (rank, mb), np.asarray(values, dtype=np.float64)[unit])
     return out
-
