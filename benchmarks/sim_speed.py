@@ -6,6 +6,10 @@ the event loop and the Results rows. Targets on the 2-core dev machine: >= 50,00
 cost growing no faster than linearly in GPUs, the 7 x 3 x 100 sweep under 60 s.
 
     python -m benchmarks.sim_speed [--policies baseline,lpt,kk] [--steps 20] [--seqs-per-micro-batch 2] [--repeat 3]
+                                   [--cp-mode static|dynamic] [--gpus 64,512,4096] [--no-sweep]
+
+``--cp-mode dynamic`` runs the same layouts as dynamic-CP domains: a static policy's plans through the dynamic
+engine (sim.cp_groups), a dynamic-CP policy (megatron_dcp) with its own CP groups.
 """
 from __future__ import annotations
 
@@ -21,11 +25,12 @@ from sparsebalance.sim.setup import load_policy
 MICRO_BATCHES = 8
 
 
-def speed(gpus: int, policy: str, steps: int, seqs_per_micro_batch: int, repeat: int) -> dict:
+def speed(gpus: int, policy: str, steps: int, seqs_per_micro_batch: int, repeat: int, cp_mode: str = "static") -> dict:
     dp = gpus // 8
     cfg = compose_config([
         f"policy={policy}", f"cluster.nodes={gpus // 8}", "layout.cp=8", f"layout.micro_batches={MICRO_BATCHES}",
         f"workload.global_batch={dp * MICRO_BATCHES * seqs_per_micro_batch}", f"steps={steps}", "write_plans=false",
+        f"layout.cp_mode={cp_mode}",
     ])
     # Best of `repeat` runs, and CPU time too: on a shared machine wall time also counts other
     # processes' turns on the cores.
@@ -60,7 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     # Planning and plan building cost per sequence (Sequence/Assignment objects), so this sets the load.
     parser.add_argument("--seqs-per-micro-batch", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="keep the fastest of this many runs")
+    parser.add_argument("--cp-mode", choices=("static", "dynamic"), default="static", help="layout.cp_mode of the runs")
+    parser.add_argument("--gpus", default="64,512,4096", help="comma-separated cluster sizes (multiples of 8)")
+    parser.add_argument("--no-sweep", action="store_true", help="leave out the policy x layout sweep")
     args = parser.parse_args(argv)
+    sizes = [int(g) for g in args.gpus.split(",") if g.strip().isdigit() and int(g) % 8 == 0 and int(g) > 0]
+    if len(sizes) != len(args.gpus.split(",")):
+        parser.error(f"--gpus {args.gpus}: allowed: positive multiples of 8, comma-separated")
     for name in ("steps", "seqs_per_micro_batch", "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
@@ -70,14 +81,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(known)}")
     per_mb = args.seqs_per_micro_batch
     rows = [
-        {"policy": p, **speed(g, p, args.steps, per_mb, args.repeat)}
+        {"policy": p, **speed(g, p, args.steps, per_mb, args.repeat, args.cp_mode)}
         for p in args.policies.split(",")
-        for g in (64, 512, 4096)
+        for g in sizes
     ]
     table = pd.DataFrame(rows)
     table["us_per_gpu_step"] = (1e6 / table["gpu_steps_per_s"]).round(2)
-    print(f"{MICRO_BATCHES} micro-batches x {per_mb} sequences per DP rank, cp=8")
+    print(f"{MICRO_BATCHES} micro-batches x {per_mb} sequences per DP rank, cp=8, cp_mode={args.cp_mode}")
     print(table.to_string(index=False))
+    if args.no_sweep:
+        return
     cpu_start = time.process_time()
     jobs, wall = sweep(steps=100)
     cpu = time.process_time() - cpu_start

@@ -1,8 +1,11 @@
 """Layout (parallel degrees) and the alpha-beta communication model.
 
 Rank placement follows Megatron's order with CP innermost: global rank =
-``cp_rank + cp * (dp_rank + dp * stage)``. A group whose ranks fit in one node uses the intra-node
-tier, otherwise the inter-node tier (the slowest link bounds a ring).
+``cp_rank + cp * (dp_rank + dp * stage)``, so a stage's dp x cp ranks are one domain of consecutive ranks
+(domain rank ``cp_rank + cp * dp_rank``). A group whose ranks fit in one node uses the intra-node tier,
+otherwise the inter-node tier (the slowest link bounds a ring). Under dynamic CP a group of c ranks starts at a
+domain rank that c divides (sim.cp_groups), so on nodes of a power-of-two GPU count it sits in one node exactly
+when c is at most the node's GPUs: the rule ``tier(span)`` applies with span c.
 """
 from __future__ import annotations
 
@@ -20,12 +23,19 @@ class Layout:
     pp: int = 1
     micro_batches: int = 1
     gpus: int | None = None  # None: dp * cp * pp
+    cp_mode: str = "static"  # dynamic: cp is the largest CP degree of a sequence in the dp x cp domain
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "pp", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"layout.{name}={value!r} must be a positive integer")
+        object.__setattr__(self, "cp_mode", str(getattr(self.cp_mode, "value", self.cp_mode)))
+        if self.cp_mode not in ("static", "dynamic"):
+            raise ConfigError(f"layout.cp_mode={self.cp_mode!r} is not allowed; allowed: static, dynamic")
+        if self.dynamic and self.cp & (self.cp - 1):
+            raise ConfigError(f"layout.cp={self.cp} under cp_mode=dynamic must be a power of two (the largest "
+                              "of the power-of-two CP degrees a sequence gets)")
         product = self.dp * self.cp * self.pp
         if self.gpus is None:
             object.__setattr__(self, "gpus", product)
@@ -47,7 +57,21 @@ class Layout:
                     f"allowed cp x pp: divisors of {gpus}"
                 )
             dp = gpus // (cfg.cp * cfg.pp)
-        return cls(dp=dp, cp=cfg.cp, pp=cfg.pp, micro_batches=cfg.micro_batches, gpus=gpus)
+        return cls(dp=dp, cp=cfg.cp, pp=cfg.pp, micro_batches=cfg.micro_batches, gpus=gpus, cp_mode=cfg.cp_mode)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.cp_mode == "dynamic"
+
+    @property
+    def domain(self) -> int:
+        """GPUs of one pipeline stage: the dp x cp domain."""
+        return self.dp * self.cp
+
+    def with_cp(self, cp: int) -> Layout:
+        """The static layout of the same domain and stages in which every CP group has ``cp`` ranks (the
+        cost model prices a dynamic CP group of that size on it)."""
+        return Layout(self.domain // cp, cp, self.pp, self.micro_batches, self.gpus)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from sparsebalance.sim.engine import Engine, run_pipeline
 from sparsebalance.sim.plan import Plan
 from sparsebalance.sim.progress import with_progress
 from sparsebalance.sim.run import simulate, trace_note
-from sparsebalance.sim.setup import load_policy
+from sparsebalance.sim.setup import load_policy, prepare
 
 # Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9; verl_topk: one top-k budget per step
 # at the coverage sparsebalance_topk keeps), then ours and the cross; verl_dense is what a user who does not
@@ -44,6 +44,8 @@ from sparsebalance.sim.setup import load_policy
 BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap", "verl_topk", "verl_dense")
 POLICIES = (*BASELINES, "sab", "dst", "verl_dst", "sparsebalance", "sparsebalance_topk")
 BOUNDS = ("baseline", "sparsebalance")
+FIXED_K = "verl_fixed_k"  # the matched fixed-top-k baseline row (seed_runs)
+MATCHED = "sparsebalance_topk"  # whose coverage it matches by default
 # bound rows: the policy planning with every sequence's true sensitivity
 ORACLES = ("sparsebalance", "sparsebalance_topk")
 FIT, SEARCH = "batching.params.pipeline_order=fit", "batching.params.pipeline_order=search"
@@ -63,25 +65,29 @@ FIGURES = {  # table column -> summary key
 
 def compare(overrides: list[str], policies: tuple[str, ...] | None = None, seeds: int = 1,
             baselines: tuple[str, ...] | None = None, bounds: tuple[str, ...] = (),
-            oracles: tuple[str, ...] = ()) -> pd.DataFrame:
+            oracles: tuple[str, ...] = (), matched: str | None = None) -> pd.DataFrame:
     """One row per policy (then per bound), the columns of FIGURES plus ``speedup`` and ``vs_best``, as
-    means over seeds, with ``<column>_std`` beside each when seeds > 1."""
+    means over seeds, with ``<column>_std`` beside each when seeds > 1; ``matched``: seed_runs's."""
     if seeds < 1:
         raise ConfigError(f"--seeds={seeds} must be >= 1")
     check_overrides(overrides)
     base = compose_config(overrides)
     policies, baselines = with_defaults(base, policies, baselines)
-    runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds, oracles)
+    if matched is not None and matched not in policies:
+        raise ConfigError(f"--fixed-k-of {matched!r} is not among the policies; allowed: {', '.join(policies)}")
+    runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds, oracles, matched)
                       for seed in with_progress(range(base.seed, base.seed + seeds), "sim.compare", unit="seed")],
                      ignore_index=True)
     return seed_statistics(runs, seeds > 1)
 
 
 def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines: tuple[str, ...],
-              bounds: tuple[str, ...], oracles: tuple[str, ...] = ()) -> pd.DataFrame:
+              bounds: tuple[str, ...], oracles: tuple[str, ...] = (), matched: str | None = None) -> pd.DataFrame:
     """One seed: a row per policy and per bound, with speedups over the first policy and the best baseline.
     Policies plan blind (their config's estimator, never the oracle); ``oracles`` adds a row ``oracle: <policy>``
-    per name, the policy planning with every sequence's true sensitivity: a bound, not a plan a trainer can make."""
+    per name, the policy planning with every sequence's true sensitivity: a bound, not a plan a trainer can make.
+    ``matched`` (one of ``policies``) adds the baseline row FIXED_K: verl with one top-k for the whole run, the
+    fewest blocks whose attention-weighted coverage over the run reaches that policy's (``matched_k``)."""
     cfg = OmegaConf.merge(base, {"seed": seed, "write_plans": True})
     option: dict[str, str] = {}  # each policy once, named in errors by the first list that has it
     for flag, listed in (("--policies", policies), ("--baselines", baselines), ("--bounds", bounds)):
@@ -92,6 +98,13 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
                      for name in oracles})  # every name checked before anything runs
     outputs = {name: simulate(cfg, variant, progress=True) for name, variant in variants.items()}
     labels = {**{name: label(name) for name in policies}, **{f"oracle: {name}": f"oracle: {label(name)}" for name in oracles}}
+    if matched is not None:
+        k = matched_k(cfg, outputs[matched].summary["attention_coverage"])
+        outputs[FIXED_K] = simulate(cfg, policy_variant(f"verl:sparsity.params.top_k={k}"), progress=True)
+        labels[FIXED_K] = FIXED_K
+        baselines = (*baselines, FIXED_K)
+        print(f"seed {seed}: {FIXED_K} runs k={k}, the fewest blocks whose attention-weighted coverage reaches "
+              f"{matched}'s {outputs[matched].summary['attention_coverage']:.4f}", file=sys.stderr)
     rows = [{"policy": labels[name], **{col: outputs[name].summary[key] for col, key in FIGURES.items()}}
             for name in labels]
     for name in bounds:
@@ -107,6 +120,26 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
     frame["vs_best"] = min(outputs[name].summary["step_ms"] for name in baselines) / frame["step_ms"]
     frame["seed"] = seed
     return frame
+
+
+def matched_k(cfg: DictConfig, coverage: float) -> int:
+    """The fewest top-k blocks per query block at which every step's sequences, at their true sensitivities,
+    keep a mean attention-weighted coverage of at least ``coverage``: the one budget a production trainer would
+    fix for the run to match it (the choice uses the run's outcome, as a matched baseline does; the row's
+    planning is verl's, blind)."""
+    typed = OmegaConf.to_object(cfg)
+    setup = prepare(typed)
+    batches = [setup.workload.batch(step) for step in range(typed.steps)]
+    longest = max(s.length for batch in batches for s in batch)
+    ks = np.arange(1, -(-longest // setup.cost.block_size) + 1)
+    reached = np.zeros(ks.size)
+    for batch in batches:
+        lengths = np.array([s.length for s in batch], dtype=np.float64)
+        sens = np.array([s.sensitivity for s in batch])
+        kept = setup.cost.kept_fractions(lengths[None], sens[None], 1.0, None, ks[:, None].astype(np.float64))
+        reached += setup.cost.coverages(sens[None], kept) @ lengths**2 / (lengths**2).sum()
+    meets = reached / len(batches) >= coverage - 1e-12
+    return int(ks[np.argmax(meets)]) if meets.any() else int(ks[-1])
 
 
 def policy_variant(spec: str, option: str = "--policies") -> PolicyConfig:
@@ -290,6 +323,10 @@ def main() -> None:
     parser.add_argument("--oracles", default=",".join(ORACLES),
                         help="bound rows 'oracle: <policy>': the policy planning with the data's true sensitivities")
     parser.add_argument("--ablation", action="store_true", help="the mechanisms one by one instead of --policies")
+    parser.add_argument("--fixed-k-of", default=None,
+                        help=f"add the baseline {FIXED_K}: verl at the fewest top-k blocks, one for the whole run, whose "
+                             f"attention-weighted coverage reaches this policy's (default {MATCHED} where it runs; '' "
+                             "for none)")
     try:
         args = parser.parse_intermixed_args()  # overrides may come before or after the options
         register()
@@ -304,8 +341,9 @@ def main() -> None:
         notes += [note for note in [vs_best_note(policies, baselines)] if note]
         check_work(base, args.seeds, len({*policies, *baselines, *names(args.bounds)}) + len(names(args.oracles)))
         with np.errstate(over="ignore", invalid="ignore"):  # reported once below, as a time that is not finite
+            matched = args.fixed_k_of if args.fixed_k_of is not None else (MATCHED if MATCHED in policies else "")
             table = finite(compare(overrides, policies, args.seeds, baselines, names(args.bounds),
-                                   names(args.oracles)))
+                                   names(args.oracles), matched or None))
     except ConfigError as exc:
         fail(str(exc))
     except (HydraException, OmegaConfBaseException) as exc:

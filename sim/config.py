@@ -139,14 +139,25 @@ class ClusterConfig:
     hbm_gb: float = bounded(MISSING, POSITIVE)  # HBM capacity per GPU, GB (1e9 bytes); sim.memory plans inside it
 
 
+class CPMode(str, Enum):
+    """How sequences get their CP degree."""
+
+    static = "static"  # every sequence on its DP rank's whole CP group of layout.cp ranks
+    dynamic = "dynamic"  # each sequence on its own power-of-two CP group of at most layout.cp ranks (per plan)
+
+
 @dataclass
 class LayoutConfig:
-    """Parallel degrees; ``dp: null`` fills the GPUs left over by cp x pp."""
+    """Parallel degrees; ``dp: null`` fills the GPUs left over by cp x pp. Under ``cp_mode: dynamic`` the dp x cp
+    GPUs of a stage are one domain and ``cp`` is the largest CP degree a sequence may get (sim.cp_groups)."""
 
     dp: Optional[int] = bounded(None, AT_LEAST_ONE)
     cp: int = bounded(1, AT_LEAST_ONE)
     pp: int = bounded(1, AT_LEAST_ONE)
     micro_batches: int = bounded(8, AT_LEAST_ONE)
+    cp_mode: CPMode = CPMode.static
+
+
 
 
 class LengthDistribution(str, Enum):
@@ -245,11 +256,32 @@ class PolicyConfig:
     estimator: EstimatorName = EstimatorName.online
     # The attention backend this policy trains on (verl_dense: dense_best); null: the run's cost.attention_backend.
     attention_backend: Optional[AttentionBackend] = None
+    # dynamic: this policy plans its own CP groups over the whole dp x cp domain of a static layout (megatron_dcp:
+    # Megatron's groups of every power of two up to the whole DP x CP group); null: the run's layout.cp_mode.
+    cp_mode: Optional[CPMode] = None
 
 
 def policy_cost(cost: CostConfig, policy: PolicyConfig) -> CostConfig:
     """The cost config a policy runs under: its own attention backend where it names one."""
     return cost if policy.attention_backend is None else replace(cost, attention_backend=policy.attention_backend)
+
+
+def policy_run(cfg: RunConfig, policy: PolicyConfig) -> RunConfig:
+    """The run config a policy runs under: its attention backend and CP mode where it names them."""
+    layout = policy_layout(cfg.layout, cfg.cluster.nodes * cfg.cluster.gpus_per_node, policy)
+    return replace(cfg, cost=policy_cost(cfg.cost, policy), layout=layout)
+
+
+def policy_layout(layout: LayoutConfig, gpus: int, policy: PolicyConfig) -> LayoutConfig:
+    """The layout a policy runs under: with ``cp_mode: dynamic`` on a static layout, its dp x cp GPUs of a stage as
+    one dynamic domain (dp 1, cp the domain's size), else the run's own."""
+    if policy.cp_mode is None or CPMode(policy.cp_mode) is CPMode(layout.cp_mode):
+        return layout
+    if CPMode(policy.cp_mode) is CPMode.static:
+        raise ConfigError(f"policy {policy.name!r} sets cp_mode=static, but layout.cp_mode=dynamic; allowed: a "
+                          "policy without cp_mode, or layout.cp_mode=static")
+    dp = layout.dp if layout.dp is not None else gpus // (layout.cp * layout.pp)
+    return replace(layout, dp=1, cp=dp * layout.cp, cp_mode=CPMode.dynamic)
 
 
 class Sharding(str, Enum):

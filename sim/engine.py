@@ -29,7 +29,10 @@ import simpy
 
 from sparsebalance.sim.plan import BudgetArrays, Plan
 from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.backends import OURS
+from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.cost import CostModel, training_flops
+from sparsebalance.sim.cp_groups import plan_units, run_units, unit_costs, unit_rows
 from sparsebalance.sim.memory import GB, MemoryModel
 from sparsebalance.sim.pipeline import last_micro_batches, one_f_one_b, stage_finish_ms
 from sparsebalance.sim.results import StepRecord, coverage_fields
@@ -175,6 +178,12 @@ class Engine:
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
         s = kept.shape[0]
+        if layout.dynamic:
+            units = plan_units(plan, layout)
+            costs, p2p = unit_costs(cost, units, np.tile(plan.lengths, s), kept.ravel(), layout, s)
+            timeline = run_units(costs.fwd_ms.reshape(s, -1), costs.bwd_ms.reshape(s, -1), p2p[: units.count], units, layout)
+            finish, last = timeline.finish_ms, timeline.last_bwd_ms
+            return float(np.maximum(finish.max(axis=(-1, -2)), self.reduced_all_ms(finish - last, last)).mean())
         rows = 1 if (kept == kept[:1]).all() else s  # rows alike (top-k budgets) are priced once
         costs = cost.micro_batch_costs(plan.lengths, kept[:rows], plan.dp_ranks * m + plan.micro_batch_ids, dp * m,
                                        layout)
@@ -201,6 +210,11 @@ class Engine:
         run's record, runner.compare) in place of the cost model's choice."""
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
+        if layout.dynamic or plan.dynamic_cp:
+            if busy_ms is not None or ran is not None or trace:
+                raise ConfigError("measured times, measured backends and traces are replayed for static CP only; "
+                                  "allowed under layout.cp_mode=dynamic: the modelled step")
+            return self.dynamic_step(plan, truth, predicted_ms)
         arrays = PlanArrays.from_plan(plan, truth)
         group = arrays.dp_rank * m + arrays.micro_batch
         kept = arrays.kept(cost)
@@ -240,7 +254,51 @@ class Engine:
         rows["peak_memory_gb"] = memory_gb.reshape(-1) if memory_gb is not None else np.full(rows["step"].size, np.nan)
         return StepOutcome(record, rows, timeline, kept, coverage)
 
-    def _rows(self, step, group, kept, coverage, mb_cost, compute, p2p, timeline) -> dict[str, np.ndarray]:
+    def dynamic_step(self, plan: Plan, truth: Mapping[int, float], predicted_ms: float = float("nan")) -> StepOutcome:
+        """``step`` under dynamic CP (sim.cp_groups): each unit priced on its CP group's size and scheduled on its
+        ranks. The records' rows stay per (DP rank, micro-batch, stage), a DP rank standing for its cp ranks of
+        the domain: its busiest rank's compute and communication, their mean idle, the most any of them holds."""
+        layout, cost = self.layout, self.cost
+        m, pp, domain = layout.micro_batches, layout.pp, layout.domain
+        arrays = PlanArrays.from_plan(plan, truth)
+        units = plan_units(plan, layout)
+        kept = arrays.kept(cost)
+        costs, p2p = unit_costs(cost, units, arrays.length, kept, layout)
+        kept = np.where(costs.dense[units.row_unit], 1.0, kept)
+        coverage = cost.coverages(arrays.sensitivity, kept)
+        timeline = run_units(costs.fwd_ms[None], costs.bwd_ms[None], p2p, units, layout, idle=True)
+        finish, last = timeline.finish_ms[0], timeline.last_bwd_ms[0]
+        barrier = float(finish.max(initial=0.0))
+        step_ms = max(barrier, self.reduced_ms(finish - last, last))
+        memory_gb = (None if self.memory is None else
+                     self.memory.unit_bytes(units, arrays.length, kept, arrays.budgets.fixes_blocks,
+                                            np.isin(costs.backend, cost.sparse_backends())) / GB)
+        tokens = int(arrays.length.sum())
+        flops = training_flops(arrays.length, kept, cost.model, cost.block_size)
+        record = StepRecord(
+            step=plan.step, step_ms=step_ms,
+            bubble_fraction=float(timeline.idle_ms.sum() / (domain * pp * barrier)) if barrier > 0 else 0.0,
+            tokens_per_s=tokens / step_ms * 1e3 if step_ms > 0 else 0.0,
+            mfu=flops / (layout.gpus * self.cluster.peak_tflops * 1e9 * step_ms) if step_ms > 0 else 0.0,
+            mean_coverage=float(coverage.mean()) if coverage.size else 1.0,
+            min_coverage=float(coverage.min()) if coverage.size else 1.0,
+            **coverage_fields(arrays.length, coverage),
+            peak_memory_gb=float(memory_gb.max(initial=0.0)) if memory_gb is not None else float("nan"),
+            predicted_ms=predicted_ms,
+        )
+        by_axis = lambda per_rank, how: getattr(per_rank.reshape(layout.dp, layout.cp, m, -1), how)(axis=1).reshape(-1)
+        busy = np.repeat(unit_rows(units, layout, costs.fwd_ms + costs.bwd_ms)[..., None], pp, axis=2)
+        hops = np.array([(stage > 0) + (stage < pp - 1) for stage in range(pp)], dtype=np.float64)
+        comm = (unit_rows(units, layout, costs.cp_comm_ms)[..., None]
+                + unit_rows(units, layout, p2p)[..., None] * hops)
+        axis_mb = units.first // layout.cp * m + units.micro_batch  # [U] the (DP rank, micro-batch) of each unit
+        rows = self._rows(plan.step, axis_mb[units.row_unit], kept, coverage, None, by_axis(busy, "max"), None,
+                          timeline, dynamic=(costs, axis_mb, by_axis(comm, "max"), by_axis(timeline.idle_ms, "mean")))
+        rows["peak_memory_gb"] = (by_axis(memory_gb, "max") if memory_gb is not None
+                                  else np.full(rows["step"].size, np.nan))
+        return StepOutcome(record, rows, Timeline(timeline.idle_ms, finish, []), kept, coverage)
+
+    def _rows(self, step, group, kept, coverage, mb_cost, compute, p2p, timeline, dynamic=None) -> dict[str, np.ndarray]:
         """MicroBatchRecord columns, ordered (dp_rank, micro_batch, stage)."""
         dp, m, pp = self.layout.dp, self.layout.micro_batches, self.layout.pp
         n = dp * m
@@ -250,17 +308,27 @@ class Engine:
             mean_cov = np.bincount(group, weights=coverage, minlength=n) / count
         # A stage receives activations (forward) and gradients (backward) unless it is first/last.
         hops = np.array([(stage > 0) + (stage < pp - 1) for stage in range(pp)], dtype=np.float64)
+        if dynamic is None:
+            comm, idle = np.repeat(mb_cost.cp_comm_ms, pp) + np.outer(p2p, hops).ravel(), timeline.idle_ms.reshape(-1)
+            tokens, backend = mb_cost.tokens, mb_cost.backend
+        else:  # per unit: its costs, its (DP rank, micro-batch); per row already: communication, idle
+            costs, axis_mb, comm, idle = dynamic
+            tokens = np.bincount(axis_mb, weights=costs.tokens, minlength=n).astype(np.int64)
+            names: list[list[str]] = [[] for _ in range(n)]
+            for where, name in zip(axis_mb.tolist(), costs.backend.tolist()):
+                names[where] += [] if name in names[where] else [name]
+            backend = np.array(["+".join(sorted(found)) or OURS for found in names])
         cols = {
             "step": np.full(n * pp, step, dtype=np.int64),
             "dp_rank": np.repeat(np.arange(dp), m * pp),
             "micro_batch": np.tile(np.repeat(np.arange(m), pp), dp),
             "stage": np.tile(np.arange(pp), n),
             "compute_ms": compute,
-            "comm_ms": np.repeat(mb_cost.cp_comm_ms, pp) + np.outer(p2p, hops).ravel(),
-            "idle_ms": timeline.idle_ms.reshape(-1),
-            "tokens": np.repeat(mb_cost.tokens, pp),
+            "comm_ms": comm,
+            "idle_ms": idle,
+            "tokens": np.repeat(tokens, pp),
             "kept_fraction": np.repeat(mean_kept, pp),
             "coverage": np.repeat(mean_cov, pp),
-            "attention_backend": np.repeat(mb_cost.backend, pp),
+            "attention_backend": np.repeat(backend, pp),
         }
         return cols

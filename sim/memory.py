@@ -41,6 +41,7 @@ import numpy as np
 from sparsebalance.sim.config import MemoryConfig, ModelConfig, Overflow, Sharding, TokenBytes
 from sparsebalance.sim.core import ConfigError, read_checked_json
 from sparsebalance.sim.cost import BF16
+from sparsebalance.sim.cp_groups import Units, plan_units, unit_costs, unit_rows
 from sparsebalance.sim.plan import Plan
 from sparsebalance.sim.shapes import ModelShape, StageSpan
 
@@ -258,6 +259,7 @@ class MemoryModel:
         self.layers = model.layers // layout.pp
         pp, m = layout.pp, layout.micro_batches
         self.warmup = np.array([min(pp - s - 1, m) for s in range(pp)])
+        self.by_cp: dict[int, MemoryModel] = {}  # the model of each CP group size (dynamic CP)
 
     @classmethod
     def from_config(cls, cfg, layout: Layout, block_size: int) -> MemoryModel:
@@ -313,11 +315,44 @@ class MemoryModel:
         held, transient = self.micro_batch_bytes(lengths, kept, group, dp * m, topk, on_sparse_peer)
         return self.stage_bytes(held.reshape(dp, m, pp), transient.reshape(dp, m, pp))
 
+    def with_cp(self, cp: int) -> MemoryModel:
+        """This model on ``layout.with_cp(cp)``: a rank's bytes in a CP group of ``cp`` ranks."""
+        if cp not in self.by_cp:
+            self.by_cp[cp] = MemoryModel(self.cfg, self.model, self.layout.with_cp(cp), self.hbm_gb, self.block_size,
+                                         self.terms)
+        return self.by_cp[cp]
+
+    def unit_bytes(self, units: Units, lengths, kept, topk=None, on_sparse_peer=None) -> np.ndarray:
+        """[domain, m, pp] bytes under dynamic CP (sim.cp_groups): each unit's per-rank bytes on a CP group of its
+        size, held bytes summed and transients the largest over the units a rank runs in one micro-batch;
+        ``on_sparse_peer`` per unit."""
+        pp = self.layout.pp
+        held, transient = np.zeros((units.count, pp)), np.zeros((units.count, pp))
+        for size in np.unique(units.size).tolist():
+            members = np.flatnonzero(units.size == size)
+            local = np.full(units.count, -1)
+            local[members] = np.arange(members.size)
+            rows = np.flatnonzero(local[units.row_unit] >= 0)
+            held[members], transient[members] = self.with_cp(size).micro_batch_bytes(
+                np.asarray(lengths)[rows], np.asarray(kept)[rows], local[units.row_unit[rows]], members.size,
+                None if topk is None else np.asarray(topk)[rows],
+                None if on_sparse_peer is None else np.asarray(on_sparse_peer)[members])
+        per_rank = [np.stack([unit_rows(units, self.layout, values[:, stage], reduce) for stage in range(pp)], axis=-1)
+                    for values, reduce in ((held, "sum"), (transient, "max"))]
+        return self.stage_bytes(*per_rank)
+
     def plan_bytes(self, plan: Plan, cost: CostModel) -> np.ndarray:
         """[dp, m, pp] bytes of a plan at the kept fractions its budgets give, on the backends the cost model
-        runs its micro-batches on there (a sparse peer's hold more: ``micro_batch_bytes``)."""
+        runs its micro-batches on there (a sparse peer's hold more: ``micro_batch_bytes``); [domain, m, pp] for a
+        dynamic-CP plan (``unit_bytes``)."""
         rows = plan_rows(plan, cost)
         on_peer = None
+        if plan.dynamic_cp:
+            units = plan_units(plan, self.layout)
+            if cost.attention_backend == "hybrid" and cost.sparse_backends():
+                backend = unit_costs(cost, units, rows.length, rows.kept, self.layout)[0].backend
+                on_peer = np.isin(backend, cost.sparse_backends())
+            return self.unit_bytes(units, rows.length, rows.kept, rows.topk, on_peer)
         if cost.attention_backend == "hybrid" and cost.sparse_backends():
             n = self.layout.dp * self.layout.micro_batches
             group = np.asarray(rows.rank, dtype=np.int64) * self.layout.micro_batches + rows.micro_batch
@@ -378,7 +413,8 @@ class MemoryModel:
 
     def _reject(self, plan: Plan, over: Overfull, who: str) -> None:
         raise MemoryLimitError(
-            f"step {plan.step}: the plan of {who} needs {over.need_bytes / GB:.1f} GB on DP rank {over.rank}, "
+            f"step {plan.step}: the plan of {who} needs {over.need_bytes / GB:.1f} GB on "
+            f"{'domain' if plan.dynamic_cp else 'DP'} rank {over.rank}, "
             f"pipeline stage {over.stage} (during micro-batch {over.micro_batch}'s backward), above the "
             f"{self._available()}; allowed: {self._remedies('more micro-batches (layout.micro_batches)')}")
 

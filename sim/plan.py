@@ -136,6 +136,9 @@ class Assignment:
     dp_rank: int
     micro_batch: int
     budget: Budget = Budget()
+    # Dynamic CP: the CP group the sequence runs on, its consecutive ranks of the dp x cp domain (domain rank
+    # cp_rank + cp * dp_rank); None: its DP rank's whole CP group (static CP).
+    cp_ranks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,7 +147,11 @@ class Plan:
     order (one row per sequence, listed by (rank, micro-batch); inside a micro-batch, in execution order).
 
     The columns are read-only int64 copies (``budgets``: float64, NaN where a field is unset); ``assignments``
-    gives the same rows as Assignment objects, for code that iterates them."""
+    gives the same rows as Assignment objects, for code that iterates them.
+
+    ``cp_first``/``cp_size`` (dynamic CP, both or neither): each sequence's CP group, ranks ``cp_first`` to
+    ``cp_first + cp_size - 1`` of the dp x cp domain, ``cp_size`` a power of two that divides ``cp_first``;
+    None: every sequence on its DP rank's whole CP group (static CP)."""
 
     step: int
     dp: int
@@ -154,34 +161,62 @@ class Plan:
     dp_ranks: np.ndarray
     micro_batch_ids: np.ndarray
     budgets: BudgetArrays
+    cp_first: np.ndarray | None = None
+    cp_size: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        for name in COLUMNS:
+        if (self.cp_first is None) != (self.cp_size is None):
+            raise ValueError("a plan sets both cp_first and cp_size (dynamic CP) or neither (static CP)")
+        for name in self.columns:
             column = np.array(getattr(self, name), dtype=np.int64).reshape(-1)
             column.setflags(write=False)
             object.__setattr__(self, name, column)
-        sizes = {getattr(self, name).size for name in COLUMNS} | {len(self.budgets)}
+        sizes = {getattr(self, name).size for name in self.columns} | {len(self.budgets)}
         if len(sizes) > 1:
             raise ValueError(f"plan columns of different sizes {sorted(sizes)}: "
-                             f"{', '.join(COLUMNS)} and budgets need one row per sequence")
+                             f"{', '.join(self.columns)} and budgets need one row per sequence")
+        if self.dynamic_cp:
+            size, first = self.cp_size, self.cp_first
+            bad = np.flatnonzero((size < 1) | (size & (size - 1) != 0) | (first < 0) | (first % np.maximum(size, 1) != 0))
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(f"sequence {int(self.seq_ids[i])} has the CP group of {int(size[i])} ranks from "
+                                 f"domain rank {int(first[i])}; allowed: a power of two of ranks from a rank it divides")
+
+    @property
+    def dynamic_cp(self) -> bool:
+        return self.cp_first is not None
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The int64 columns this plan has."""
+        return COLUMNS + CP_COLUMNS if self.dynamic_cp else COLUMNS
 
     @classmethod
     def of(cls, step: int, dp: int, micro_batches: int, assignments) -> Plan:
         """A Plan from its Assignments, in plan order."""
         rows = tuple(assignments)
         n = len(rows)
+        groups = {a.cp_ranks is None for a in rows}
+        if len(groups) > 1:
+            raise ValueError("some assignments carry cp_ranks and some do not; a plan is static or dynamic CP")
+        cp_first = cp_size = None
+        if groups == {False}:
+            cp_first, cp_size = (np.array(column, dtype=np.int64).reshape(-1)
+                                 for column in zip(*(group_span(a) for a in rows)))
         return cls(step, dp, micro_batches,
                    np.fromiter((a.seq_id for a in rows), dtype=np.int64, count=n),
                    np.fromiter((a.length for a in rows), dtype=np.int64, count=n),
                    np.fromiter((a.dp_rank for a in rows), dtype=np.int64, count=n),
                    np.fromiter((a.micro_batch for a in rows), dtype=np.int64, count=n),
-                   BudgetArrays.of(a.budget for a in rows))
+                   BudgetArrays.of(a.budget for a in rows), cp_first, cp_size)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Plan):
             return NotImplemented
         return ((self.step, self.dp, self.micro_batches) == (other.step, other.dp, other.micro_batches)
-                and all(np.array_equal(getattr(self, name), getattr(other, name)) for name in COLUMNS)
+                and self.columns == other.columns
+                and all(np.array_equal(getattr(self, name), getattr(other, name)) for name in self.columns)
                 and self.budgets == other.budgets)
 
     def __len__(self) -> int:
@@ -190,8 +225,10 @@ class Plan:
     @cached_property
     def assignments(self) -> tuple[Assignment, ...]:
         """The rows as Assignments, in plan order (built once, on first use)."""
+        groups = ([tuple(range(f, f + c)) for f, c in zip(self.cp_first.tolist(), self.cp_size.tolist())]
+                  if self.dynamic_cp else [None] * len(self))
         return tuple(map(Assignment, self.seq_ids.tolist(), self.lengths.tolist(), self.dp_ranks.tolist(),
-                         self.micro_batch_ids.tolist(), self.budgets.budgets()))
+                         self.micro_batch_ids.tolist(), self.budgets.budgets(), groups))
 
     def micro_batch(self, dp_rank: int, micro_batch: int) -> tuple[Assignment, ...]:
         """Assignments of one (rank, micro-batch), in plan order."""
@@ -211,16 +248,20 @@ class Plan:
         dp_ranks = np.asarray(dp_ranks, dtype=np.int64)
         micro_batch_ids = np.asarray(micro_batch_ids, dtype=np.int64)
         order = np.lexsort((micro_batch_ids, dp_ranks))
+        cp = (self.cp_first[order], self.cp_size[order]) if self.dynamic_cp else (None, None)
         return Plan(self.step, self.dp, self.micro_batches, self.seq_ids[order], self.lengths[order],
-                    dp_ranks[order], micro_batch_ids[order], self.budgets.take(order))
+                    dp_ranks[order], micro_batch_ids[order], self.budgets.take(order), *cp)
 
     def to_json(self) -> str:
         """Sorted keys, no spaces; unset budget fields stay out (except ``kept_fraction``, null), so top-p plans
-        read as before."""
+        read as before; a dynamic-CP plan's rows carry ``cp_ranks``, the domain ranks of their CP group."""
         rows = [{"budget": budget, "dp_rank": rank, "length": length, "micro_batch": mb, "seq_id": seq_id}
                 for seq_id, length, rank, mb, budget in zip(
                     self.seq_ids.tolist(), self.lengths.tolist(), self.dp_ranks.tolist(),
                     self.micro_batch_ids.tolist(), _budget_objects(self.budgets))]
+        if self.dynamic_cp:
+            for row, first, size in zip(rows, self.cp_first.tolist(), self.cp_size.tolist()):
+                row["cp_ranks"] = list(range(first, first + size))
         raw = {"assignments": rows, "dp": self.dp, "micro_batches": self.micro_batches, "step": self.step}
         return json.dumps(raw, sort_keys=True, separators=(",", ":"))
 
@@ -232,6 +273,16 @@ class Plan:
 
 
 COLUMNS = ("seq_ids", "lengths", "dp_ranks", "micro_batch_ids")  # Plan's int64 columns
+CP_COLUMNS = ("cp_first", "cp_size")  # and a dynamic-CP plan's
+
+
+def group_span(a: Assignment) -> tuple[int, int]:
+    """(first domain rank, ranks) of an assignment's CP group; its ranks must be consecutive."""
+    ranks = list(a.cp_ranks)
+    if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+        raise ValueError(f"assignment of sequence {a.seq_id} has cp_ranks={ranks!r}; allowed: consecutive domain "
+                         "ranks")
+    return ranks[0], len(ranks)
 
 
 def _budget_objects(budgets: BudgetArrays) -> list[dict]:
@@ -257,4 +308,6 @@ def _assignment_from_json(a: dict) -> Assignment:
     if legacy:
         raise ValueError(f"assignment of sequence {fields_.get('seq_id')!r} has cp_budgets={legacy!r}; "
                          "per-CP-shard budgets are not supported (every shard runs under the one budget)")
-    return Assignment(**{**fields_, "budget": Budget(**fields_["budget"])})
+    ranks = fields_.pop("cp_ranks", None)
+    return Assignment(**{**fields_, "budget": Budget(**fields_["budget"])},
+                      cp_ranks=None if ranks is None else tuple(ranks))

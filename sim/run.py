@@ -13,7 +13,7 @@ import io
 import itertools
 import re
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -27,7 +27,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, policy_cost,
+from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, policy_run,
                                       register, validate)
 from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
                                     did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
@@ -58,7 +58,7 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     cfg = OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg
     policy = cfg.policy if policy is None else policy
     policy = OmegaConf.to_object(policy) if isinstance(policy, DictConfig) else policy
-    cfg = replace(cfg, cost=policy_cost(cfg.cost, policy))  # the policy's attention backend, where it names one
+    cfg = policy_run(cfg, policy)  # the policy's attention backend and CP mode, where it names them
     setup = prepare(cfg)
     layout = setup.layout
     planner = make_planner(cfg, setup, policy, truth=lambda step: truth_of(setup.workload.batch(step)))
@@ -74,6 +74,7 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     summary = results.summary(
         policy=row_label(policy), dp=layout.dp, cp=layout.cp, pp=layout.pp, micro_batches=layout.micro_batches,
         gpus=layout.gpus, seed=cfg.seed, model=cfg.model.name, workload=cfg.workload.name, cost=cfg.cost.name,
+        **({"cp_mode": layout.cp_mode} if layout.dynamic else {}),
     )
     return RunOutput(results, summary, kept)
 
@@ -299,7 +300,7 @@ def check_optuna(sweeper: DictConfig) -> None:
 
 def check_job(cfg: RunConfig) -> None:
     validate(cfg)  # before the copy below, which keeps the schema's fields only: an added +key is reported here
-    setup = prepare(replace(cfg, cost=policy_cost(cfg.cost, cfg.policy)))
+    setup = prepare(policy_run(cfg, cfg.policy))
     make_planner(cfg, setup, truth=dict)  # the policies and the estimator (the simulator may give truth)
     if cfg.baseline and cfg.baseline != cfg.policy.name:
         make_planner(cfg, setup, load_policy(cfg.baseline), truth=dict)
