@@ -141,12 +141,14 @@ class ClusterConfig:
 
 @dataclass
 class LayoutConfig:
-    """Parallel degrees; ``dp: null`` fills the GPUs left over by cp x pp."""
+    """Parallel degrees; ``dp: null`` fills the GPUs left over by cp x pp x tp. ``tp``: tensor parallelism with
+    sequence parallelism, its ranks inside one node (sim.tensor_parallel)."""
 
     dp: Optional[int] = bounded(None, AT_LEAST_ONE)
     cp: int = bounded(1, AT_LEAST_ONE)
     pp: int = bounded(1, AT_LEAST_ONE)
     micro_batches: int = bounded(8, AT_LEAST_ONE)
+    tp: int = bounded(1, AT_LEAST_ONE)
 
 
 class LengthDistribution(str, Enum):
@@ -350,7 +352,8 @@ class RunConfig:
         check, made when the layout is built."""
         layout, model = self.layout, self.model
         gpus = self.cluster.nodes * self.cluster.gpus_per_node
-        dp = layout.dp if layout.dp is not None else gpus // (layout.cp * layout.pp)
+        dp = layout.dp if layout.dp is not None else gpus // (layout.cp * layout.pp * layout.tp)
+        self._check_tp(prefix)
         if model.layers % layout.pp:
             allowed = [d for d in range(1, model.layers + 1) if model.layers % d == 0]
             raise ConfigError(
@@ -362,6 +365,24 @@ class RunConfig:
                 f"{prefix}workload.global_batch={self.workload.global_batch} is smaller than the DP degree {dp}, "
                 f"so some ranks would get no sequence; allowed: global_batch >= {dp}"
             )
+
+    def _check_tp(self, prefix: str) -> None:
+        """TP ranks share one node's link, and each holds whole heads, KV heads and FFN columns (Megatron's
+        split)."""
+        tp, per_node = self.layout.tp, self.cluster.gpus_per_node
+        if tp > per_node or per_node % tp:
+            allowed = [d for d in range(1, per_node + 1) if per_node % d == 0]
+            raise ConfigError(f"{prefix}layout.tp={tp}: tensor-parallel ranks must sit inside one node of "
+                              f"cluster.gpus_per_node={per_node}; allowed tp: {', '.join(map(str, allowed))}")
+        for name in ("heads", "kv_heads", "ffn"):
+            width = getattr(self.model, name)
+            if width % tp:
+                allowed = [d for d in range(1, per_node + 1) if per_node % d == 0 and self._splits(d)]
+                raise ConfigError(f"{prefix}layout.tp={tp} does not divide model.{name}={width}, which TP splits "
+                                  f"evenly; allowed tp: {', '.join(map(str, allowed))}")
+
+    def _splits(self, tp: int) -> bool:
+        return all(getattr(self.model, name) % tp == 0 for name in ("heads", "kv_heads", "ffn"))
 
     def check_size(self, prefix: str = "", runs: int = 1, across: str = "") -> None:
         """The size guard (MAX_GPUS, MAX_GPU_STEPS, MAX_SEQUENCES) of ``runs`` runs of this config, unless

@@ -150,7 +150,7 @@ class Engine:
         self.cost = cost
         self.cluster = cluster
         self.memory = memory  # None: no memory figures (NaN in the records)
-        params = ModelShape.from_config(cost.model).total_params / layout.pp
+        params = ModelShape.from_config(cost.model).total_params / layout.pp / layout.tp  # one TP rank's share
         self.buckets = cluster.grad_buckets(params)
         self.bucket_ms = cluster.grad_allreduce_ms(params / self.buckets, layout)
 
@@ -254,7 +254,7 @@ class Engine:
             "micro_batch": np.tile(np.repeat(np.arange(m), pp), dp),
             "stage": np.tile(np.arange(pp), n),
             "compute_ms": compute,
-            "comm_ms": np.repeat(mb_cost.cp_comm_ms, pp) + np.outer(p2p, hops).ravel(),
+            "comm_ms": np.repeat(mb_cost.cp_comm_ms + mb_cost.tp_comm_ms, pp) + np.outer(p2p, hops).ravel(),
             "idle_ms": timeline.idle_ms.reshape(-1),
             "tokens": np.repeat(mb_cost.tokens, pp),
             "kept_fraction": np.repeat(mean_kept, pp),
