@@ -20,7 +20,6 @@ import math
 from dataclasses import replace
 
 import numpy as np
-
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.config import ModelConfig
 from sparsebalance.sim.shapes import ModelShape

@@ -2,10 +2,10 @@
 roofline efficiency and a profile's measured one, memory divided as Megatron divides it, and the refusals."""
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
-
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.core import ConfigError
@@ -104,7 +104,7 @@ def test_the_roofline_efficiency_is_the_per_rank_gemm_shapes():
 
 
 def test_a_profiles_measured_efficiency_replaces_the_roofline(tmp_path):
-    profile = json.loads(open("calibrate/profiles/h200.json").read())
+    profile = json.loads(Path("calibrate/profiles/h200.json").read_text())
     profile["tp_efficiency"] = {"2": 0.8}
     path = tmp_path / "h200_tp.json"
     path.write_text(json.dumps(profile))
@@ -138,8 +138,8 @@ def test_memory_is_divided_as_megatron_divides_it():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["layout.tp=3"], "layout.tp=3: tensor-parallel ranks must sit inside one node of cluster.gpus_per_node=8; "
-                      "allowed tp: 1, 2, 4, 8"),
+    (["layout.tp=3"], ("layout.tp=3: tensor-parallel ranks must sit inside one node of cluster.gpus_per_node=8; "
+                       "allowed tp: 1, 2, 4, 8")),
     (["layout.tp=16", "cluster.nodes=2"], "layout.tp=16: tensor-parallel ranks must sit inside one node"),
     (["+experiment=paper", "layout.tp=4", "layout.dp=null", "layout.pp=2"],
      "layout.tp=4 does not divide model.kv_heads=2, which TP splits evenly; allowed tp: 1, 2"),
