@@ -411,7 +411,7 @@ class CostModel(ABC):
         on every dense peer and each of ``sparse_peers`` (sim.backends.peer_options); and its tokens."""
         model = tp_split.rank_model(self.model, layout.tp)  # a TP rank runs its share of the heads
         per_seq = _sequence_attention(lengths, kept, model, self.block_size)
-        attn = self._attention(per_seq, group, n_groups, layout.cp, lengths, kept, model)
+        attn = self._attention(per_seq, group, n_groups, layout.cp, lengths, kept)
         sparse = (kept < 1.0).astype(np.float64)
         select = summed_features({k: per_seq[k] * sparse for k in ATTENTION_FEATURES}, group, n_groups, layout.cp)
         options = {OURS: (self._term("attn_fwd", attn), self._term("attn_bwd", attn), self._term("select", select))}
@@ -442,7 +442,7 @@ class CostModel(ABC):
         return self.term_ms(term, {f: feats[f] for f in PROFILE_FEATURES[term]})
 
     def _attention(self, per_seq: dict, group: np.ndarray, n_groups: int, cp: int, lengths,
-                   kept, model: ModelConfig) -> dict[str, np.ndarray]:
+                   kept) -> dict[str, np.ndarray]:
         """The attention features of each micro-batch (:func:`grouped_attention`).
 
         Under CP the kept blocks fall on the ranks as the sparse selection puts them (``sim.cp_shards``), and
@@ -454,7 +454,8 @@ class CostModel(ABC):
         """
         extra = (slowest_rank_extra(per_seq["flops"], lengths, kept, group, n_groups, cp, self.block_size)
                  if cp > 1 else 0.0)
-        return grouped_attention(per_seq, group, n_groups, model, self.block_size, cp, extra)
+        # the launch features read the GQA group and head_dim, which a TP rank's share of the heads keeps
+        return grouped_attention(per_seq, group, n_groups, self.model, self.block_size, cp, extra)
 
     def _layer(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         per_token = layer_features(1.0, self.model)["flops"]
