@@ -45,7 +45,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 class Block(nn.Module):
     """One layer (fused QKV and gate/up projections, torch's RMSNorm); its matrices hold
-    ``ModelShape.params_per_layer`` parameters."""
+    ``ModelShape.params_per_layer`` parameters. Under tensor parallelism (``tp`` > 1, runner.tensor_parallel)
+    the projections return this rank's heads and FFN columns, and ``x`` is its share of the tokens."""
+
+    tp = 1  # the tensor-parallel ranks sharing each projection
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
@@ -58,13 +61,14 @@ class Block(nn.Module):
         self.w2 = nn.Linear(s.ffn, s.hidden, bias=False)
 
     def forward(self, x, rotary, docs, budgets, attention: AttentionFn):
-        s, t = self.shape, x.shape[0]
-        q, k, v = self.wqkv(self.attn_norm(x)).split(
-            [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1
-        )
-        q = rope(q.view(t, s.heads, s.head_dim), *rotary)
-        k = rope(k.view(t, s.kv_heads, s.head_dim), *rotary)
-        o, kept, coverage = attention(q, k, v.reshape(t, s.kv_heads, s.head_dim), docs, budgets)
+        s = self.shape
+        heads, kv_heads = s.heads // self.tp, s.kv_heads // self.tp
+        qkv = self.wqkv(self.attn_norm(x))
+        t = qkv.shape[0]  # every token of the micro-batch (x holds a 1/tp share of them under tensor parallelism)
+        q, k, v = qkv.split([heads * s.head_dim, kv_heads * s.head_dim, kv_heads * s.head_dim], -1)
+        q = rope(q.view(t, heads, s.head_dim), *rotary)
+        k = rope(k.view(t, kv_heads, s.head_dim), *rotary)
+        o, kept, coverage = attention(q, k, v.reshape(t, kv_heads, s.head_dim), docs, budgets)
         x = x + self.wo(o.reshape(t, -1))
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up), kept, coverage

@@ -107,6 +107,9 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[StepPlanner, Cluster]:
             raise ConfigError(f"runner.one_process=true trains the layout's every replica in one process, but the "
                               f"world size is {world.size}; allowed: 1 (python -m runner.train, or torchrun "
                               "--nproc_per_node=1)")
+    elif layout.tp > 1:
+        raise ConfigError(f"layout.tp={layout.tp}: runner.train runs no tensor parallelism; allowed: layout.tp=1 (the "
+                          "simulator prices tp > 1, and runner.tensor_parallel splits a model's layers over a TP mesh)")
     else:
         try:
             check_world(world, layout.dp, layout.cp, layout.pp)

@@ -1,11 +1,11 @@
 """Layout (parallel degrees) and the alpha-beta communication model.
 
-Rank placement follows Megatron's order with CP innermost: global rank =
-``cp_rank + cp * (dp_rank + dp * stage)``, so a stage's dp x cp ranks are one domain of consecutive ranks
-(domain rank ``cp_rank + cp * dp_rank``). A group whose ranks fit in one node uses the intra-node tier,
-otherwise the inter-node tier (the slowest link bounds a ring). Under dynamic CP a group of c ranks starts at a
-domain rank that c divides (sim.cp_groups), so on nodes of a power-of-two GPU count it sits in one node exactly
-when c is at most the node's GPUs: the rule ``tier(span)`` applies with span c.
+Rank placement follows Megatron's order, TP innermost, then CP: global rank =
+``tp_rank + tp * (cp_rank + cp * (dp_rank + dp * stage))``, so a stage's dp x cp CP positions are one domain
+(domain rank ``cp_rank + cp * dp_rank``, each a group of tp consecutive GPUs). A group whose ranks fit in one node
+uses the intra-node tier, otherwise the inter-node tier (the slowest link bounds a ring). Under dynamic CP a group
+of c positions starts at a domain rank that c divides (sim.cp_groups), so on nodes of a power-of-two GPU count it
+sits in one node exactly when c x tp is at most the node's GPUs.
 """
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ class Layout:
     cp: int = 1
     pp: int = 1
     micro_batches: int = 1
-    gpus: int | None = None  # None: dp * cp * pp
+    gpus: int | None = None  # None: dp * cp * pp * tp
     cp_mode: str = "static"  # dynamic: cp is the largest CP degree of a sequence in the dp x cp domain
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "cp", "pp", "micro_batches"):
+        for name in ("dp", "cp", "pp", "micro_batches", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"layout.{name}={value!r} must be a positive integer")
@@ -36,28 +37,36 @@ class Layout:
         if self.dynamic and self.cp & (self.cp - 1):
             raise ConfigError(f"layout.cp={self.cp} under cp_mode=dynamic must be a power of two (the largest "
                               "of the power-of-two CP degrees a sequence gets)")
-        product = self.dp * self.cp * self.pp
+        product = self.dp * self.cp * self.pp * self.tp
         if self.gpus is None:
             object.__setattr__(self, "gpus", product)
         elif product != self.gpus:
+            tp = f" x tp={self.tp}" if self.tp > 1 else ""
             raise ConfigError(
-                f"layout dp={self.dp} x cp={self.cp} x pp={self.pp} = {product} GPUs, "
+                f"layout dp={self.dp} x cp={self.cp} x pp={self.pp}{tp} = {product} GPUs, "
                 f"but the cluster has {self.gpus}; the product must equal the GPU count"
             )
 
+    @property
+    def name(self) -> str:
+        """``dp4xcp1xpp4``, with ``xtp2`` where tensor parallelism is on."""
+        return f"dp{self.dp}xcp{self.cp}xpp{self.pp}" + (f"xtp{self.tp}" if self.tp > 1 else "")
+
     @classmethod
     def from_config(cls, cfg: LayoutConfig, gpus: int) -> Layout:
-        """The layout for ``gpus`` GPUs; ``dp: null`` takes what cp x pp leave."""
+        """The layout for ``gpus`` GPUs; ``dp: null`` takes what cp x pp x tp leave."""
         validate(cfg, "layout.")
         dp = cfg.dp
         if dp is None:
-            if gpus % (cfg.cp * cfg.pp):
+            if gpus % (cfg.cp * cfg.pp * cfg.tp):
+                tp, tp_x = (f" x tp={cfg.tp}", " x tp") if cfg.tp > 1 else ("", "")
                 raise ConfigError(
-                    f"layout cp={cfg.cp} x pp={cfg.pp} does not divide the cluster's {gpus} GPUs; "
-                    f"allowed cp x pp: divisors of {gpus}"
+                    f"layout cp={cfg.cp} x pp={cfg.pp}{tp} does not divide the cluster's {gpus} GPUs; "
+                    f"allowed cp x pp{tp_x}: divisors of {gpus}"
                 )
-            dp = gpus // (cfg.cp * cfg.pp)
-        return cls(dp=dp, cp=cfg.cp, pp=cfg.pp, micro_batches=cfg.micro_batches, gpus=gpus, cp_mode=cfg.cp_mode)
+            dp = gpus // (cfg.cp * cfg.pp * cfg.tp)
+        return cls(dp=dp, cp=cfg.cp, pp=cfg.pp, micro_batches=cfg.micro_batches, gpus=gpus, cp_mode=cfg.cp_mode,
+                   tp=cfg.tp)
 
     @property
     def dynamic(self) -> bool:
@@ -71,7 +80,7 @@ class Layout:
     def with_cp(self, cp: int) -> Layout:
         """The static layout of the same domain and stages in which every CP group has ``cp`` ranks (the
         cost model prices a dynamic CP group of that size on it)."""
-        return Layout(self.domain // cp, cp, self.pp, self.micro_batches, self.gpus)
+        return Layout(self.domain // cp, cp, self.pp, self.micro_batches, self.gpus, tp=self.tp)
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,12 @@ class Cluster:
         """The tier of a group whose ranks cover ``span`` consecutive global ranks."""
         return self.intra if span <= self.gpus_per_node else self.inter
 
+    def gather_ms(self, nbytes, n: int, span: int):
+        """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over n ranks: n - 1 hops of latency +
+        (n - 1)/n * bytes / busbw, half an all-reduce."""
+        tier = self.tier(span)
+        return (n - 1) * (tier.latency_us * 1e-3 + nbytes / n / (tier.bandwidth_gbps * 1e6))
+
     def allreduce_ms(self, nbytes: float, n: int, span: int) -> float:
         """Ring all-reduce over n ranks: 2(n-1) hops of latency + 2(n-1)/n * bytes / busbw."""
         if n == 1:
@@ -117,9 +132,10 @@ class Cluster:
         return 2 * (n - 1) * tier.latency_us * 1e-3 + 2 * (n - 1) / n * nbytes / (tier.bandwidth_gbps * 1e6)
 
     def grad_allreduce_ms(self, params_per_stage: float, layout: Layout) -> float:
-        """Gradients of one pipeline stage, reduced over its dp x cp replicas (CP ranks hold the same weights)."""
+        """Gradients of one pipeline stage (``params_per_stage``: one TP rank's share), reduced over its dp x cp
+        replicas (CP ranks hold the same weights), whose ranks lie tp apart."""
         n = layout.dp * layout.cp
-        return self.allreduce_ms(params_per_stage * self.grad_bytes, n, span=n)
+        return self.allreduce_ms(params_per_stage * self.grad_bytes, n, span=n * layout.tp)
 
     def grad_buckets(self, params_per_stage: float) -> int:
         """How many buckets a stage's gradients are reduced in (DDP: ``bucket_cap_mb`` MiB each)."""
@@ -128,5 +144,5 @@ class Cluster:
         return max(1, math.ceil(params_per_stage * self.grad_bytes / (self.grad_bucket_mb * 2**20)))
 
     def p2p_ms(self, nbytes: float, layout: Layout) -> float:
-        """Activation hand-off between neighbouring pipeline stages (stride dp x cp ranks)."""
-        return self.tier(2 * layout.dp * layout.cp).transfer_ms(nbytes)
+        """Activation hand-off between neighbouring pipeline stages (stride dp x cp x tp ranks)."""
+        return self.tier(2 * layout.dp * layout.cp * layout.tp).transfer_ms(nbytes)

@@ -148,15 +148,16 @@ class CPMode(str, Enum):
 
 @dataclass
 class LayoutConfig:
-    """Parallel degrees; ``dp: null`` fills the GPUs left over by cp x pp. Under ``cp_mode: dynamic`` the dp x cp
-    GPUs of a stage are one domain and ``cp`` is the largest CP degree a sequence may get (sim.cp_groups)."""
+    """Parallel degrees; ``dp: null`` fills the GPUs left over by cp x pp x tp. Under ``cp_mode: dynamic`` the
+    dp x cp GPUs of a stage are one domain and ``cp`` is the largest CP degree a sequence may get (sim.cp_groups).
+    ``tp``: tensor parallelism with sequence parallelism, its ranks inside one node (sim.tensor_parallel)."""
 
     dp: Optional[int] = bounded(None, AT_LEAST_ONE)
     cp: int = bounded(1, AT_LEAST_ONE)
     pp: int = bounded(1, AT_LEAST_ONE)
     micro_batches: int = bounded(8, AT_LEAST_ONE)
     cp_mode: CPMode = CPMode.static
-
+    tp: int = bounded(1, AT_LEAST_ONE)
 
 
 
@@ -384,7 +385,8 @@ class RunConfig:
         check, made when the layout is built."""
         layout, model = self.layout, self.model
         gpus = self.cluster.nodes * self.cluster.gpus_per_node
-        dp = layout.dp if layout.dp is not None else gpus // (layout.cp * layout.pp)
+        dp = layout.dp if layout.dp is not None else gpus // (layout.cp * layout.pp * layout.tp)
+        self._check_tp(prefix)
         if model.layers % layout.pp:
             allowed = [d for d in range(1, model.layers + 1) if model.layers % d == 0]
             raise ConfigError(
@@ -404,6 +406,24 @@ class RunConfig:
                 f"empty; allowed: layout.micro_batches <= {per_rank}, or workload.global_batch >= "
                 f"{dp * micro_batches}"
             )
+
+    def _check_tp(self, prefix: str) -> None:
+        """TP ranks share one node's link, and each holds whole heads, KV heads and FFN columns (Megatron's
+        split)."""
+        tp, per_node = self.layout.tp, self.cluster.gpus_per_node
+        if tp > per_node or per_node % tp:
+            allowed = [d for d in range(1, per_node + 1) if per_node % d == 0]
+            raise ConfigError(f"{prefix}layout.tp={tp}: tensor-parallel ranks must sit inside one node of "
+                              f"cluster.gpus_per_node={per_node}; allowed tp: {', '.join(map(str, allowed))}")
+        for name in ("heads", "kv_heads", "ffn"):
+            width = getattr(self.model, name)
+            if width % tp:
+                allowed = [d for d in range(1, per_node + 1) if per_node % d == 0 and self._splits(d)]
+                raise ConfigError(f"{prefix}layout.tp={tp} does not divide model.{name}={width}, which TP splits "
+                                  f"evenly; allowed tp: {', '.join(map(str, allowed))}")
+
+    def _splits(self, tp: int) -> bool:
+        return all(getattr(self.model, name) % tp == 0 for name in ("heads", "kv_heads", "ffn"))
 
     def check_size(self, prefix: str = "", runs: int = 1, across: str = "") -> None:
         """The size guard (MAX_GPUS, MAX_GPU_STEPS, MAX_SEQUENCES) of ``runs`` runs of this config, unless

@@ -30,6 +30,7 @@ from sparsebalance.sim.cp_shards import kept_in_row, kept_rows, slowest_rank_ext
 from sparsebalance.sim.groups import Groups
 from sparsebalance.sim.profile import ATTENTION_FEATURES, DKDV_SLOTS, PROFILE_FEATURES, WAVE, load_profile
 from sparsebalance.sim.shapes import ModelShape
+from sparsebalance.sim import tensor_parallel as tp_split
 from sparsebalance.sim.workload import Sequence
 
 # Launch rules of the calibrated kernel, mirrored from kernels/sparse_attention/launch.py (tests check they
@@ -217,11 +218,12 @@ def training_flops(lengths, kept_fractions, model: ModelConfig, block_size: int)
 # ----------------------------------------------------------------------------- cost records
 @dataclass(frozen=True)
 class MicroBatchCost:
-    """One micro-batch on one pipeline stage and one CP rank, in milliseconds.
+    """One micro-batch on one pipeline stage, one CP rank and one TP rank, in milliseconds.
 
     ``fwd_ms``/``bwd_ms`` are what the stage is busy for: per layer, ``max(attention, CP transfer)``
-    plus selection (forward only) plus the other layers. The component fields are totals over the
-    stage's layers; ``cp_comm_ms`` is the (overlapped) ring transfer time of both directions.
+    plus selection (forward only) plus the other layers plus the TP collectives. The component fields are
+    totals over the stage's layers; ``cp_comm_ms`` is the (overlapped) ring transfer time of both directions,
+    ``tp_comm_ms`` the (exposed) TP collectives of both (sim.tensor_parallel).
     """
 
     fwd_ms: float
@@ -235,6 +237,7 @@ class MicroBatchCost:
     tokens: int
     dense: bool = False  # its attention runs on a dense peer (cost.attention_backend): kept 1, coverage 1
     backend: str = OURS  # the backend that runs its attention: ours or a peer's name (sim.backends.choose)
+    tp_comm_ms: float = 0.0  # the TP collectives of both directions (and the recompute's), exposed
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,7 @@ class MicroBatchCosts:
     tokens: np.ndarray
     dense: np.ndarray  # bool per group: its attention runs on a dense peer (kept 1, coverage 1)
     backend: np.ndarray  # str per group: the backend that runs its attention (ours or a peer's name)
+    tp_comm_ms: np.ndarray
 
     def __getitem__(self, group: int) -> MicroBatchCost:
         values = {f.name: float(getattr(self, f.name)[group]) for f in fields(self) if f.name not in NOT_TIMES}
@@ -273,6 +277,8 @@ class CostModel(ABC):
     # much a sparse option must beat the fastest dense one under hybrid (CostConfig.hybrid_margin).
     attention_backend: str = OURS
     hybrid_margin: float = 0.0
+    # The GEMMs' measured TP efficiency by degree (a profile's ``tp_efficiency``); None: the roofline's.
+    tp_efficiency: dict[str, float] | None = None
 
     def __init__(self, model: ModelConfig, cluster: Cluster, block_size: int) -> None:
         if block_size < 1:
@@ -330,6 +336,11 @@ class CostModel(ABC):
     def term_ms(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
         """Per-layer time of one term for feature arrays (one entry per micro-batch)."""
 
+    @abstractmethod
+    def launch_ms(self, term: str, const: np.ndarray) -> np.ndarray:
+        """The part of ``term_ms`` that is the calls' launches (``const``: calls per micro-batch), which each TP
+        rank pays whole."""
+
     def micro_batch_cost(self, lengths, kept_fractions, layout: Layout) -> MicroBatchCost:
         lengths = np.asarray(lengths, dtype=np.int64)
         return self.micro_batch_costs(lengths, kept_fractions, np.zeros(lengths.size, dtype=np.int64), 1, layout)[0]
@@ -364,6 +375,7 @@ class CostModel(ABC):
         options, tokens = self._options(lengths, kept, groups, layout, sparse_peers)
         layer = {k: v / layout.cp if k != "const" else v for k, v in self._layer(tokens).items()}
         comm_f, comm_b = self._cp_comm(tokens, layout)
+        tp_f, tp_b = tp_split.comm_ms(tokens, self.model, layout, self.cluster)
         a_f, a_b, sel = options[OURS]
         if ran is not None:
             backend = self._priced(ran, options)
@@ -375,12 +387,12 @@ class CostModel(ABC):
         if (backend != OURS).any():
             runs = [backend == name for name in options]
             a_f, a_b, sel = (np.select(runs, [o[i] for o in options.values()]) for i in range(3))
-        o_f, o_b = self._term("layer_fwd", layer), self._term("layer_bwd", layer)
+        o_f, o_b = self._layer_ms(layer, layout)
         n_layers = self.model.layers / layout.pp
-        recomputed = np.maximum(a_f, comm_f) + o_f if self.recompute else 0.0
+        recomputed = np.maximum(a_f, comm_f) + o_f + tp_f if self.recompute else 0.0
         return MicroBatchCosts(
-            fwd_ms=n_layers * (np.maximum(a_f, comm_f) + sel + o_f),
-            bwd_ms=n_layers * (np.maximum(a_b, comm_b) + o_b + recomputed),
+            fwd_ms=n_layers * (np.maximum(a_f, comm_f) + sel + o_f + tp_f),
+            bwd_ms=n_layers * (np.maximum(a_b, comm_b) + o_b + recomputed + tp_b),
             attn_fwd_ms=n_layers * a_f,
             attn_bwd_ms=n_layers * a_b,
             select_ms=n_layers * sel,
@@ -390,7 +402,18 @@ class CostModel(ABC):
             tokens=tokens.astype(np.int64),
             dense=np.isin(backend, self.dense_backends()),
             backend=backend,
+            tp_comm_ms=n_layers * (tp_f + tp_b + (tp_f if self.recompute else 0.0)),
         )
+
+    def _layer_ms(self, layer: dict[str, np.ndarray], layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) per layer of the non-attention work on one rank: split over the TP ranks at the
+        GEMMs' efficiency (sim.tensor_parallel), the launches paid by every rank."""
+        times = self._term("layer_fwd", layer), self._term("layer_bwd", layer)
+        if layout.tp == 1:
+            return times
+        eff = tp_split.gemm_efficiency(layer["tokens"], self.model, layout, self.cluster, self.tp_efficiency)
+        return tuple(tp_split.split_ms(t, self.launch_ms(term, layer["const"]), layout.tp, eff)
+                     for t, term in zip(times, ("layer_fwd", "layer_bwd")))
 
     @staticmethod
     def _priced(ran, options: dict) -> np.ndarray:
@@ -415,14 +438,14 @@ class CostModel(ABC):
                  sparse_peers: tuple[str, ...] | None) -> tuple[dict[str, tuple], np.ndarray]:
         """(attn_fwd, attn_bwd, select) per layer of each micro-batch on ours, then (``sparse_peers`` not None)
         on every dense peer and each of ``sparse_peers`` (sim.backends.peer_options); and its tokens."""
-        per_seq = _sequence_attention(lengths, kept, self.model, self.block_size)
+        model = tp_split.rank_model(self.model, layout.tp)  # a TP rank runs its share of the heads
+        per_seq = _sequence_attention(lengths, kept, model, self.block_size)
         summed = summed_features(per_seq, groups, layout.cp)
         attn = self._attention(per_seq, summed, groups, layout.cp, lengths, kept)
         select = select_features(per_seq, summed, kept, groups, layout.cp)
         options = {OURS: (self._term("attn_fwd", attn), self._term("attn_bwd", attn), self._term("select", select))}
         if sparse_peers is not None:
-            shape = (_head_pair_flops(self.model, self.block_size), self.block_size, self.model.heads,
-                     self.model.kv_heads, layout.cp)
+            shape = (_head_pair_flops(model, self.block_size), self.block_size, model.heads, model.kv_heads, layout.cp)
             options |= peer_options(self.dense_terms, {n: self.sparse_terms[n] for n in sparse_peers}, per_seq,
                                     groups, attn["flops"], options[OURS][2], *shape)
         return options, attn["tokens"] * layout.cp  # back to the micro-batch's tokens (features are per CP rank)
@@ -461,6 +484,7 @@ class CostModel(ABC):
         extra = (slowest_rank_extra(groups.spread(per_seq["flops"]), np.tile(lengths, groups.replicas),
                                     groups.spread(kept), groups.flat, groups.size, cp, self.block_size)
                  if cp > 1 else 0.0)
+        # the launch features read the GQA group and head_dim, which a TP rank's share of the heads keeps
         return grouped_attention(per_seq, groups, self.model, self.block_size, cp, extra, summed)
 
     def _layer(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
@@ -469,19 +493,22 @@ class CostModel(ABC):
 
     def hand_off_ms(self, tokens: np.ndarray, layout: Layout) -> np.ndarray:
         """Stage-to-stage transfer per micro-batch of ``tokens``: a stage hands on its CP shard of the
-        activations (forward) or their gradients (backward); nothing without pipeline stages."""
+        activations (forward) or their gradients (backward), each TP rank its sequence-parallel part of it;
+        nothing without pipeline stages."""
         if layout.pp == 1:
             return np.zeros(np.shape(tokens))
-        nbytes = tokens * (self.model.hidden * BF16 / layout.cp)
+        nbytes = tokens * (self.model.hidden * BF16 / (layout.cp * layout.tp))
         return np.where(tokens > 0, self.cluster.p2p_ms(nbytes, layout), 0.0)
 
     def _cp_comm(self, tokens: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
-        """Per-layer ring exchange: forward passes K and V shards, backward K, V plus their gradients."""
+        """Per-layer ring exchange: forward passes K and V shards, backward K, V plus their gradients; a TP rank
+        exchanges its KV heads with the ranks of the same TP index, tp apart."""
         if layout.cp == 1:
             zero = np.zeros_like(tokens)
             return zero, zero
-        tier = self.cluster.tier(layout.cp)
-        shard = tokens / layout.cp * self.model.kv_heads * self.model.head_dim * 2 * BF16
+        tier = self.cluster.tier(layout.cp * layout.tp)
+        kv_heads = tp_split.rank_model(self.model, layout.tp).kv_heads
+        shard = tokens / layout.cp * kv_heads * self.model.head_dim * 2 * BF16
         hops = layout.cp - 1
         busy = (tokens > 0) * tier.latency_us * 1e-3
         fwd = hops * (busy + shard / (tier.bandwidth_gbps * 1e6))
@@ -527,6 +554,9 @@ class RooflineCost(CostModel):
         passes = 1.0 if term == "layer_fwd" else 2.0  # backward: activation and weight gradients
         return launch + passes * np.maximum(feats["flops"] / self.mm_flops_per_ms, weights)
 
+    def launch_ms(self, term: str, const: np.ndarray) -> np.ndarray:
+        return self.cfg.launch_ms * const
+
 
 class CalibratedCost(CostModel):
     """Linear model over the features, coefficients (ms per feature unit) from a profile file."""
@@ -539,10 +569,14 @@ class CalibratedCost(CostModel):
         peers = self.profile.get("backends", {})
         self.dense_terms = {name: entry["terms"] for name, entry in peers.items() if not is_sparse(entry)}
         self.sparse_terms = {name: entry["terms"] for name, entry in peers.items() if is_sparse(entry)}
+        self.tp_efficiency = self.profile.get("tp_efficiency")
 
     def term_ms(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
         coefs = self.profile["terms"][term]
         return sum((c * feats[f] for f, c in coefs.items()), np.zeros_like(feats["const"]))
+
+    def launch_ms(self, term: str, const: np.ndarray) -> np.ndarray:
+        return self.profile["terms"][term]["const"] * const
 
 
 def check_calibrated_keys(cfg: CostConfig, profile: dict) -> None:

@@ -153,7 +153,7 @@ class Engine:
         self.cost = cost
         self.cluster = cluster
         self.memory = memory  # None: no memory figures (NaN in the records)
-        params = ModelShape.from_config(cost.model).total_params / layout.pp
+        params = ModelShape.from_config(cost.model).total_params / layout.pp / layout.tp  # one TP rank's share
         self.buckets = cluster.grad_buckets(params)
         self.bucket_ms = cluster.grad_allreduce_ms(params / self.buckets, layout)
 
@@ -289,7 +289,7 @@ class Engine:
         by_axis = lambda per_rank, how: getattr(per_rank.reshape(layout.dp, layout.cp, m, -1), how)(axis=1).reshape(-1)
         busy = np.repeat(unit_rows(units, layout, costs.fwd_ms + costs.bwd_ms)[..., None], pp, axis=2)
         hops = np.array([(stage > 0) + (stage < pp - 1) for stage in range(pp)], dtype=np.float64)
-        comm = (unit_rows(units, layout, costs.cp_comm_ms)[..., None]
+        comm = (unit_rows(units, layout, costs.cp_comm_ms + costs.tp_comm_ms)[..., None]
                 + unit_rows(units, layout, p2p)[..., None] * hops)
         axis_mb = units.first // layout.cp * m + units.micro_batch  # [U] the (DP rank, micro-batch) of each unit
         rows = self._rows(plan.step, axis_mb[units.row_unit], kept, coverage, None, by_axis(busy, "max"), None,
@@ -309,7 +309,8 @@ class Engine:
         # A stage receives activations (forward) and gradients (backward) unless it is first/last.
         hops = np.array([(stage > 0) + (stage < pp - 1) for stage in range(pp)], dtype=np.float64)
         if dynamic is None:
-            comm, idle = np.repeat(mb_cost.cp_comm_ms, pp) + np.outer(p2p, hops).ravel(), timeline.idle_ms.reshape(-1)
+            comm = np.repeat(mb_cost.cp_comm_ms + mb_cost.tp_comm_ms, pp) + np.outer(p2p, hops).ravel()
+            idle = timeline.idle_ms.reshape(-1)
             tokens, backend = mb_cost.tokens, mb_cost.backend
         else:  # per unit: its costs, its (DP rank, micro-batch); per row already: communication, idle
             costs, axis_mb, comm, idle = dynamic

@@ -1,6 +1,8 @@
 """Memory per (DP rank, pipeline stage): the bytes a plan needs on each GPU, against the HBM it has.
 
-Per GPU of stage s (a CP rank holds 1/cp of every per-token term, zigzag sharding):
+Per GPU of stage s (a CP rank holds 1/cp of every per-token term, zigzag sharding; a TP rank under sequence
+parallelism 1/tp of every per-token term and of the stage's weights, as Megatron-LM splits them: heads, FFN
+columns and vocabulary rows over the tp ranks, the activations between them cut along the tokens):
 
 * static: the stage's weights, gradients and optimizer states (``memory.sharding``: ``ddp`` keeps all three
   on every replica, ``zero1`` shards the optimizer states over the stage's dp x cp replicas, ``fsdp`` shards
@@ -158,15 +160,15 @@ def stage_params(model: ModelConfig, pp: int) -> np.ndarray:
 
 
 def static_bytes(cfg: MemoryConfig, model: ModelConfig, layout: Layout) -> np.ndarray:
-    """Weights, gradients and optimizer states per GPU of each stage, [pp]."""
-    params = stage_params(model, layout.pp)
+    """Weights, gradients and optimizer states per GPU of each stage, [pp] (a TP rank's share of them)."""
+    params = stage_params(model, layout.pp) / layout.tp
     replicas = layout.dp * layout.cp
     sharding = Sharding(cfg.sharding)
     opt_share = 1.0 if sharding is Sharding.ddp else 1.0 / replicas
     share = 1.0 / replicas if sharding is Sharding.fsdp else 1.0
     total = params * (share * (cfg.weight_bytes + cfg.grad_bytes) + opt_share * cfg.optimizer_bytes)
     if sharding is Sharding.fsdp:
-        total += ModelShape.from_config(model).params_per_layer * (2 * cfg.weight_bytes + cfg.grad_bytes)
+        total += ModelShape.from_config(model).params_per_layer / layout.tp * (2 * cfg.weight_bytes + cfg.grad_bytes)
     return total
 
 
@@ -273,18 +275,20 @@ class MemoryModel:
         ``on_sparse_peer`` ([n_groups] bool, None: none) the micro-batches whose attention runs on a sparse peer,
         which hold :func:`sparse_peer_bytes` per padded token more in each layer whose activations are kept (under
         checkpointing, the one layer being recomputed)."""
-        cp, t, model = self.layout.cp, self.terms, self.model
-        tokens = np.bincount(group, weights=np.asarray(lengths, dtype=np.float64), minlength=n_groups) / cp
-        per_layer, shared = selection_bytes(lengths, kept, group, n_groups, model.kv_heads, self.block_size, topk)
+        # a TP rank holds 1/tp of each per-token term (sequence parallelism), its KV heads' selection
+        cp, tp, t, model = self.layout.cp, self.layout.tp, self.terms, self.model
+        tokens = np.bincount(group, weights=np.asarray(lengths, dtype=np.float64), minlength=n_groups) / (cp * tp)
+        per_layer, shared = selection_bytes(lengths, kept, group, n_groups, model.kv_heads // tp, self.block_size,
+                                            topk)
         per_layer, shared = per_layer / cp, shared / cp
         peer_layer = 0.0
         if on_sparse_peer is not None:
             padded = np.ceil(np.asarray(lengths, dtype=np.float64) / self.block_size) * self.block_size
-            padded = np.bincount(group, weights=padded, minlength=n_groups) / cp
+            padded = np.bincount(group, weights=padded, minlength=n_groups) / (cp * tp)
             peer_layer = np.where(on_sparse_peer, sparse_peer_bytes(model) * padded, 0.0)
         busy = tokens > 0
         held = self.layers * (t.held_layer * tokens + per_layer) + t.held_micro_batch * tokens + shared
-        transient = np.where(busy, t.transient * tokens + t.transient_bytes, 0.0)
+        transient = np.where(busy, t.transient * tokens + t.transient_bytes / tp, 0.0)
         if self.cfg.activation_checkpointing:
             # the recomputed layer builds its selection again, and a sparse peer its padded copies
             transient = transient + per_layer + peer_layer

@@ -6,6 +6,7 @@ import math
 
 from sparsebalance.sim.backends import backends_problem
 from sparsebalance.sim.core import read_checked_json
+from sparsebalance.sim.tensor_parallel import efficiency_problem
 
 PROFILE_SCHEMA_VERSION = 2  # 2: per-term attention features (fwd_path; dkdv_path, dq_path, kv_waves)
 TERMS = ("attn_fwd", "attn_bwd", "select", "layer_fwd", "layer_bwd")
@@ -46,7 +47,8 @@ def profile_problem(profile) -> str | None:
     missing = [k for k in PROFILE_KEYS if k not in profile]
     if missing:
         return f"missing key {missing[0]!r}; a profile has {', '.join(PROFILE_KEYS)}"
-    return _header_problem(profile) or _terms_problem(profile["terms"]) or backends_problem(profile.get("backends"))
+    return (_header_problem(profile) or _terms_problem(profile["terms"]) or backends_problem(profile.get("backends"))
+            or efficiency_problem(profile.get("tp_efficiency")))
 
 
 def _header_problem(profile: dict) -> str | None:

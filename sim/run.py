@@ -27,6 +27,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, policy_run,
                                       register, validate)
 from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
@@ -75,6 +76,7 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
         policy=row_label(policy), dp=layout.dp, cp=layout.cp, pp=layout.pp, micro_batches=layout.micro_batches,
         gpus=layout.gpus, seed=cfg.seed, model=cfg.model.name, workload=cfg.workload.name, cost=cfg.cost.name,
         **({"cp_mode": layout.cp_mode} if layout.dynamic else {}),
+        **({"tp": layout.tp} if layout.tp > 1 else {}),  # tp = 1 summaries keep their keys
     )
     return RunOutput(results, summary, kept)
 
@@ -116,7 +118,7 @@ def summary_table(rows: list[dict], baseline_ms: float | None) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     table = pd.DataFrame({
         "policy": frame["policy"],
-        "layout": [f"dp{r['dp']}xcp{r['cp']}xpp{r['pp']}" for r in rows],
+        "layout": [Layout(r["dp"], r["cp"], r["pp"], tp=r.get("tp", 1)).name for r in rows],
         "step_ms": frame["step_ms"].round(2),
         "bubble_%": (100 * frame["bubble_fraction"]).round(2),
         "tokens/s": frame["tokens_per_s"].round(0).astype(int),

@@ -14,15 +14,15 @@ from sparsebalance.sim.config import compose_config
 from pinned import PINNED_OVERRIDES, pinned
 
 
-@pytest.mark.parametrize("preset,gpus,dp", [("paper", 8, 2), ("paper_4nodes", 32, 8)])
-def test_paper_presets_simulate_the_papers_setting(preset, gpus, dp):
+@pytest.mark.parametrize("preset,gpus,dp,tp", [("paper", 8, 2, 1), ("paper_4nodes", 32, 8, 1), ("paper_tp", 32, 4, 2)])
+def test_paper_presets_simulate_the_papers_setting(preset, gpus, dp, tp):
     """The paper's setting as the simulator runs it, not as the preset spells it: Qwen2.5-3B on long-context QA,
     four pipeline stages, every DP rank's step in 4 micro-batches of 2 sequences (the paper's micro-batch size),
-    on one node of 8 GPUs (DP2) or on 4 nodes (DP8)."""
+    on one node of 8 GPUs (DP2), on 4 nodes (DP8), or on 4 nodes as the paper's reported DP4 x PP4 x TP2."""
     cfg = compose_config(pinned(preset_overrides([f"experiment={preset}", "steps=1"])))
     out = simulate(cfg)
     s = out.summary
-    assert (s["gpus"], s["dp"], s["cp"], s["pp"], s["micro_batches"]) == (gpus, dp, 1, 4, 4)
+    assert (s["gpus"], s["dp"], s["cp"], s["pp"], s.get("tp", 1), s["micro_batches"]) == (gpus, dp, 1, 4, tp, 4)
     assert (s["model"], s["workload"]) == ("qwen2.5-3b", "longqa")
     plan = Plan.from_json(out.results.plans[0])
     sizes = Counter((a.dp_rank, a.micro_batch) for a in plan.assignments)

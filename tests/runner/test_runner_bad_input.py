@@ -59,6 +59,8 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
     ("runner.attention=flash", "runner.attention='flash' is unknown; allowed: kernel, triton, naive"),
     ("runner.device=tpu", "runner.device='tpu' is unknown; allowed: auto, cuda, cpu"),
     ("runner.data_parallel=zero3", "runner.data_parallel='zero3' is unknown; allowed: ddp, fsdp"),
+    ("cluster.gpus_per_node=2 model.kv_heads=2 layout.tp=2", "layout.tp=2: runner.train runs no tensor parallelism; "
+     "allowed: layout.tp=1"),
     ("runner.no_such_key=1", "Key 'no_such_key' not in 'RunnerSettings'"),
     ("runner.resume=/no/such/checkpoint.pt", "runner.resume=/no/such/checkpoint.pt: no such file"),
     (f"runner.resume={ROOT / 'runner'}", f"runner.resume={ROOT / 'runner'}: a directory; allowed: a checkpoint file"),
