@@ -44,7 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sparsebalance.runner.config import TrainConfig
 from sparsebalance.sim.cluster import Cluster, Layout
-from sparsebalance.sim.config import compose_config, policy_cost, validate
+from sparsebalance.sim.config import compose_config, validate
 from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, group_options,
                                     one_line_errors, write_json_atomic)
 from sparsebalance.sim.backends import OURS
@@ -52,6 +52,7 @@ from sparsebalance.sim.cost import make_cost
 from sparsebalance.sim.engine import Engine, PlanArrays
 from sparsebalance.sim.memory import GB, MemoryModel
 from sparsebalance.sim.plan import Budget, Plan
+from sparsebalance.sim.setup import policy_run
 
 DEFAULT_PROFILE = "calibrate/profiles/h200.json"
 # What the replay reads of each file, beyond its existence.
@@ -159,7 +160,7 @@ def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame,
                           "its times are not a distributed step's; allowed: a run with one process per GPU "
                           "(python -m runner.replay times a Plan's replicas on one GPU)")
     profile = profile_for(run_dir, str(run_summary.get("device", "")), profile)
-    cfg.cost = policy_cost(cfg.cost, cfg.policy)  # the attention backend the run trained on (runner.train's)
+    cfg = policy_run(cfg)  # the attention backend the run trained on (runner.train's)
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
     # the run's own cost model: its block size is the one the kernel selected blocks at

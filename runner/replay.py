@@ -63,7 +63,7 @@ from sparsebalance.sim.engine import Engine, PlanArrays
 from sparsebalance.sim.plan import Budget, Plan
 from sparsebalance.sim.planner import Planner
 from sparsebalance.sim.results import FLOAT_FORMAT, Results
-from sparsebalance.sim.setup import Setup, load_policy, make_planner, prepare
+from sparsebalance.sim.setup import load_policy, make_planner, policy_setup, prepare
 from sparsebalance.sim.shapes import ModelShape
 from sparsebalance.sim.workload import requests, truth_of
 
@@ -175,7 +175,7 @@ def load_inputs(overrides: list[str], policies: str | None, baselines: str | Non
         raise ConfigError(f"layout.cp={setup.layout.cp}: the replay runs whole micro-batches, not CP shards; "
                           "allowed: layout.cp=1")
     check_task(cfg)
-    chosen = policy_list(cfg, setup, policies)
+    chosen = policy_list(cfg, policies)
     labels = [name for name, _ in chosen]
     if baselines is None:
         baselines_list = [name for name in labels if name in BASELINES]
@@ -190,7 +190,7 @@ def load_inputs(overrides: list[str], policies: str | None, baselines: str | Non
     return Inputs(cfg, setup.layout, chosen, baselines_list, torch.device(kind), attention)
 
 
-def policy_list(cfg: RunConfig, setup: Setup, policies: str | None) -> list[tuple[str, PolicyConfig]]:
+def policy_list(cfg: RunConfig, policies: str | None) -> list[tuple[str, PolicyConfig]]:
     """``--policies`` (names or ``name:key=value`` variants, as sim.compare takes them), or sim.run's pair:
     the baseline and the configured policy."""
     if policies is None:
@@ -211,7 +211,7 @@ def policy_list(cfg: RunConfig, setup: Setup, policies: str | None) -> list[tupl
         raise ConfigError(f"--policies={policies}: a policy is named twice; allowed: each policy once")
     typed = [(name, OmegaConf.to_object(p) if isinstance(p, DictConfig) else p) for name, p in chosen]
     for name, policy in typed:
-        make_planner(cfg, setup, policy)  # its parameters and estimator (the replay has no oracle), checked now
+        make_planner(*policy_setup(cfg, policy))  # its parameters and estimator (the replay has no oracle), checked now
     return typed
 
 
@@ -241,7 +241,7 @@ def run_replay(inputs: Inputs, out: Path, warmup: int, deadline_s: float | None,
     layout = setup.layout
     clock = clock or make_clock(device)
     engine = Engine(layout, setup.cost, setup.cluster, setup.memory)
-    replays = [PolicyReplay(name, policy, make_planner(cfg, setup, policy), Results(), [], [], [])
+    replays = [PolicyReplay(name, policy, make_planner(*policy_setup(cfg, policy)), Results(), [], [], [])
                for name, policy in inputs.policies]
     staged = StagedModel(ModelShape.from_config(cfg.model), layout.pp, cfg.seed, device, inputs.attention,
                          setup.cost.block_size, recompute=setup.cost.recompute)

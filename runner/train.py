@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
@@ -40,14 +40,14 @@ from sparsebalance.runner.parallel import DATA_PARALLEL
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.core import (CONF_DIR, EXIT_INTERRUPTED, ConfigError, check_group_overrides, fail, hydra_reason,
                                     interrupted, preset_overrides)
-from sparsebalance.sim.config import compose_config, policy_cost
+from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.outputs import Outputs, discard_outputs, pin_output_dir
 from sparsebalance.sim.results import FILES
 from sparsebalance.sim.plan import Plan
 from sparsebalance.sim.planner import Planner
 from sparsebalance.sim.run import (check_output_dir, command_overrides, fixed_overrides, is_sweep, summary_table,
                                    sweep_jobs)
-from sparsebalance.sim.setup import make_planner, prepare
+from sparsebalance.sim.setup import make_planner, policy_setup
 from sparsebalance.sim.workload import Workload, requests, truth_of
 
 EXIT_RANK_FAILURE = 1
@@ -98,9 +98,7 @@ def build_planner(cfg: DictConfig, world: World) -> tuple[StepPlanner, Cluster]:
     range and the checks across groups (``sim.run.prepare``, which also checks the runner's keys and
     the task, see runner/config.py), the world size, the attention backend and device."""
     # priced as sim.run prices it: under the policy's attention backend where it names one (verl_dense: dense_best)
-    run = OmegaConf.to_object(cfg)
-    run = replace(run, cost=policy_cost(run.cost, run.policy))
-    setup = prepare(run)
+    run, setup = policy_setup(OmegaConf.to_object(cfg))
     layout = setup.layout
     if cfg.runner.one_process:
         if world.size != 1:

@@ -267,12 +267,6 @@ def policy_cost(cost: CostConfig, policy: PolicyConfig) -> CostConfig:
     return cost if policy.attention_backend is None else replace(cost, attention_backend=policy.attention_backend)
 
 
-def policy_run(cfg: RunConfig, policy: PolicyConfig) -> RunConfig:
-    """The run config a policy runs under: its attention backend and CP mode where it names them."""
-    layout = policy_layout(cfg.layout, cfg.cluster.nodes * cfg.cluster.gpus_per_node, policy)
-    return replace(cfg, cost=policy_cost(cfg.cost, policy), layout=layout)
-
-
 def policy_layout(layout: LayoutConfig, gpus: int, policy: PolicyConfig) -> LayoutConfig:
     """The layout a policy runs under: with ``cp_mode: dynamic`` on a static layout, its dp x cp GPUs of a stage as
     one dynamic domain (dp 1, cp the domain's size), else the run's own."""

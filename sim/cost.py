@@ -309,23 +309,23 @@ class CostModel(ABC):
         s = np.asarray(sensitivities, dtype=np.float64)
         top_k = None if top_k is None else np.asarray(top_k, dtype=np.float64)
         floor = None if p_floor is None else np.asarray(p_floor, dtype=np.float64)
-        shape = np.broadcast_shapes(*(np.shape(x) for x in (lengths, s, p, fixed, top_k, floor) if x is not None))
         unset = None if top_k is None else np.isnan(top_k)
-        kf = None
-        if unset is None or unset.any():  # where every row is a top-k one, p and fixed decide nothing
-            kf = np.power(np.asarray(p, dtype=np.float64), 1.0 / s)
-            if fixed is not None:
-                fixed = np.asarray(fixed, dtype=np.float64)
-                kf = np.where(np.isnan(fixed), kf, fixed)
+        p = np.asarray(p, dtype=np.float64)
+        # where every row is a top-k one p decides nothing, and its power (the costliest step) is left out; a
+        # product of the same operands lays the result out in memory as the power would (a later mean over
+        # samples adds in that order)
+        kf = np.power(p, 1.0 / s) if unset is None or unset.any() else np.multiply(p, s)
+        if fixed is not None:
+            fixed = np.asarray(fixed, dtype=np.float64)
+            kf = np.where(np.isnan(fixed), kf, fixed)
         if unset is not None and not unset.all():
             rows = topk_kept_fraction(lengths, np.where(unset, 1.0, top_k), self.block_size)
             if floor is not None and not np.isnan(floor).all():
                 with np.errstate(invalid="ignore"):
                     raised = np.power(floor, 1.0 / s)
                 rows = np.where(np.isnan(floor), rows, np.maximum(rows, raised))
-            kf = rows if kf is None else np.where(unset, kf, rows)
-        kept = np.maximum(kf, diag_fraction(lengths, self.block_size))
-        return kept if kept.shape == shape else np.broadcast_to(kept, shape).copy()
+            kf = np.where(unset, kf, rows)
+        return np.maximum(kf, diag_fraction(lengths, self.block_size))
 
     @staticmethod
     def coverages(sensitivities, kept_fractions) -> np.ndarray:

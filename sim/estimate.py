@@ -114,26 +114,33 @@ class OnlineEstimator(PriorEstimator):
     def moments(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         mean, std = self.population(lengths)
         mean, var = np.array(mean, dtype=np.float64), np.square(std, dtype=np.float64)
+        buckets, inverse = np.unique(self.bucket(lengths), return_inverse=True)
+        known = np.array([self.stats.get(b, (0, 0.0, 0.0)) for b in buckets.tolist()], dtype=np.float64)
+        n, total, squares = known.reshape(-1, 3)[inverse.reshape(-1)].T
         w = self.prior_weight
-        for j, b in enumerate(self.bucket(lengths).tolist()):
-            n, total, squares = self.stats.get(b, (0, 0.0, 0.0))
-            if n:
-                post_mean = (w * mean[j] + total) / (w + n)
-                # pooled second moment about the posterior mean: the prior's spread, the data's, and the
-                # distance between the two means
-                var[j] = (w * (var[j] + (mean[j] - post_mean) ** 2)
-                          + squares - 2 * post_mean * total + n * post_mean ** 2) / (w + n)
-                mean[j] = post_mean
-        return mean, np.sqrt(np.maximum(var, 0.0))
+        with np.errstate(invalid="ignore", divide="ignore"):  # buckets seen never are not updated
+            post_mean = (w * mean + total) / (w + n)
+            # pooled second moment about the posterior mean: the prior's spread, the data's, and the distance
+            # between the two means
+            post_var = (w * (var + (mean - post_mean) ** 2)
+                        + squares - 2 * post_mean * total + n * post_mean ** 2) / (w + n)
+        seen = n > 0
+        return np.where(seen, post_mean, mean), np.sqrt(np.maximum(np.where(seen, post_var, var), 0.0))
 
     def observe(self, observation: Observation) -> None:
         s = observed_sensitivity(observation.kept_fraction, observation.coverage)
-        lengths = observation.plan.lengths
         seen = ~np.isnan(s)
         logits = special.logit(s[seen])
-        for b, x in zip(self.bucket(lengths[seen]).tolist(), logits.tolist()):
-            n, total, squares = self.stats.get(b, (0, 0.0, 0.0))
-            self.stats[b] = (n + 1, total + x, squares + x * x)
+        buckets, inverse = np.unique(self.bucket(observation.plan.lengths[seen]), return_inverse=True)
+        old = [self.stats.get(b, (0, 0.0, 0.0)) for b in buckets.tolist()]
+        # added one observation at a time, in plan order, as a running sum does
+        total = np.array([o[1] for o in old], dtype=np.float64)
+        squares = np.array([o[2] for o in old], dtype=np.float64)
+        np.add.at(total, inverse, logits)
+        np.add.at(squares, inverse, logits * logits)
+        counts = np.bincount(inverse, minlength=buckets.size)
+        for b, o, c, t, q in zip(buckets.tolist(), old, counts.tolist(), total.tolist(), squares.tolist(), strict=True):
+            self.stats[b] = (o[0] + c, t, q)
 
 
 @dataclass

@@ -57,12 +57,14 @@ class Groups:
         out = np.zeros((rows.shape[0], self.n_groups))
         if self.group.size:
             occupied, starts = self._runs
-            out[:, occupied] = np.maximum(0.0, np.maximum.reduceat(rows[:, self._order], starts, axis=1))
+            ordered = rows if self._order is None else rows[:, self._order]
+            out[:, occupied] = np.maximum(0.0, np.maximum.reduceat(ordered, starts, axis=1))
         return out.reshape(-1)
 
     @cached_property
-    def _order(self) -> np.ndarray:
-        return np.argsort(self.group, kind="stable")
+    def _order(self) -> np.ndarray | None:
+        """The sequences by micro-batch; None where they already are (a Plan lists them so)."""
+        return None if (np.diff(self.group) >= 0).all() else np.argsort(self.group, kind="stable")
 
     @cached_property
     def _runs(self) -> tuple[np.ndarray, np.ndarray]:

@@ -28,8 +28,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from sparsebalance.sim.cluster import Layout
-from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, policy_run,
-                                      register, validate)
+from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, register,
+                                      validate)
 from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
                                     did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
                                     preset_overrides, quiet_interrupts_in_callbacks)
@@ -37,7 +37,7 @@ from sparsebalance.sim.outputs import discard_outputs, discard_run, output_dir, 
 from sparsebalance.sim.engine import Engine
 from sparsebalance.sim.progress import with_progress
 from sparsebalance.sim.results import Results
-from sparsebalance.sim.setup import load_policy, make_planner, prepare
+from sparsebalance.sim.setup import load_policy, make_planner, policy_setup
 from sparsebalance.sim.workload import read_trace, requests, truth_of
 
 OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
@@ -57,12 +57,9 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     """Run ``cfg.steps`` steps of one policy (default ``cfg.policy``) in memory."""
     # Plain dataclasses from here on: attribute access on DictConfig is ~50x slower in the step loop.
     cfg = OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg
-    policy = cfg.policy if policy is None else policy
-    policy = OmegaConf.to_object(policy) if isinstance(policy, DictConfig) else policy
-    cfg = policy_run(cfg, policy)  # the policy's attention backend and CP mode, where it names them
-    setup = prepare(cfg)
-    layout = setup.layout
-    planner = make_planner(cfg, setup, policy, truth=lambda step: truth_of(setup.workload.batch(step)))
+    cfg, setup = policy_setup(cfg, policy)
+    policy, layout = cfg.policy, setup.layout
+    planner = make_planner(cfg, setup, truth=lambda step: truth_of(setup.workload.batch(step)))
     engine = Engine(layout, setup.cost, setup.cluster, setup.memory)
     results, kept = Results(), []
     for step in with_progress(range(cfg.steps), policy.name, enabled=progress):
@@ -302,10 +299,9 @@ def check_optuna(sweeper: DictConfig) -> None:
 
 def check_job(cfg: RunConfig) -> None:
     validate(cfg)  # before the copy below, which keeps the schema's fields only: an added +key is reported here
-    setup = prepare(policy_run(cfg, cfg.policy))
-    make_planner(cfg, setup, truth=dict)  # the policies and the estimator (the simulator may give truth)
+    make_planner(*policy_setup(cfg), truth=dict)  # the policies and the estimator (the simulator may give truth)
     if cfg.baseline and cfg.baseline != cfg.policy.name:
-        make_planner(cfg, setup, load_policy(cfg.baseline), truth=dict)
+        make_planner(*policy_setup(cfg, load_policy(cfg.baseline)), truth=dict)
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:

@@ -2,13 +2,13 @@
 planner (policies plus estimator) that the simulator and the runner plan through."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from sparsebalance.sim.cluster import Cluster, Layout
-from sparsebalance.sim.config import PolicyConfig, RunConfig, compose_config, validate
+from sparsebalance.sim.config import PolicyConfig, RunConfig, compose_config, policy_cost, policy_layout, validate
 from sparsebalance.sim.core import CONF_DIR, ConfigError, group_options
 from sparsebalance.sim.cost import CostModel, make_cost
 from sparsebalance.sim.engine import Engine
@@ -48,6 +48,23 @@ def prepare(cfg: RunConfig) -> Setup:
     return Setup(cluster, layout, cost, Workload(cfg.workload, cfg.model.max_context, cfg.seed), memory)
 
 
+def policy_run(cfg: RunConfig, policy: PolicyConfig | DictConfig | None = None) -> RunConfig:
+    """The run as ``policy`` (default ``cfg.policy``) trains it: the one place a policy reaches a run (sim.run,
+    sim.compare, build_planner, runner.train, runner.replay, runner.compare). It is ``cfg.policy``, and the cost
+    prices attention on its backend where it names one (verl_dense: dense_best); its batching, sparsity and
+    estimator are built from it by :func:`make_planner`."""
+    policy = cfg.policy if policy is None else policy
+    policy = OmegaConf.to_object(policy) if isinstance(policy, DictConfig) else policy
+    layout = policy_layout(cfg.layout, cfg.cluster.nodes * cfg.cluster.gpus_per_node, policy)
+    return replace(cfg, policy=policy, cost=policy_cost(cfg.cost, policy), layout=layout)
+
+
+def policy_setup(cfg: RunConfig, policy: PolicyConfig | DictConfig | None = None) -> tuple[RunConfig, Setup]:
+    """:func:`policy_run` and its prepared parts."""
+    run = policy_run(cfg, policy)
+    return run, prepare(run)
+
+
 def make_policy(policy: PolicyConfig):
     return (make_batching(policy.batching.name, policy.batching.params),
             make_sparsity(policy.sparsity.name, policy.sparsity.params))
@@ -58,6 +75,12 @@ def make_planner(cfg: RunConfig, setup: Setup, policy: PolicyConfig | None = Non
     """The planner of ``policy`` (default ``cfg.policy``) on a prepared run. ``truth`` (step -> {id: s}) is
     what only the simulator can hand over, for the ``oracle`` estimator's bound rows."""
     policy = cfg.policy if policy is None else policy
+    mode = policy_cost(cfg.cost, policy).attention_backend
+    mode = str(getattr(mode, "value", mode))
+    if setup.cost.attention_backend != mode:
+        raise ConfigError(f"policy {policy.name!r} trains on attention backend {mode}, but the setup's cost model "
+                          f"prices {setup.cost.attention_backend}; allowed: the parts of sim.setup.policy_setup(cfg, "
+                          "policy)")
     batching, sparsity = make_policy(policy)
     estimator = make_estimator(str(getattr(policy.estimator, "value", policy.estimator)),
                                setup.workload.population, cfg.seed, truth)
@@ -69,5 +92,4 @@ def build_planner(policy: str = "sparsebalance", overrides: Sequence[str] = ()) 
     """A planner for another trainer's loop, from this project's configs by name: ``policy`` one of conf/policy/,
     ``overrides`` as on sim.run's command line (``+experiment=paper``, ``layout.dp=4``, ``model=tiny``). The
     caller needs no Hydra: it gets a ``sim.planner.Planner`` (plan / observe)."""
-    cfg = OmegaConf.to_object(compose_config([f"policy={policy}", *overrides]))
-    return make_planner(cfg, prepare(cfg))
+    return make_planner(*policy_setup(OmegaConf.to_object(compose_config([f"policy={policy}", *overrides]))))

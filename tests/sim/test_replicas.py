@@ -4,9 +4,13 @@ from the distinct (block count, sample) pairs is the one built per sample."""
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
-
 from pinned import SPARSE_PEER_PROFILE
-from sparsebalance.policies.dst import DynamicSparsityTuning, LevelTable, distinct_outcomes, level_budgets
+from sparsebalance.policies.dst import (
+    DynamicSparsityTuning,
+    LevelTable,
+    distinct_outcomes,
+    level_budgets,
+)
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.cost import make_cost
