@@ -21,22 +21,25 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-import pandas as pd
-from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from sparsebalance.sim.core import interrupts_as_one_line
 
-from sparsebalance.sim.cluster import Cluster, Layout
-from sparsebalance.sim.config import AttentionBackend, PolicyConfig, compose_config, register
-from sparsebalance.sim.core import (ArgumentParser, ConfigError, did_you_mean, fail, group_options, hydra_reason,
-                                    interrupted, preset_overrides)
-from sparsebalance.sim.cost import make_cost
-from sparsebalance.sim.engine import Engine, run_pipeline
-from sparsebalance.sim.plan import Plan
-from sparsebalance.sim.progress import with_progress
-from sparsebalance.sim.run import simulate, trace_note
-from sparsebalance.sim.setup import load_policy, prepare
+with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
+    import numpy as np
+    import pandas as pd
+    from hydra.errors import HydraException
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from sparsebalance.sim.cluster import Cluster, Layout
+    from sparsebalance.sim.config import AttentionBackend, PolicyConfig, compose_config, register
+    from sparsebalance.sim.core import (ArgumentParser, ConfigError, did_you_mean, fail, group_options, hydra_reason,
+                                                interrupted, preset_overrides)
+    from sparsebalance.sim.cost import make_cost
+    from sparsebalance.sim.engine import Engine, run_pipeline
+    from sparsebalance.sim.plan import Plan
+    from sparsebalance.sim.progress import with_progress
+    from sparsebalance.sim.run import simulate, trace_note
+    from sparsebalance.sim.setup import load_policy, prepare
 
 # Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9; verl_topk: one top-k budget per step
 # at the coverage sparsebalance_topk keeps), then ours and the cross; verl_dense is what a user who does not

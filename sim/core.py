@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Sequence
@@ -83,6 +84,22 @@ def interrupted(detail: str = "") -> NoReturn:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     print(f"interrupted{detail}", file=sys.stderr, flush=True)
     sys.exit(EXIT_INTERRUPTED)
+
+
+@contextlib.contextmanager
+def interrupts_as_one_line() -> Iterator[None]:
+    """Around a command's heavy imports (hydra, numpy, pandas, torch: seconds on a loaded machine), before its own
+    Ctrl-C handling exists: Ctrl-C ends the process with the one ``interrupted`` line, exit code 130, instead of
+    a traceback from inside an import. The previous handler is back afterwards; off the main thread, where no
+    handler can be set, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def quiet_interrupts_in_callbacks() -> None:

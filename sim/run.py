@@ -12,36 +12,41 @@ import copy
 import io
 import itertools
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
-import numpy as np
-import pandas as pd
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
-from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from sparsebalance.sim.core import interrupts_as_one_line
 
-from sparsebalance.sim.cluster import Layout
-from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, register,
-                                      validate)
-from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
-                                    did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
-                                    preset_overrides, quiet_interrupts_in_callbacks)
-from sparsebalance.sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
-from sparsebalance.sim.engine import Engine
-from sparsebalance.sim.progress import with_progress
-from sparsebalance.sim.results import Results
-from sparsebalance.sim.setup import load_policy, make_planner, policy_setup
-from sparsebalance.sim.workload import read_trace, requests, truth_of
+with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
+    import hydra
+    import numpy as np
+    import pandas as pd
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Override
+    from hydra.errors import HydraException
+    from omegaconf import DictConfig, OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    from sparsebalance.sim.cluster import Layout
+    from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, register,
+                                                  validate)
+    from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
+                                                did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
+                                                preset_overrides, quiet_interrupts_in_callbacks)
+    from sparsebalance.sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
+    from sparsebalance.sim.engine import Engine
+    from sparsebalance.sim.progress import with_progress
+    from sparsebalance.sim.results import Results
+    from sparsebalance.sim.setup import load_policy, make_planner, policy_setup
+    from sparsebalance.sim.workload import read_trace, requests, truth_of
 
 OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
 JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 # DST meets its coverage target in its own sums; the engine's sums of the same coverages differ by rounding.
 COVERAGE_TOLERANCE = 1e-9
 
@@ -170,7 +175,11 @@ def fixed_overrides(overrides: list[str]) -> list[str]:
 
 
 def check_launcher(launcher: DictConfig) -> None:
-    """The joblib launcher's process count, which joblib reports with a traceback after the sweep has begun."""
+    """What a launcher reports with a traceback after the sweep has begun (and its multirun.yaml is written):
+    Slurm's absence, the joblib launcher's process count."""
+    if launcher._target_ == SLURM_LAUNCHER and shutil.which("srun") is None:
+        raise ConfigError("hydra/launcher=slurm: no Slurm here (srun is not on PATH); allowed: a Slurm cluster's "
+                          "login node, or hydra/launcher=joblib (the default) or submitit_local on this machine")
     if launcher._target_ == JOBLIB_LAUNCHER and launcher.get("n_jobs") == 0:
         raise ConfigError("hydra.launcher.n_jobs=0 is out of range; allowed: a number of processes >= 1, or -1 for "
                           "one per core (-2: all but one, and so on)")

@@ -36,17 +36,33 @@ class Attention(torch.nn.Module):
         self.q = torch.nn.Linear(width, width)
         self.kv = torch.nn.Linear(width, 2 * KV_HEADS * HEAD_DIM)
 
-    def forward(self, x, cu_seqlens, p):
+    def forward(self, x, cu_seqlens, budget: dict):
         q = self.q(x).view(-1, HEADS, HEAD_DIM)
         k, v = self.kv(x).view(-1, 2, KV_HEADS, HEAD_DIM).unbind(1)
-        o, selection = sparse_attention(q, k, v, cu_seqlens, p=p, block_size=BLOCK, return_selection=True)
+        o, selection = sparse_attention(q, k, v, cu_seqlens, **budget, block_size=BLOCK, return_selection=True)
         return o.reshape(x.shape), selection
 
 
-def main(steps: int = 3, seed: int = 0) -> list[float]:
+def kernel_budget(seqs) -> dict:
+    """The kernel's budget keywords for one micro-batch's sequences, whole: the kept fractions where the plan set
+    them, else top-k block counts (with their coverage floors as ``p``, where set), else the top-p targets. A
+    policy keeps one family per micro-batch."""
+    budgets = [a.budget for a in seqs]
+    if budgets[0].kept_fraction is not None:
+        return {"kept_fraction": torch.tensor([b.kept_fraction for b in budgets])}
+    if budgets[0].top_k is not None:
+        floors = [b.p_floor for b in budgets]
+        return {"top_k": torch.tensor([b.top_k for b in budgets]),
+                "p": None if floors[0] is None else torch.tensor(floors)}
+    return {"p": torch.tensor([b.p for b in budgets])}
+
+
+def main(steps: int = 3, seed: int = 0, policy: str = "sparsebalance", reports: list | None = None) -> list[float]:
+    """Train ``steps`` steps under ``policy``; the planner's predicted step times. ``reports`` (a list) gets per
+    step the plan and what the kernel reported of each of its sequences (kept fraction)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    planner = build_planner("sparsebalance", PLANNER_OVERRIDES)
+    planner = build_planner(policy, PLANNER_OVERRIDES)
     model = Attention()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     predicted = []
@@ -63,7 +79,7 @@ def main(steps: int = 3, seed: int = 0) -> list[float]:
                     continue
                 cu_seqlens = torch.tensor(np.cumsum([0] + [a.length for a in seqs]), dtype=torch.int32)
                 x = torch.randn(int(cu_seqlens[-1]), HEADS * HEAD_DIM)
-                out, selection = model(x, cu_seqlens, torch.tensor([a.budget.p for a in seqs]))
+                out, selection = model(x, cu_seqlens, kernel_budget(seqs))
                 out.pow(2).mean().backward()
                 for a, k, c in zip(seqs, selection.kept_fraction.tolist(), selection.coverage.tolist()):
                     kept[a.seq_id], coverage[a.seq_id] = k, c
@@ -72,8 +88,10 @@ def main(steps: int = 3, seed: int = 0) -> list[float]:
         step_ms = (time.perf_counter() - start) * 1e3
         planner.observe(plan, [kept[a.seq_id] for a in plan.assignments],
                         [coverage[a.seq_id] for a in plan.assignments], step_ms)
-        budgets = sorted({a.budget.p for a in plan.assignments})
-        print(f"step {step}: {len(plan.assignments)} sequences on {plan.dp} ranks, budgets p in {budgets}, "
+        if reports is not None:
+            reports.append((plan, dict(kept)))
+        budgets = sorted({str(a.budget) for a in plan.assignments})
+        print(f"step {step}: {len(plan.assignments)} sequences on {plan.dp} ranks, {len(budgets)} budgets, "
               f"mean kept fraction {np.mean(list(kept.values())):.3f}, {step_ms:.0f} ms")
     return predicted
 

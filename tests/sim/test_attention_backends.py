@@ -97,7 +97,7 @@ def test_choose_takes_the_fastest_allowed_option_and_the_first_on_a_tie():
 
 @pytest.mark.parametrize("mode", ["ours", "dense_best", "hybrid"])
 def test_the_engine_records_which_backend_ran_each_micro_batch(mode):
-    small = ["steps=2", "workload.global_batch=8", f"cost.profile={BACKENDS_PROFILE}", f"cost.attention_backend={mode}"]
+    small = ["steps=2", "workload.global_batch=8", "layout.micro_batches=1", f"cost.profile={BACKENDS_PROFILE}", f"cost.attention_backend={mode}"]
     rows = simulate(compose_config(small)).results.micro_batches().query("tokens > 0")
     ran = set(rows.attention_backend)
     assert ran == {"ours"} if mode == "ours" else ran <= {"ours", "cudnn", "fa4"}
@@ -184,12 +184,12 @@ def test_verl_dense_trains_dense_on_the_fastest_dense_backend():
     cfg = OmegaConf.to_object(compose_config([f"cost.profile={BACKENDS_PROFILE}"]))
     assert policy_cost(cfg.cost, OmegaConf.to_object(policy)).attention_backend == AttentionBackend.dense_best
     assert policy_cost(cfg.cost, OmegaConf.to_object(load_policy("verl"))) is cfg.cost
-    small = ["steps=2", "workload.global_batch=8", f"cost.profile={BACKENDS_PROFILE}"]
+    small = ["steps=2", "workload.global_batch=8", "layout.micro_batches=1", f"cost.profile={BACKENDS_PROFILE}"]
     dense = simulate(compose_config(small), policy).summary["step_ms"]
     ours_dense = simulate(compose_config(small), OmegaConf.merge(policy, {"attention_backend": None}))
     assert dense < ours_dense.summary["step_ms"]  # the fixture's dense backends beat our kernel dense
     with pytest.raises(ConfigError, match="cost.attention_backend=dense_best"):
-        simulate(compose_config(["steps=1", "workload.global_batch=8", f"cost.profile={PINNED_PROFILE}"]), policy)
+        simulate(compose_config(["steps=1", "workload.global_batch=8", "layout.micro_batches=1", f"cost.profile={PINNED_PROFILE}"]), policy)
 
 
 def test_compare_counts_verl_dense_only_where_the_profile_prices_a_dense_backend():

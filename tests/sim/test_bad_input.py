@@ -165,7 +165,7 @@ def test_one_bad_job_stops_a_sweep_before_any_job_runs(tmp_path):
 
 
 def test_force_lifts_the_size_guard_but_not_the_range_checks(tmp_path):
-    check_composition(["cluster.nodes=100000", "force=true", "workload.global_batch=800000", "steps=1"])
+    check_composition(["cluster.nodes=100000", "force=true", "workload.global_batch=800000", "layout.micro_batches=1", "steps=1"])
     with pytest.raises(ConfigError, match="workload.sigma=nan"):
         check_composition(["force=true", "workload.sigma=nan"])
 
