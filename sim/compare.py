@@ -33,7 +33,7 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
     from sparsebalance.sim.cluster import Cluster, Layout
     from sparsebalance.sim.config import AttentionBackend, PolicyConfig, compose_config, register
     from sparsebalance.sim.core import (ArgumentParser, ConfigError, did_you_mean, fail, group_options, hydra_reason,
-                                                interrupted, preset_overrides)
+                                        interrupted, preset_overrides)
     from sparsebalance.sim.cost import make_cost
     from sparsebalance.sim.engine import Engine, run_pipeline
     from sparsebalance.sim.plan import Plan

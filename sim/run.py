@@ -33,10 +33,10 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
 
     from sparsebalance.sim.cluster import Layout
     from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, register,
-                                                  validate)
+                                          validate)
     from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
-                                                did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
-                                                preset_overrides, quiet_interrupts_in_callbacks)
+                                        did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
+                                        preset_overrides, quiet_interrupts_in_callbacks)
     from sparsebalance.sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
     from sparsebalance.sim.engine import Engine
     from sparsebalance.sim.progress import with_progress
