@@ -34,6 +34,7 @@ from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_
                                     preset_overrides, quiet_interrupts_in_callbacks)
 from sparsebalance.sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
 from sparsebalance.sim.engine import Engine
+from sparsebalance.sim.profile import profile_source
 from sparsebalance.sim.progress import with_progress
 from sparsebalance.sim.results import Results
 from sparsebalance.sim.setup import load_policy, make_planner, policy_setup
@@ -71,6 +72,7 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     summary = results.summary(
         policy=row_label(policy), dp=layout.dp, cp=layout.cp, pp=layout.pp, micro_batches=layout.micro_batches,
         gpus=layout.gpus, seed=cfg.seed, model=cfg.model.name, workload=cfg.workload.name, cost=cfg.cost.name,
+        **profile_source(cfg.cost.profile if cfg.cost.name == "calibrated" else None),
     )
     return RunOutput(results, summary, kept)
 
