@@ -58,9 +58,12 @@ def _initial_tuples(costs: np.ndarray, k: int, equal_count: bool) -> list[tuple[
     return [(loads[start : start + k], members[start : start + k]) for start in range(0, len(loads), k)]
 
 
-def ldm_partition(costs: np.ndarray, k: int, equal_count: bool) -> list[list[int]]:
-    """Parts as index lists; within a tuple loads stay sorted heaviest first."""
-    tuples = _initial_tuples(costs, k, equal_count)
+def ldm_partition(costs, k: int, equal_count: bool) -> list[list[int]]:
+    """Public: ``costs`` (a list or array, e.g. sequence lengths or workloads) into ``k`` parts, as sorted index
+    lists, by the largest differencing method; ``equal_count``: every part the same number of items (the last
+    ones padded). The shape of verl's ``get_seqlen_balanced_partitions(seqlen_list, k_partitions, equal_size)``,
+    which ``benchmarks.plan_overhead`` times it as. Within a tuple loads stay sorted heaviest first."""
+    tuples = _initial_tuples(np.asarray(costs, dtype=np.float64), k, equal_count)
     if len(tuples) == 1:  # common inside a rank (micro-batches of one sequence): nothing to merge
         return [sorted(part) for part in tuples[0][1]]
     heap = []

@@ -137,6 +137,8 @@ class ClusterConfig:
     # bucket_cap_mb), overlapping the rest of that backward; 0: one all-reduce after it.
     grad_bucket_mb: float = bounded(25.0, Bound(0, 1e6))
     hbm_gb: float = bounded(MISSING, POSITIVE)  # HBM capacity per GPU, GB (1e9 bytes); sim.memory plans inside it
+    gpu: Optional[str] = None  # the GPU as cost profiles name it ("gpu"): a profile of another GPU is refused
+    profile: Optional[str] = None  # its measured cost profile: cost=calibrated's default cost.profile
 
 
 class CPMode(str, Enum):

@@ -236,6 +236,14 @@ class Plan:
         return tuple(rows[i] for i in np.flatnonzero((self.dp_ranks == dp_rank)
                                                       & (self.micro_batch_ids == micro_batch)).tolist())
 
+    def partitions(self) -> list[list[list[int]]]:
+        """The sequence ids of each (rank, micro-batch), ``[rank][micro_batch]``, in execution order: what
+        verl-style trainers take (with plain lengths planned at step 0, an id is the length's index)."""
+        out: list[list[list[int]]] = [[[] for _ in range(self.micro_batches)] for _ in range(self.dp)]
+        for seq_id, rank, mb in zip(self.seq_ids.tolist(), self.dp_ranks.tolist(), self.micro_batch_ids.tolist()):
+            out[rank][mb].append(seq_id)
+        return out
+
     def with_budgets(self, budgets: dict[int, Budget]) -> Plan:
         """A copy with the budgets of the given sequence ids replaced."""
         ids = self.seq_ids.tolist()

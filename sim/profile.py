@@ -2,10 +2,11 @@
 checking one. Every problem is one line naming the key, the file and the value (docs/CONTRACTS.md)."""
 from __future__ import annotations
 
+import hashlib
 import math
 
 from sparsebalance.sim.backends import backends_problem
-from sparsebalance.sim.core import read_checked_json
+from sparsebalance.sim.core import read_checked_json, resolve_path
 from sparsebalance.sim.tensor_parallel import efficiency_problem
 
 PROFILE_SCHEMA_VERSION = 2  # 2: per-term attention features (fwd_path; dkdv_path, dq_path, kv_waves)
@@ -28,6 +29,14 @@ PROFILE_FEATURES = {"attn_fwd": FWD_FEATURES, "attn_bwd": BWD_FEATURES, "select"
 
 
 PROFILE_KEYS = ("schema_version", "gpu", "provisional", "meta", "block_size", "terms")
+
+
+def profile_source(path: str | None) -> dict:
+    """What a run's summary records of the profile it priced on: its path as configured and the sha256 of its
+    bytes (both None without one: cost=roofline)."""
+    if path is None:
+        return {"profile": None, "profile_sha256": None}
+    return {"profile": path, "profile_sha256": hashlib.sha256(resolve_path(path).read_bytes()).hexdigest()}
 
 
 def load_profile(path: str, key: str = "cost.profile") -> dict:

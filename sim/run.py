@@ -39,6 +39,7 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
                                         preset_overrides, quiet_interrupts_in_callbacks)
     from sparsebalance.sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
     from sparsebalance.sim.engine import Engine
+    from sparsebalance.sim.profile import profile_source
     from sparsebalance.sim.progress import with_progress
     from sparsebalance.sim.results import Results
     from sparsebalance.sim.setup import load_policy, make_planner, policy_setup
@@ -79,6 +80,7 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
         gpus=layout.gpus, seed=cfg.seed, model=cfg.model.name, workload=cfg.workload.name, cost=cfg.cost.name,
         **({"cp_mode": layout.cp_mode} if layout.dynamic else {}),
         **({"tp": layout.tp} if layout.tp > 1 else {}),  # tp = 1 summaries keep their keys
+        **profile_source(cfg.cost.profile if cfg.cost.name == "calibrated" else None),
     )
     return RunOutput(results, summary, kept)
 

@@ -44,6 +44,7 @@ def prepare(cfg: RunConfig) -> Setup:
     cluster = Cluster.from_config(cfg.cluster)
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
     cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
+    check_profile_gpu(cfg, cost)
     memory = MemoryModel.from_config(cfg, layout, cost.block_size)
     return Setup(cluster, layout, cost, Workload(cfg.workload, cfg.model.max_context, cfg.seed), memory)
 
@@ -63,6 +64,15 @@ def policy_setup(cfg: RunConfig, policy: PolicyConfig | DictConfig | None = None
     """:func:`policy_run` and its prepared parts."""
     run = policy_run(cfg, policy)
     return run, prepare(run)
+
+
+def check_profile_gpu(cfg: RunConfig, cost: CostModel) -> None:
+    """A calibrated cost's profile must be measured on the cluster's GPU (where the cluster names one)."""
+    measured = getattr(cost, "profile", {}).get("gpu")
+    if cfg.cluster.gpu is not None and measured is not None and measured != cfg.cluster.gpu:
+        raise ConfigError(f"cost.profile={cfg.cost.profile!r} was measured on {measured}, but cluster={cfg.cluster.name} "
+                          f"is {cfg.cluster.gpu}; allowed: a profile of {cfg.cluster.gpu} (the cluster's own: "
+                          f"{cfg.cluster.profile})")
 
 
 def make_policy(policy: PolicyConfig):
