@@ -137,3 +137,61 @@ def test_compare_with_chosen_policies_prints_vs_best_over_them(monkeypatch, caps
     rows = lines[next(i for i, words in enumerate(lines) if words[:1] == ["policy"]) + 1:]
     vs_best = {row[0]: float(row[-1]) for row in rows}
     assert max(vs_best.values()) == 1.0 and set(vs_best) == {"baseline", "verl"}
+
+
+# ----------------------------------------------------------------------------- run directories
+def run_cli(monkeypatch, capsys, *overrides) -> tuple[int, list[str]]:
+    import sparsebalance.sim.run as sim_run
+
+    monkeypatch.setattr(sys, "argv", ["sim.run", *pinned(["steps=1", "baseline=null", *overrides])])
+    try:
+        sim_run.cli()
+        code = 0
+    except SystemExit as done:
+        code = done.code or 0
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_a_run_dir_with_results_is_refused_and_an_overwrite_leaves_nothing_of_the_old_run(tmp_path, monkeypatch,
+                                                                                          capsys):
+    run = tmp_path / "run"
+    assert run_cli(monkeypatch, capsys, f"hydra.run.dir={run}", "seed=1")[0] == 0
+    first = (run / "steps.csv").read_bytes()
+    (run / "figures").mkdir()
+    (run / "figures" / "timeline.png").write_bytes(b"old")
+    (run / "notes.txt").write_text("the user's")
+    code, err = run_cli(monkeypatch, capsys, f"hydra.run.dir={run}", "seed=2")
+    assert code == 2 and err == [f"error: hydra.run.dir={run} holds the results of an earlier run (micro_batches.csv); "
+                                 "allowed: another hydra.run.dir, or overwrite=true to replace them"]
+    assert (run / "steps.csv").read_bytes() == first
+    assert run_cli(monkeypatch, capsys, f"hydra.run.dir={run}", "seed=2", "overwrite=true")[0] == 0
+    assert (run / "steps.csv").read_bytes() != first and not (run / "figures").exists()
+    assert sorted(p.name for p in run.iterdir()) == [".hydra", "micro_batches.csv", "notes.txt", "plans.jsonl",
+                                                     "run.log", "steps.csv", "summary.json"]
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path, monkeypatch, capsys):
+    """A run in progress holds the directory's lock (made with O_EXCL): the second command is refused and the
+    first one's lock and directory stay as they were."""
+    from sparsebalance.sim.outputs import LOCK, Outputs, claimed_run_dir
+
+    run = tmp_path / "a" / "run"
+    with claimed_run_dir(Outputs(run, sweep=False), overwrite=False, job_name="run"):
+        code, err = run_cli(monkeypatch, capsys, f"hydra.run.dir={run}")
+        assert code == 2 and err == [f"error: hydra.run.dir={run}: another run is writing there (its lock: "
+                                     f"{run / LOCK}); allowed: another hydra.run.dir, or the lock removed once no run "
+                                     "uses the directory"]
+        assert [p.name for p in run.iterdir()] == [LOCK]
+        with pytest.raises(ConfigError, match="another run is writing there"):
+            with claimed_run_dir(Outputs(run, sweep=False), overwrite=True, job_name="run"):
+                pass
+    assert not (tmp_path / "a").exists()  # the directories made for the lock went with it
+
+
+def test_the_runner_refuses_overwrite():
+    pytest.importorskip("torch")
+    from sparsebalance.runner.dist import World
+    from sparsebalance.runner.train import check_inputs
+
+    with pytest.raises(ConfigError, match=r"^overwrite=true is sim.run's; runner.train does not replace"):
+        check_inputs(["+experiment=cpu_smoke", "overwrite=true"], World(rank=0, size=2, local_rank=0))
