@@ -1,6 +1,6 @@
 """Settings that a mode does not read, or that would not do what they say, are refused in one line naming why and
-what to use: the roofline's keys under a calibrated profile, a profile fitted on another block size or layer
-shape, empty micro-batches (sim.run and runner.train alike), and sim.compare's overrides of what it sets itself.
+what to use: the roofline's keys under a calibrated profile, a profile measured at another block size, empty
+micro-batches (sim.run and runner.train alike), and sim.compare's overrides of what it sets itself.
 """
 from __future__ import annotations
 
@@ -34,10 +34,6 @@ RUN_CASES = [
     (["cost.matmul_efficiency=0.5"], "cost.matmul_efficiency=0.5 is read by cost=roofline only"),
     (["cost.attn_bwd_ratio=3"], "cost.attn_bwd_ratio=3.0 is read by cost=roofline only"),
     (["cost.launch_ms=0.01"], "cost.launch_ms=0.01 is read by cost=roofline only"),
-    (["model=tiny"], "model 'tiny' has a layer shape (hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=1024) that "
-                     "the profile"),
-    (["model.ffn=4096"], "allowed: a model of the shapes fitted (llama3-8b, qwen2.5-3b; depth, vocabulary and "
-                         "context may differ), cost=roofline"),
     (["cost.name=roofline"], "cost.block_size is not set; cost=roofline needs a block size"),
     (["layout.micro_batches=16"], "layout.micro_batches=16 is more than the 8 sequences a DP rank gets "
                                   "(workload.global_batch=64 over dp=8), so micro-batches would be empty; allowed: "
@@ -48,7 +44,7 @@ RUN_CASES = [
 ]
 # What each refused setting's neighbour runs: the value that is read, or the mode that reads it.
 ACCEPTED = [["cost.block_size=128"], ["cost=roofline", "cost.block_size=64", "cost.attn_efficiency=0.5"],
-            ["model.layers=4", "model.vocab=1000"], ["cost=roofline", "model=tiny"], ["layout.micro_batches=8"],
+            ["layout.micro_batches=8"],
             ["cost.profile={block_64}"]]
 
 
