@@ -148,6 +148,7 @@ def run_cli(monkeypatch, capsys, *overrides) -> tuple[int, list[str]]:
     return code, capsys.readouterr().err.splitlines()
 
 
+@pytest.mark.slow  # three runs: over 3 s on a loaded machine
 def test_a_run_dir_with_results_is_refused_and_an_overwrite_leaves_nothing_of_the_old_run(tmp_path, monkeypatch,
                                                                                           capsys):
     run = tmp_path / "run"
