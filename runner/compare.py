@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -44,11 +45,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sparsebalance.runner.config import TrainConfig
 from sparsebalance.sim.cluster import Cluster, Layout
-from sparsebalance.sim.config import compose_config, validate
+from sparsebalance.sim.config import CostConfig, compose_config, validate
 from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, group_options,
                                     one_line_errors, write_json_atomic)
 from sparsebalance.sim.backends import OURS
-from sparsebalance.sim.cost import make_cost
+from sparsebalance.sim.cost import ROOFLINE_KEYS, make_cost
 from sparsebalance.sim.engine import Engine, PlanArrays
 from sparsebalance.sim.memory import GB, MemoryModel
 from sparsebalance.sim.plan import Budget, Plan
@@ -165,7 +166,9 @@ def replay(run_dir: Path, profile: str | None, skip: int) -> tuple[pd.DataFrame,
     layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
     # the run's own cost model: its block size is the one the kernel selected blocks at
     run_cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
-    cfg.cost.name, cfg.cost.profile = "calibrated", profile
+    # priced by the profile at its own block size and coefficients, whatever the run's roofline keys were
+    cfg.cost = replace(cfg.cost, name="calibrated", profile=profile,
+                       **{key: getattr(CostConfig, key) for key in ("block_size", *ROOFLINE_KEYS)})
     cost = make_cost(cfg.cost, cfg.model, cluster, recompute=cfg.memory.activation_checkpointing)
     engine = Engine(layout, cost, cluster)
     by_sequence = sequences.set_index(["step", "seq_id"])

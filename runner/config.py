@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 
 from sparsebalance.runner.task import TaskConfig
 from sparsebalance.sim.config import FRACTION, NON_NEGATIVE, POSITIVE, Bound, RunConfig, bounded
+from sparsebalance.sim.core import ConfigError
 
 # Process-group and collective timeouts become timedeltas and C++ milliseconds: a week is far beyond any
 # step, and far below where those overflow.
@@ -55,6 +56,9 @@ class TrainConfig(RunConfig):
 
     def check(self, prefix: str) -> None:
         super().check(prefix)
+        if self.overwrite:
+            raise ConfigError(f"{prefix}overwrite=true is sim.run's; runner.train does not replace a run's results; "
+                              "allowed: a new hydra.run.dir, or runner.resume=<checkpoint> to continue a run")
         self.runner.task.check_fits(self.model.vocab, self.workload.min_len, prefix)
 
 

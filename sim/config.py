@@ -369,6 +369,7 @@ class RunConfig:
     write_plans: bool = True
     plot: bool = False  # also draw the run's figures into <run dir>/figures (viz.callbacks.RunFigures)
     force: bool = False  # run even when the size guard (MAX_GPUS, MAX_GPU_STEPS, MAX_SEQUENCES) says it is too big
+    overwrite: bool = False  # sim.run: replace the results an earlier run left in hydra.run.dir (else refused)
 
     def check(self, prefix: str) -> None:
         self.check_size(prefix)

@@ -518,8 +518,6 @@ class CostModel(ABC):
 
 # The keys only the roofline model reads, beside the block size.
 ROOFLINE_KEYS = ("attn_efficiency", "matmul_efficiency", "attn_bwd_ratio", "launch_ms")
-# What a layer's time depends on beyond its token count: the model keys a calibrated profile's fit is valid for.
-LAYER_SHAPE_KEYS = ("hidden", "heads", "kv_heads", "head_dim", "ffn")
 
 
 class RooflineCost(CostModel):
@@ -564,7 +562,6 @@ class CalibratedCost(CostModel):
     def __init__(self, model: ModelConfig, cluster: Cluster, cfg: CostConfig) -> None:
         self.profile = load_profile(cfg.profile)
         check_calibrated_keys(cfg, self.profile)
-        check_profile_model(model, self.profile, cfg.profile)
         super().__init__(model, cluster, self.profile["block_size"])
         peers = self.profile.get("backends", {})
         self.dense_terms = {name: entry["terms"] for name, entry in peers.items() if not is_sparse(entry)}
@@ -594,21 +591,6 @@ def check_calibrated_keys(cfg: CostConfig, profile: dict) -> None:
         raise ConfigError(f"cost.{given[0]}={getattr(cfg, given[0])} is read by cost=roofline only; under "
                           f"cost=calibrated the profile's fitted coefficients price the kernels: drop it, or use "
                           f"cost=roofline cost.{given[0]}={getattr(cfg, given[0])}")
-
-
-def check_profile_model(model: ModelConfig, profile: dict, path: str) -> None:
-    """The run's layer shape must be one the profile was fitted on (its grid's models, where it names them):
-    the fitted coefficients hold for those shapes' tile sizes and arithmetic intensities, not for any shape."""
-    fitted = profile.get("meta", {}).get("grid", {}).get("models")
-    if not fitted:
-        return
-    wanted = {key: int(getattr(model, key)) for key in LAYER_SHAPE_KEYS}
-    if any({key: int(shape.get(key, -1)) for key in LAYER_SHAPE_KEYS} == wanted for shape in fitted.values()):
-        return
-    raise ConfigError(f"model {model.name!r} has a layer shape ({', '.join(f'{k}={v}' for k, v in wanted.items())}) "
-                      f"that the profile {path} was not fitted on; allowed: a model of the shapes fitted "
-                      f"({', '.join(sorted(fitted))}; depth, vocabulary and context may differ), cost=roofline, or "
-                      f"a profile calibrated on this model (python -m calibrate.run on a GPU)")
 
 
 COST_MODELS: dict[str, type[CostModel]] = {"roofline": RooflineCost, "calibrated": CalibratedCost}

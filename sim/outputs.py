@@ -8,9 +8,11 @@ may be one the user already keeps other files in (``hydra.run.dir=.``).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.grammar.utils import escape_special_characters
@@ -130,3 +132,43 @@ def discard_sweep(sweep: Outputs, job_name: str, files: tuple[str, ...] = FILES)
         with contextlib.suppress(OSError):
             directory.rmdir()
     return ""
+
+
+LOCK = ".run.lock"
+
+
+@contextlib.contextmanager
+def claimed_run_dir(outputs: Outputs, overwrite: bool, job_name: str, files: tuple[str, ...] = FILES
+                    ) -> Iterator[None]:
+    """A run directory for this command alone, while it runs. One that holds an earlier run's results is refused
+    unless ``overwrite``, which first removes everything of that run (``.hydra/``, its log, ``files``, figures);
+    a lock file made with O_EXCL refuses a second command into the same directory while this one runs. The lock,
+    and the directories made only for it, go when the command ends. A sweep's jobs get their own directories."""
+    if outputs.sweep:
+        yield
+        return
+    path = outputs.path
+    earlier = [name for name in (*files, "summary.json") if (path / name).exists()]
+    if earlier and not overwrite:
+        raise ConfigError(f"hydra.run.dir={path} holds the results of an earlier run ({earlier[0]}); allowed: "
+                          "another hydra.run.dir, or overwrite=true to replace them")
+    made = [d for d in (path, *path.parents) if not d.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = os.open(path / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        raise ConfigError(f"hydra.run.dir={path}: another run is writing there (its lock: {path / LOCK}); allowed: "
+                          "another hydra.run.dir, or the lock removed once no run uses the directory") from None
+    try:
+        os.write(lock, str(os.getpid()).encode())
+        if overwrite:
+            for name in (".hydra", f"{job_name}.log", "figures", *files):
+                entry = path / name
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(lock)
+        (path / LOCK).unlink(missing_ok=True)
+        for directory in made:  # deepest first; one that holds anything stays
+            with contextlib.suppress(OSError):
+                directory.rmdir()

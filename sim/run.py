@@ -37,7 +37,7 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
     from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
                                         did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
                                         preset_overrides, quiet_interrupts_in_callbacks)
-    from sparsebalance.sim.outputs import discard_outputs, discard_run, output_dir, pin_output_dir
+    from sparsebalance.sim.outputs import claimed_run_dir, discard_outputs, discard_run, output_dir, pin_output_dir
     from sparsebalance.sim.engine import Engine
     from sparsebalance.sim.profile import profile_source
     from sparsebalance.sim.progress import with_progress
@@ -391,9 +391,18 @@ def cli() -> None:
         fail(str(exc))
     sys.argv[1:] = argv
     try:
-        main()
+        with claimed_run_dir(outputs, overwrite(argv), "run"):
+            main()
+    except ConfigError as exc:
+        fail(str(exc))
     except KeyboardInterrupt:
         interrupted(discard_outputs(outputs, "run"))
+
+
+def overwrite(argv: list[str]) -> bool:
+    """The ``overwrite`` override's value (the composition checked its type)."""
+    values = [o.value() for o in parse(command_overrides(argv)) if o.get_key_element().lstrip("+") == "overwrite"]
+    return bool(values and values[-1] is True)
 
 
 def print_help(argv: list[str]) -> None:

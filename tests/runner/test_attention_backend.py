@@ -32,7 +32,7 @@ from sparsebalance.sim.backends import DENSE_FEATURES
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.run import simulate
-from tiny import ONE_RANK, TINY_ONE_RANK, fitted_on_tiny
+from tiny import ONE_RANK, TINY_ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -45,37 +45,29 @@ PER_TOKEN_MS = 2.3e-4  # reference's forward per token (its backward twice that)
 
 
 @pytest.fixture(scope="module")
-def backends_profile(tmp_path_factory) -> Path:
-    """The pinned profile with its made-up dense backends, fitted on the tiny model too."""
-    path = tmp_path_factory.mktemp("profile") / "backends.json"
-    path.write_text(json.dumps(fitted_on_tiny(json.loads(BACKENDS_PROFILE.read_text()))))
-    return path
-
-
-@pytest.fixture(scope="module")
-def profile(backends_profile) -> Path:
+def profile(tmp_path_factory) -> Path:
     """The pinned profile with ``reference`` as its only dense backend."""
-    priced = json.loads(backends_profile.read_text())
+    priced = json.loads(BACKENDS_PROFILE.read_text())
     zero = dict.fromkeys(DENSE_FEATURES, 0.0)
     priced["backends"] = {NAME: {"version": Reference().version(), "terms": {
         "attn_fwd": zero | {"tokens": PER_TOKEN_MS}, "attn_bwd": zero | {"tokens": 2 * PER_TOKEN_MS}}}}
-    path = backends_profile.with_name("reference.json")
+    path = tmp_path_factory.mktemp("profile") / "reference.json"
     path.write_text(json.dumps(priced))
     return path
 
 
 @pytest.fixture(scope="module")
-def sparse_profile(backends_profile) -> Path:
+def sparse_profile(tmp_path_factory) -> Path:
     """The pinned profile with ``reference`` and the sparse peer ``naive_sparse``: a fixed cost per call and
     kept FLOP, which beats ``reference`` on the larger micro-batches and our kernel on all of them."""
-    priced = json.loads(backends_profile.read_text())
+    priced = json.loads(BACKENDS_PROFILE.read_text())
     zero = dict.fromkeys(DENSE_FEATURES, 0.0)
     priced["backends"] = {
         NAME: {"version": Reference().version(), "terms": {
             "attn_fwd": zero | {"tokens": PER_TOKEN_MS}, "attn_bwd": zero | {"tokens": 2 * PER_TOKEN_MS}}},
         SPARSE: {"version": NaiveSparse().version(), "sparse": True, "terms": {
             "attn_fwd": zero | {"const": 0.05, "flops": 1e-12}, "attn_bwd": zero | {"const": 0.1, "flops": 2e-12}}}}
-    path = backends_profile.with_name("sparse_peer.json")
+    path = tmp_path_factory.mktemp("profile") / "sparse_peer.json"
     path.write_text(json.dumps(priced))
     return path
 
@@ -143,10 +135,10 @@ def test_a_hybrid_run_records_which_backend_ran_each_micro_batch(profile, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
-def test_a_dense_mode_whose_backends_need_a_gpu_is_one_line_before_anything_runs(backends_profile, tmp_path):
+def test_a_dense_mode_whose_backends_need_a_gpu_is_one_line_before_anything_runs(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *TINY,
-           f"cost.profile={backends_profile}", "cost.attention_backend=hybrid"]
+           f"cost.profile={BACKENDS_PROFILE}", "cost.attention_backend=hybrid"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2
@@ -158,10 +150,10 @@ def test_a_dense_mode_whose_backends_need_a_gpu_is_one_line_before_anything_runs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
-def test_a_policy_that_trains_dense_names_its_own_key(backends_profile):
+def test_a_policy_that_trains_dense_names_its_own_key():
     with pytest.raises(ConfigError, match=r"^policy\.attention_backend=dense_best: the cost profile prices the dense "
                                           r"backend cudnn, which cannot run here \(cudnn: absent"):
-        build_planner(compose([*TINY, f"cost.profile={backends_profile}", "policy=verl_dense"]), ONE_RANK)
+        build_planner(compose([*TINY, f"cost.profile={BACKENDS_PROFILE}", "policy=verl_dense"]), ONE_RANK)
 
 
 def test_dense_modes_refuse_context_parallel_processes(profile, reference):

@@ -10,11 +10,3 @@ TINY_ONE_RANK = [
     "workload.min_len=64", "workload.max_len=512", "workload.median=128", "seed=5", "policy=baseline",
     "runner.task.n_keys=16", "runner.task.n_values=16", "runner.task.max_pairs=4",
 ]
-
-
-def fitted_on_tiny(profile: dict) -> dict:
-    """A cost profile as if its grid had also timed the tiny model's layer shape, which a calibrated profile must
-    have been fitted on (sim.cost.check_profile_model)."""
-    shape = {o.split("=")[0][len("model."):]: int(o.split("=")[1]) for o in TINY_ONE_RANK if o.startswith("model.")}
-    profile["meta"]["grid"]["models"]["tiny"] = {"name": "tiny", **shape}
-    return profile

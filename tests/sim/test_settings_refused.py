@@ -1,6 +1,6 @@
 """Settings that a mode does not read, or that would not do what they say, are refused in one line naming why and
-what to use: the roofline's keys under a calibrated profile, a profile fitted on another block size or layer
-shape, empty micro-batches (sim.run and runner.train alike), and sim.compare's overrides of what it sets itself.
+what to use: the roofline's keys under a calibrated profile, a profile measured at another block size, empty
+micro-batches (sim.run and runner.train alike), and sim.compare's overrides of what it sets itself.
 """
 from __future__ import annotations
 
@@ -34,10 +34,6 @@ RUN_CASES = [
     (["cost.matmul_efficiency=0.5"], "cost.matmul_efficiency=0.5 is read by cost=roofline only"),
     (["cost.attn_bwd_ratio=3"], "cost.attn_bwd_ratio=3.0 is read by cost=roofline only"),
     (["cost.launch_ms=0.01"], "cost.launch_ms=0.01 is read by cost=roofline only"),
-    (["model=tiny"], "model 'tiny' has a layer shape (hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=1024) that "
-                     "the profile"),
-    (["model.ffn=4096"], "allowed: a model of the shapes fitted (llama3-8b, qwen2.5-3b; depth, vocabulary and "
-                         "context may differ), cost=roofline"),
     (["cost.name=roofline"], "cost.block_size is not set; cost=roofline needs a block size"),
     (["layout.micro_batches=16"], "layout.micro_batches=16 is more than the 8 sequences a DP rank gets "
                                   "(workload.global_batch=64 over dp=8), so micro-batches would be empty; allowed: "
@@ -48,7 +44,7 @@ RUN_CASES = [
 ]
 # What each refused setting's neighbour runs: the value that is read, or the mode that reads it.
 ACCEPTED = [["cost.block_size=128"], ["cost=roofline", "cost.block_size=64", "cost.attn_efficiency=0.5"],
-            ["model.layers=4", "model.vocab=1000"], ["cost=roofline", "model=tiny"], ["layout.micro_batches=8"],
+            ["layout.micro_batches=8"],
             ["cost.profile={block_64}"]]
 
 
@@ -137,3 +133,62 @@ def test_compare_with_chosen_policies_prints_vs_best_over_them(monkeypatch, caps
     rows = lines[next(i for i, words in enumerate(lines) if words[:1] == ["policy"]) + 1:]
     vs_best = {row[0]: float(row[-1]) for row in rows}
     assert max(vs_best.values()) == 1.0 and set(vs_best) == {"baseline", "verl"}
+
+
+# ----------------------------------------------------------------------------- run directories
+def run_cli(monkeypatch, capsys, *overrides) -> tuple[int, list[str]]:
+    import sparsebalance.sim.run as sim_run
+
+    monkeypatch.setattr(sys, "argv", ["sim.run", *pinned(["steps=1", "baseline=null", *overrides])])
+    try:
+        sim_run.cli()
+        code = 0
+    except SystemExit as done:
+        code = done.code or 0
+    return code, capsys.readouterr().err.splitlines()
+
+
+@pytest.mark.slow  # three runs: over 3 s on a loaded machine
+def test_a_run_dir_with_results_is_refused_and_an_overwrite_leaves_nothing_of_the_old_run(tmp_path, monkeypatch,
+                                                                                          capsys):
+    run = tmp_path / "run"
+    assert run_cli(monkeypatch, capsys, f"hydra.run.dir={run}", "seed=1")[0] == 0
+    first = (run / "steps.csv").read_bytes()
+    (run / "figures").mkdir()
+    (run / "figures" / "timeline.png").write_bytes(b"old")
+    (run / "notes.txt").write_text("the user's")
+    code, err = run_cli(monkeypatch, capsys, f"hydra.run.dir={run}", "seed=2")
+    assert code == 2 and err == [f"error: hydra.run.dir={run} holds the results of an earlier run (micro_batches.csv); "
+                                 "allowed: another hydra.run.dir, or overwrite=true to replace them"]
+    assert (run / "steps.csv").read_bytes() == first
+    assert run_cli(monkeypatch, capsys, f"hydra.run.dir={run}", "seed=2", "overwrite=true")[0] == 0
+    assert (run / "steps.csv").read_bytes() != first and not (run / "figures").exists()
+    assert sorted(p.name for p in run.iterdir()) == [".hydra", "micro_batches.csv", "notes.txt", "plans.jsonl",
+                                                     "run.log", "steps.csv", "summary.json"]
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path, monkeypatch, capsys):
+    """A run in progress holds the directory's lock (made with O_EXCL): the second command is refused and the
+    first one's lock and directory stay as they were."""
+    from sparsebalance.sim.outputs import LOCK, Outputs, claimed_run_dir
+
+    run = tmp_path / "a" / "run"
+    with claimed_run_dir(Outputs(run, sweep=False), overwrite=False, job_name="run"):
+        code, err = run_cli(monkeypatch, capsys, f"hydra.run.dir={run}")
+        assert code == 2 and err == [f"error: hydra.run.dir={run}: another run is writing there (its lock: "
+                                     f"{run / LOCK}); allowed: another hydra.run.dir, or the lock removed once no run "
+                                     "uses the directory"]
+        assert [p.name for p in run.iterdir()] == [LOCK]
+        with pytest.raises(ConfigError, match="another run is writing there"):
+            with claimed_run_dir(Outputs(run, sweep=False), overwrite=True, job_name="run"):
+                pass
+    assert not (tmp_path / "a").exists()  # the directories made for the lock went with it
+
+
+def test_the_runner_refuses_overwrite():
+    pytest.importorskip("torch")
+    from sparsebalance.runner.dist import World
+    from sparsebalance.runner.train import check_inputs
+
+    with pytest.raises(ConfigError, match=r"^overwrite=true is sim.run's; runner.train does not replace"):
+        check_inputs(["+experiment=cpu_smoke", "overwrite=true"], World(rank=0, size=2, local_rank=0))
