@@ -21,6 +21,7 @@ KEPT=${KEPT:-0.3,0.1}
 REPEATS=${REPEATS:-5}
 mkdir -p "$OUT"
 gpu_environment > "$OUT/environment.txt" || exit 1
+project_commit >>"$OUT/environment.txt"
 cat "$OUT/environment.txt"
 
 # The workload's lengths only have to fit the model's context; the bench draws no workload.

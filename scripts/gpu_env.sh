@@ -75,12 +75,25 @@ print('attention backends:', {name: b.version() for name, b in loaded.items()})
 print(*absent, sep='\n')"
 }
 
+project_commit() {
+  # The project's own commit: of the checkout whose root this is (with a note where files differ from it), else
+  # of the file .commit written beside the files when they were copied without their .git
+  # (git rev-parse HEAD >.commit), never of another repository that happens to enclose the copy.
+  if [ "$(git -C "$PWD" rev-parse --show-toplevel 2>/dev/null)" = "$PWD" ]; then
+    echo "commit $(git -C "$PWD" rev-parse HEAD)$(git -C "$PWD" diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
+  elif [ -f .commit ]; then
+    echo "commit $(head -c 40 .commit) (.commit, written when the files were copied)"
+  else
+    echo "commit unknown: $PWD is no git checkout's root and holds no .commit (git rev-parse HEAD >.commit before copying)"
+  fi
+}
+
 peers_report() {
-  # gpu_environment and peers_environment into $1 (the run's environment.txt), with the commit, printed too;
-  # called directly, not in a pipeline, since both export the PYTHONPATH of what they install.
+  # gpu_environment and peers_environment into $1 (the run's environment.txt), with the project's commit, printed
+  # too; called directly, not in a pipeline, since both export the PYTHONPATH of what they install.
   gpu_environment >"$1" 2>&1 && peers_environment >>"$1" 2>&1
   local code=$?
-  git log -1 --format='commit %H' >>"$1" 2>/dev/null
+  project_commit >>"$1"
   cat "$1"
   return "$code"
 }

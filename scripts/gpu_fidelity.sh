@@ -64,7 +64,7 @@ experiment() {
     peers_environment >>"$OUT/environment.txt" 2>&1
     code=$?
   fi
-  git log -1 --format='commit %H' >>"$OUT/environment.txt" 2>/dev/null
+  project_commit >>"$OUT/environment.txt"
   cat "$OUT/environment.txt"
   [ "$code" = 0 ] || exit 1
 

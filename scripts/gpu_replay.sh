@@ -30,6 +30,7 @@ WARMUP=${WARMUP:-1}
 POLICIES=${POLICIES:-baseline,lbb,verl,sparsebalance}
 mkdir -p "$OUT"
 gpu_environment || exit 1
+project_commit
 
 COMMON=(+experiment=paper "${GPU_OVERRIDES[@]}" "model.layers=$LAYERS" "model.vocab=$((151936 * LAYERS / 36))"
         "steps=$STEPS")

@@ -51,7 +51,7 @@ experiment() {
   cp "calibrate/profiles/$GPU.json" "$OUT/"
   [ -f "calibrate/profiles/$RAW.csv" ] && cp "calibrate/profiles/$RAW.csv" "calibrate/profiles/$RAW.meta.json" "$OUT/"
   part calibrate python3 -m calibrate.run --csv "$OUT/$RAW.csv" --backends "$BACKENDS" "${ONLY[@]}" --timing "$TIMING" \
-    --time-budget-s "$BUDGET_S" --code-version "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" || return 1
+    --time-budget-s "$BUDGET_S" --code-version "$(project_commit | cut -d' ' -f2 | cut -c1-7)" || return 1
   part fit python3 -m calibrate.fit --csv "$OUT/$RAW.csv" --out "$OUT/$GPU.json" --backends-only || return 1
   cp "$OUT/$GPU.json" "$PROFILE_OUT"
   part check python3 -m calibrate.fit --check "$OUT/$GPU.json" | tee "$OUT/check.txt"
