@@ -127,6 +127,9 @@ class _FeatureTap(CostModel):
         self.seen[term] = {f: float(np.asarray(v)[0]) for f, v in feats.items()}
         return np.zeros_like(feats["const"])
 
+    def launch_ms(self, term: str, const: np.ndarray) -> np.ndarray:
+        return np.zeros_like(const)  # tp = 1 here: the launch share of a TP split is never taken
+
     def features(self, lengths, kept_fractions) -> dict[str, dict[str, float]]:
         """Per-layer features of every term for one micro-batch."""
         self.micro_batch_cost(lengths, kept_fractions, Layout(dp=1))

@@ -139,6 +139,9 @@ def configured(base: DictConfig, candidate: Candidate, **top) -> RunConfig:
     return replace(typed, cost=policy_cost(typed.cost, typed.policy))
 
 
+EMPTY_MICRO_BATCHES = "more micro-batches than a DP rank's sequences (workload.global_batch / dp)"
+
+
 def feasibility(candidate: Candidate, base: DictConfig, longest: int | None) -> str | None:
     """Why the candidate cannot run (one reason, general enough to count), or None. With ``longest`` the
     candidate's settings are judged too: its micro-batches must all be fillable and the longest sequence must
@@ -150,11 +153,13 @@ def feasibility(candidate: Candidate, base: DictConfig, longest: int | None) -> 
         setup = prepare(cfg)
         make_planner(cfg, setup)
     except (ConfigError, OmegaConfBaseException) as exc:
+        if "micro-batches would be empty" in str(exc):  # the layout's fault, judged below with the candidate's
+            return None if longest is None else EMPTY_MICRO_BATCHES
         return refusal(str(exc).splitlines()[0])
     if longest is None:
         return None
     if setup.layout.dp * setup.layout.micro_batches > cfg.workload.global_batch:
-        return "more micro-batches than a DP rank's sequences (workload.global_batch / dp)"
+        return EMPTY_MICRO_BATCHES
     return memory_refusal(setup, longest)
 
 

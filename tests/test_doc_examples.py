@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import sparsebalance.sim.compare as sim_compare
+from sparsebalance.sim.core import preset_overrides
 from sparsebalance.sim.run import check_composition
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,8 @@ SKIPPED = {
     "python -m pytest": "the test suite itself",
     "python -m viz": "draws the sweeps of the commands before it (tests/viz run the command)",
     "python -m sim.run -m hydra/launcher=slurm": "submits to a Slurm cluster",
+    "python -m sim.advise": "a search, minutes long (tests/sim/test_advise.py runs the command and its override line)",
+    "M=": "a shell variable that the command after it reads",
 }
 # The names the README's planner loop leaves to the user's code.
 PLANNER_PRELUDE = """
@@ -102,7 +105,7 @@ def test_bash_command_passes_its_front_door_or_is_skipped_with_a_reason(where, c
     assert words[:2] == ["python", "-m"], f"{where}: {command}: no check for this command; add it or skip it"
     module, args = words[2], words[3:]
     if module == "sim.run":
-        check_composition(args)
+        check_composition(preset_overrides(args))  # experiment=<name> as sim.run's command line takes it
     elif module == "sim.compare":
         def stop(*_, **__):
             raise Checked
