@@ -142,7 +142,7 @@ def test_plans_are_the_simulators_byte_for_byte(cost_timed, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["layout.pp=2"], ["layout.pp=1", "layout.micro_batches=3"]], ids=["pp2", "pp1"])
+@pytest.mark.parametrize("layout", [["layout.pp=2"], ["layout.pp=1", "layout.micro_batches=2"]], ids=["pp2", "pp1"])
 def test_per_stage_times_compose_through_the_engines_schedule(tmp_path, layout):
     """Times that differ per rank, micro-batch, stage and phase: the step is the engine's 1F1B over them plus
     the modelled hand-offs and gradient all-reduce."""

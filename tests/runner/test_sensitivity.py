@@ -219,7 +219,7 @@ def test_checkpoint_to_simulator(checkpoint_dir, tmp_path, capsys):
     model = load_sensitivity_profile(str(profile))
     assert model.task == "retrieval" and model.lengths[0] == 128 and model.lengths[-1] == 256
     run_dir = tmp_path / "sim"
-    sim = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", f"hydra.run.dir={run_dir}", *PINNED_OVERRIDES, "steps=2",
+    sim = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", f"hydra.run.dir={run_dir}", *PINNED_OVERRIDES, "steps=2", "layout.micro_batches=2",
                           "workload.global_batch=16", f"workload.sensitivity_profile={profile}", "baseline=null"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr

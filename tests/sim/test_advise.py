@@ -21,7 +21,7 @@ from sparsebalance.sim.run import simulate
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
 # A 2-GPU run of a tiny model on the roofline cost model: seconds, not minutes.
-TINY = ["model=tiny", "cost=roofline", "cluster.gpus_per_node=2", "workload.global_batch=8", "workload.min_len=128",
+TINY = ["model=tiny", "cost=roofline", "cluster.gpus_per_node=2", "workload.global_batch=8", "layout.micro_batches=2", "workload.min_len=128",
         "workload.max_len=1024", "workload.median=256", "model.max_context=1024", "cost.block_size=32", "steps=3"]
 
 

@@ -45,7 +45,7 @@ def test_different_seed_changes_results(tmp_path):
 def test_a_run_without_plans_leaves_no_plans_file_not_even_an_earlier_runs(tmp_path):
     assert sim_run(tmp_path, "seed=1").returncode == 0
     assert (tmp_path / "plans.jsonl").stat().st_size > 0
-    done = sim_run(tmp_path, "seed=2", "write_plans=false")
+    done = sim_run(tmp_path, "seed=2", "write_plans=false", "overwrite=true")
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "plans.jsonl").exists()
     assert "plans.jsonl" not in done.stdout and "steps.csv" in done.stdout
