@@ -154,7 +154,7 @@ class Planned:
 
     @dataclass(frozen=True)
     class Params:
-        pass
+        """No parameters: the budgets are the batching policy's."""
 
     def __init__(self, params: Params) -> None:
         self.params = params
