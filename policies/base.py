@@ -13,6 +13,7 @@ import numpy as np
 
 from sparsebalance.policies.pipeline_fit import fitted
 from sparsebalance.policies.repack import repack
+from sparsebalance.sim.balance import verl_order
 from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.cost import CostModel
 from sparsebalance.sim.estimate import Belief
@@ -159,13 +160,6 @@ def batch_arrays(batch: list[Request]) -> tuple[np.ndarray, np.ndarray]:
     ids = np.fromiter((s.id for s in batch), dtype=np.int64, count=len(batch))
     lengths = np.fromiter((s.length for s in batch), dtype=np.int64, count=len(batch))
     return ids, lengths
-
-
-def verl_order(loads) -> list[int]:
-    """Micro-batches heaviest first, then every other one reversed followed by the rest: the lightest at
-    both ends of the pipeline and the heaviest in the middle, where the steady state hides it (verl)."""
-    by_load = sorted(range(len(loads)), key=lambda j: (loads[j], j), reverse=True)
-    return by_load[::2][::-1] + by_load[1::2]
 
 
 def reorder(plan: Plan, orders: np.ndarray) -> Plan:

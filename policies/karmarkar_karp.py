@@ -1,10 +1,7 @@
 """``karmarkar_karp``: the largest differencing method (Karmarkar & Karp 1982) for k-way partitioning.
 
-Every item starts as a k-tuple of partial parts; repeatedly the two tuples with the largest spread
-(max - min load) are merged, pairing the heavier parts of one with the lighter parts of the other,
-so large differences cancel early. ``equal_count`` starts from tuples that already hold one item per
-part (the balanced variant used by length-balanced batching), so every part ends with the same number
-of sequences (padding with zero-cost placeholders when k does not divide n).
+The LDM itself (``ldm_partition``, public: verl's ``get_seqlen_balanced_partitions`` in shape) is
+``sim.balance``'s, which imports numpy only; this module adds the policy around it.
 
 LDM is better than greedy LPT on average but not on every instance (e.g. costs
 [1, 1, 1, 103, 47, 55, 247, 249, 343, 485, 295, 340] into 3 parts: LDM 739, LPT 737), so the
@@ -24,7 +21,6 @@ down, within ``EXACT_NODES`` nodes; the result is never worse than the local sea
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +30,7 @@ from sparsebalance.policies.base import PartitionParams, PartitionPolicy
 from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.policy import register_batching
 from sparsebalance.policies.lpt import lpt_partition
+from sparsebalance.sim.balance import ldm_partition
 
 MAX_EXCHANGES_PER_ITEM = 4  # bounds the local search; every exchange strictly lowers the heaviest load
 # Many items: stop within this share above the even spread, a lower bound of the optimum (on many items
@@ -44,46 +41,6 @@ MAX_SWEEPS = 32  # paired sweeps before the heaviest part's exchanges (each swee
 BUNDLE_ITEMS = 32  # up to this many items exchanges may also take two items from a part at once
 EXACT_ITEMS = 12  # up to this many items the branch and bound runs after the local search
 EXACT_NODES = 5_000  # its bound on search nodes (a few ms in Python); past it the best assignment found stays
-
-
-def _initial_tuples(costs: np.ndarray, k: int, equal_count: bool) -> list[tuple[list[float], list[list[int]]]]:
-    order = np.argsort(-costs, kind="stable").tolist()
-    costs = costs.tolist()  # Python floats: this runs once per rank and step, numpy scalars are slow here
-    if not equal_count:
-        return [([costs[i]] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]) for i in order]
-    pad = -len(order) % k  # zero-cost placeholders (empty members) complete the last tuple
-    loads = [costs[i] for i in order] + [0.0] * pad
-    members = [[i] for i in order] + [[] for _ in range(pad)]
-    # Consecutive chunks of descending costs, so every tuple is sorted heaviest first.
-    return [(loads[start : start + k], members[start : start + k]) for start in range(0, len(loads), k)]
-
-
-def ldm_partition(costs, k: int, equal_count: bool) -> list[list[int]]:
-    """Public: ``costs`` (a list or array, e.g. sequence lengths or workloads) into ``k`` parts, as sorted index
-    lists, by the largest differencing method; ``equal_count``: every part the same number of items (the last
-    ones padded). The shape of verl's ``get_seqlen_balanced_partitions(seqlen_list, k_partitions, equal_size)``,
-    which ``benchmarks.plan_overhead`` times it as. Within a tuple loads stay sorted heaviest first."""
-    tuples = _initial_tuples(np.asarray(costs, dtype=np.float64), k, equal_count)
-    if len(tuples) == 1:  # common inside a rank (micro-batches of one sequence): nothing to merge
-        return [sorted(part) for part in tuples[0][1]]
-    heap = []
-    for n, (loads, members) in enumerate(tuples):
-        heap.append((loads[-1] - loads[0], n, loads, members))  # key: minus the spread
-    heapq.heapify(heap)
-    counter = len(heap)
-    while len(heap) > 1:
-        _, _, loads_a, members_a = heapq.heappop(heap)
-        _, _, loads_b, members_b = heapq.heappop(heap)
-        sums = [x + y for x, y in zip(loads_a, reversed(loads_b))]
-        members_b = members_b[::-1]  # paired as the loads: the heavier parts of a with the lighter parts of b
-        # Heaviest first; reverse=True keeps equal loads in pairing order, as a stable sort on -load does.
-        order = sorted(range(k), key=sums.__getitem__, reverse=True)
-        loads = [sums[i] for i in order]
-        heapq.heappush(heap, (loads[-1] - loads[0], counter, loads, [members_a[i] + members_b[i] for i in order]))
-        counter += 1
-    if not heap:
-        return [[] for _ in range(k)]
-    return [sorted(part) for part in heap[0][3]]
 
 
 @register_batching("karmarkar_karp")

@@ -18,19 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsebalance.policies.base import PartitionParams, PartitionPolicy, PipelineOrder, batch_arrays
-from sparsebalance.policies.karmarkar_karp import ldm_partition, refined_partition
+from sparsebalance.policies.karmarkar_karp import refined_partition
+from sparsebalance.sim.balance import ldm_partition, verl_workload
 from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.cost import CostModel
 from sparsebalance.sim.policy import register_batching
 from sparsebalance.sim.estimate import Belief
 from sparsebalance.sim.workload import Request
-
-LINEAR_WEIGHT = 24576  # verl's calculate_workload: 24576 * seqlen + seqlen ** 2
-
-
-def verl_workload(lengths: np.ndarray) -> np.ndarray:
-    lengths = lengths.astype(np.float64)
-    return LINEAR_WEIGHT * lengths + lengths**2
 
 
 @register_batching("verl")

@@ -10,3 +10,8 @@ from pathlib import Path
 _checkout = Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "sim" / "__init__.py").is_file():
     __path__.append(str(_checkout))
+
+# The library's front door (after the path above, which it imports through).
+from sparsebalance.front_door import Partition, partition  # noqa: E402
+
+__all__ = ["Partition", "partition"]
