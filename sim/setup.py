@@ -2,6 +2,8 @@
 planner (policies plus estimator) that the simulator and the runner plan through."""
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -101,5 +103,12 @@ def make_planner(cfg: RunConfig, setup: Setup, policy: PolicyConfig | None = Non
 def build_planner(policy: str = "sparsebalance", overrides: Sequence[str] = ()) -> Planner:
     """A planner for another trainer's loop, from this project's configs by name: ``policy`` one of conf/policy/,
     ``overrides`` as on sim.run's command line (``+experiment=paper``, ``layout.dp=4``, ``model=tiny``). The
-    caller needs no Hydra: it gets a ``sim.planner.Planner`` (plan / observe)."""
-    return make_planner(*policy_setup(OmegaConf.to_object(compose_config([f"policy={policy}", *overrides]))))
+    caller needs no Hydra: it gets a ``sim.planner.Planner`` (plan / observe). Each call builds a new planner; the
+    composition of a set of arguments is done once per process (Hydra's is most of the time)."""
+    return make_planner(*policy_setup(copy.deepcopy(composed_run((f"policy={policy}", *overrides)))))
+
+
+@functools.lru_cache(maxsize=32)
+def composed_run(overrides: tuple[str, ...]) -> RunConfig:
+    """The typed run config of ``overrides``, composed once (callers get deep copies: RunConfig is mutable)."""
+    return OmegaConf.to_object(compose_config(list(overrides)))

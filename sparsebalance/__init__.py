@@ -13,5 +13,6 @@ if (_checkout / "pyproject.toml").is_file() and (_checkout / "sim" / "__init__.p
 
 # The library's front door (after the path above, which it imports through).
 from sparsebalance.front_door import Partition, partition  # noqa: E402
+from sparsebalance.sim.plan import Budget  # noqa: E402
 
-__all__ = ["Partition", "partition"]
+__all__ = ["Budget", "Partition", "partition"]

@@ -9,6 +9,7 @@ composition, seconds on a small machine.
 """
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -132,15 +133,12 @@ def _planner(policy: str, model: str | None, cluster: str | None, dp: int, micro
              tp: int):
     """The project's Planner of ``policy`` on this layout, its GPUs sized to the layout (nodes of the cluster's
     size, or one node of fewer GPUs), without the step-time prediction nobody here reads."""
-    from omegaconf import OmegaConf
-
-    from sparsebalance.sim.config import compose_config
-    from sparsebalance.sim.setup import make_planner, policy_setup
+    from sparsebalance.sim.setup import composed_run, make_planner, policy_setup
 
     overrides = [f"policy={policy}", f"layout.dp={dp}", f"layout.micro_batches={micro_batches}", f"layout.pp={pp}",
                  f"layout.cp={cp}", f"layout.tp={tp}", *([f"cluster={cluster}"] if cluster else []),
                  *_model_overrides(model)]
-    cfg = OmegaConf.to_object(compose_config(overrides))
+    cfg = copy.deepcopy(composed_run(tuple(overrides)))
     gpus, per_node = dp * pp * cp * tp, cfg.cluster.gpus_per_node
     nodes, per_node = (gpus // per_node, per_node) if gpus % per_node == 0 else (1, gpus)
     cfg = replace(cfg, cluster=replace(cfg.cluster, nodes=nodes, gpus_per_node=per_node))
