@@ -21,10 +21,11 @@ from sparsebalance.calibrate.report import (HELDOUT_TARGET_PCT, VALIDATION_TARGE
                                             print_report)
 from sparsebalance.calibrate.run import DEFAULT_CSV, meta_path, read_runs
 from sparsebalance.sim.backends import OURS
+from sparsebalance.sim.cluster import default_kind
 from sparsebalance.sim.core import ArgumentParser, ConfigError, check_writable, one_line_errors
 from sparsebalance.sim.profile import load_profile
 
-DEFAULT_OUT = DEFAULT_CSV.with_name("h200.json")
+DEFAULT_OUT = DEFAULT_CSV.with_name(f"{default_kind().gpu}.json")
 ROOT = Path(__file__).resolve().parents[1]
 RAW_SUFFIX = "_raw.csv"  # calibrate/profiles/<gpu>_raw.csv is fitted into <gpu>.json
 
@@ -56,7 +57,7 @@ def output_names(args: argparse.Namespace) -> tuple[str, Path]:
                           f"<gpu>{RAW_SUFFIX}, or --gpu and --out")
     gpu = named if args.gpu is None else args.gpu
     if not gpu.strip():
-        raise ConfigError(f"--gpu={gpu!r}: allowed: a non-empty name, such as h200")
+        raise ConfigError(f"--gpu={gpu!r}: allowed: a non-empty name, such as {default_kind().gpu}")
     return gpu, args.csv.with_name(f"{named}.json") if args.out is None else args.out
 
 
@@ -108,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     grid = runs[-1]["grid"]
     measured = load_measurements(args.csv)
     measurements = [m for m in measured if m.backend == OURS]  # our kernel's and the layer's
-    features = FeatureSource(grid["models"], grid["block_size"])
     fit_command = shlex.join(["python", "-m", "calibrate.fit", *(sys.argv[1:] if argv is None else argv)])
     if not measurements and not args.backends_only:
         raise ConfigError(f"--csv {args.csv}: holds no measurements of our kernel or the layer (calibrate.run "
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote the backends of {out}")
             return 0
         trained, stepped = as_trained(measurements)
+        features = FeatureSource(grid["models"], grid["block_size"], gpu)  # the launch features need its GPU kind
         fitted = fit_all(trained, features)
     except ConfigError as exc:
         raise ConfigError(f"--csv {args.csv}: {exc}") from None

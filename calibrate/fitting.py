@@ -23,7 +23,7 @@ from sparsebalance.calibrate.grid import TERMS as GRID_TERMS
 from sparsebalance.calibrate.grid import GridPoint
 from sparsebalance.calibrate.linear import COLLINEAR, TermFit, fit_term, predict
 from sparsebalance.calibrate.run import read_runs
-from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.cluster import Layout, gpu_kind
 from sparsebalance.sim.config import ModelConfig
 from sparsebalance.sim.core import ConfigError, write_checked_json
 from sparsebalance.sim.backends import BACKEND_NAME, DENSE_TERMS, OURS
@@ -118,9 +118,11 @@ def load_measurements(csv: Path) -> list[Measurement]:
 class _FeatureTap(CostModel):
     """A CostModel that records the features each term is priced on instead of pricing them."""
 
-    def __init__(self, model: ModelConfig, block_size: int) -> None:
-        # One GPU, cp = 1: the ring exchange (the only user of the cluster) is never priced.
+    def __init__(self, model: ModelConfig, block_size: int, sm_count: int) -> None:
+        # One GPU, cp = 1: the ring exchange (the only user of the cluster) is never priced; of the GPU the launch
+        # features need its multiprocessors.
         super().__init__(model, cluster=None, block_size=block_size)
+        self.sm_count = sm_count
         self.seen: dict[str, dict[str, float]] = {}
 
     def term_ms(self, term: str, feats: dict[str, np.ndarray]) -> np.ndarray:
@@ -137,13 +139,15 @@ class _FeatureTap(CostModel):
 
 
 class FeatureSource:
-    """Features of a measurement, by model name (shapes as recorded in the run's metadata)."""
+    """Features of a measurement, by model name (shapes as recorded in the run's metadata), on the GPU kind ``gpu``
+    of conf/cluster the measurements ran on."""
 
-    def __init__(self, models: dict[str, dict], block_size: int) -> None:
+    def __init__(self, models: dict[str, dict], block_size: int, gpu: str) -> None:
         # A recorded shape may carry more than the simulator prices (the runner's rope_theta), and less:
         # a field added to ModelConfig after the run keeps its default.
         keys = [f.name for f in fields(ModelConfig)]
-        self.taps = {name: _FeatureTap(ModelConfig(**{k: shape[k] for k in keys if k in shape}), block_size)
+        sm_count = gpu_kind(gpu, "gpu").sm_count
+        self.taps = {name: _FeatureTap(ModelConfig(**{k: shape[k] for k in keys if k in shape}), block_size, sm_count)
                      for name, shape in models.items()}
 
     def __call__(self, m: Measurement) -> dict[str, dict[str, float]]:

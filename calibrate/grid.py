@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass, replace
 
 from sparsebalance.sim.backends import DENSE_TERMS, OURS
+from sparsebalance.sim.cluster import default_kind
 from sparsebalance.sim.shapes import ModelShape
 
 K = 1024
@@ -196,18 +197,21 @@ def build_grid(models: list[ModelShape], backends: tuple[str, ...] = (),
     return [v for m in models for v in validation_points(m)] + points
 
 
-# Rough H200 rates for sizing the run (repetitions, ordering, the dry-run estimate), not for the fit.
-_ATTN_TFLOPS = 250.0
-_GEMM_TFLOPS = 600.0
+# Rough rates for sizing the run (repetitions, ordering, the dry-run estimate), not for the fit: shares of the
+# default GPU kind's dense peak, as an H200 reached about 250 and 600 of its 989 TFLOP/s in attention and GEMMs.
+ATTN_PEAK_SHARE = 250 / 989
+GEMM_PEAK_SHARE = 600 / 989
 _LAUNCH_MS = 0.05
 
 
 def estimate_term_ms(term: str, point: GridPoint, shape: ModelShape) -> float:
     """Roofline guess of one call's time in ms."""
     attn_fwd = 2.0 * kept_work(point.lengths, point.kept_fractions) * shape.heads * shape.head_dim
-    attn_ms = attn_fwd / (_ATTN_TFLOPS * 1e9)
-    gemm_ms = 2.0 * point.tokens * shape.params_per_layer / (_GEMM_TFLOPS * 1e9)
-    select_ms = 4.0 * point.tokens * shape.heads * shape.head_dim / (_ATTN_TFLOPS * 1e9)
+    peak = default_kind().peak_tflops
+    attn_tflops, gemm_tflops = peak * ATTN_PEAK_SHARE, peak * GEMM_PEAK_SHARE
+    attn_ms = attn_fwd / (attn_tflops * 1e9)
+    gemm_ms = 2.0 * point.tokens * shape.params_per_layer / (gemm_tflops * 1e9)
+    select_ms = 4.0 * point.tokens * shape.heads * shape.head_dim / (attn_tflops * 1e9)
     by_term = {
         "select": select_ms,
         "attn_fwd": attn_ms,

@@ -32,11 +32,12 @@ from sparsebalance.calibrate import grid, store, timing
 from sparsebalance.kernels.backends import BACKENDS, is_sparse_backend, load_all
 from sparsebalance.calibrate.grid import GridPoint, build_grid
 from sparsebalance.sim.backends import OURS
+from sparsebalance.sim.cluster import default_kind
 from sparsebalance.sim.core import ArgumentParser, ConfigError, number_list, one_line_errors
 from sparsebalance.sim.progress import with_progress
 from sparsebalance.sim.shapes import ModelShape, load_shapes, model_names
 
-DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / "h200_raw.csv"
+DEFAULT_CSV = Path(__file__).resolve().parent / "profiles" / f"{default_kind().gpu}_raw.csv"  # the default cluster's GPU
 # The layer shapes the simulator's profile prices (conf/model/ also holds the runner's small learning model).
 CALIBRATED_MODELS = ("llama3-8b", "qwen2.5-3b")
 

@@ -44,7 +44,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sparsebalance.runner.config import TrainConfig
-from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.cluster import Cluster, Layout, default_kind
 from sparsebalance.sim.config import CostConfig, compose_config, validate
 from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, group_options,
                                     one_line_errors, write_json_atomic)
@@ -55,7 +55,7 @@ from sparsebalance.sim.memory import GB, MemoryModel
 from sparsebalance.sim.plan import Budget, Plan
 from sparsebalance.sim.setup import policy_run
 
-DEFAULT_PROFILE = "calibrate/profiles/h200.json"
+DEFAULT_PROFILE = default_kind().profile  # the default cluster's measured profile
 # What the replay reads of each file, beyond its existence.
 COLUMNS = {"steps.csv": ("step", "step_ms"), "sequences.csv": ("step", "seq_id", "sensitivity", "kept_fraction"),
            "micro_batches.csv": ("step", "dp_rank", "micro_batch", "stage")}
@@ -227,7 +227,7 @@ def profile_for(run_dir: Path, device: str, profile: str | None) -> str:
         return profile or DEFAULT_PROFILE
     if profile is None:
         raise ConfigError(f"{run_dir} ran on the CPU (summary.json device={device!r}), and no cost profile describes a "
-                          f"CPU: {DEFAULT_PROFILE} prices an H200, so its errors would measure the CPU against that GPU; "
+                          f"CPU: {DEFAULT_PROFILE} prices the {default_kind().gpu}, so its errors would measure the CPU against that GPU; "
                           "allowed: a run on a GPU, or a GPU's profile named to price this one anyway (runner.compare "
                           "--profile PATH: a check of the pipeline, not of the cost model)")
     print(f"note: {run_dir} ran on the CPU, which no cost profile describes: priced by {profile}, its errors measure "

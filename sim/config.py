@@ -129,6 +129,8 @@ class ClusterConfig:
     nodes: int = bounded(1, AT_LEAST_ONE)
     gpus_per_node: int = bounded(8, AT_LEAST_ONE)
     peak_tflops: float = bounded(MISSING, POSITIVE)  # dense bf16 tensor-core peak per GPU
+    sparse_peak_tflops: float = bounded(MISSING, POSITIVE)  # the same with 2:4 sparsity: the most the GPU claims
+    sm_count: int = bounded(MISSING, AT_LEAST_ONE)  # streaming multiprocessors: one wave of a kernel's programs
     hbm_tbps: float = bounded(MISSING, POSITIVE)  # HBM bandwidth per GPU, TB/s
     intra: TierConfig = field(default_factory=TierConfig)  # inside a node
     inter: TierConfig = field(default_factory=TierConfig)  # between nodes

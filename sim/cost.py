@@ -28,7 +28,7 @@ from sparsebalance.sim.config import CostConfig, ModelConfig
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.cp_shards import kept_in_row, kept_rows, slowest_rank_extra
 from sparsebalance.sim.groups import Groups
-from sparsebalance.sim.profile import ATTENTION_FEATURES, DKDV_SLOTS, PROFILE_FEATURES, WAVE, load_profile
+from sparsebalance.sim.profile import ATTENTION_FEATURES, DKDV_PER_SM, PROFILE_FEATURES, load_profile
 from sparsebalance.sim.shapes import ModelShape
 from sparsebalance.sim import tensor_parallel as tp_split
 from sparsebalance.sim.workload import Sequence
@@ -99,7 +99,8 @@ def _sequence_attention(lengths: np.ndarray, kept: np.ndarray, model: ModelConfi
     }
 
 
-def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: int, cp: int = 1) -> dict:
+def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: int, sm_count: int,
+                     cp: int = 1) -> dict:
     """Add the kernels' launch features to summed features ``feats`` (one entry per micro-batch, per CP rank)
     given each micro-batch's longest row and busiest key block (blocks; largest over its sequences).
 
@@ -110,8 +111,8 @@ def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: 
     * ``dq_path``: the same for the dQ kernel, where it runs before dK/dV (not overlapped with it);
     * ``dkdv_path``: the larger of the longest dK/dV program (the GQA group's query heads over the busiest key
       block's query blocks, for one key tile, four matmuls each) and the dK/dV work (twice the forward's
-      matmuls) spread over DKDV_SLOTS resident programs;
-    * ``kv_waves``: the dK/dV programs in whole waves of WAVE (each wave loads and stores its tiles).
+      matmuls) spread over the DKDV_PER_SM x ``sm_count`` resident programs;
+    * ``kv_waves``: the dK/dV programs in whole waves of ``sm_count`` (each wave loads and stores its tiles).
 
     FLOP features are forward-FLOP-like units of one call. Under CP (``feats`` already 1/cp each) the longest
     programs are 1/cp as well; the tile class follows the undivided row, as one rank holds whole rows.
@@ -120,15 +121,16 @@ def _launch_features(feats: dict, row, busiest, model: ModelConfig, block_size: 
     head_pair_flops = _head_pair_flops(model, block_size)
     tile_rows = np.where(row * block_size < SHORT_ROW_TOKENS, min(64, block_size), min(128, block_size))
     fwd_path = row * head_pair_flops * tile_rows / block_size / cp
-    overlapped = feats["kv_blocks"] <= OVERLAP_MAX_PROGRAMS_PER_SM * WAVE
+    overlapped = feats["kv_blocks"] <= OVERLAP_MAX_PROGRAMS_PER_SM * sm_count
     group = model.heads // model.kv_heads
     longest_dkdv = group * np.asarray(busiest, dtype=np.float64) * 2.0 * head_pair_flops \
         * min(DKDV_KEYS, block_size) / block_size / cp
     return feats | {
         "fwd_path": fwd_path,
         "dq_path": np.where(overlapped, 0.0, fwd_path),
-        "dkdv_path": np.maximum(longest_dkdv, 2.0 * np.asarray(feats["flops"], dtype=np.float64) / DKDV_SLOTS),
-        "kv_waves": np.ceil(np.asarray(feats["kv_blocks"], dtype=np.float64) / WAVE),
+        "dkdv_path": np.maximum(longest_dkdv, 2.0 * np.asarray(feats["flops"], dtype=np.float64)
+                                / (DKDV_PER_SM * sm_count)),
+        "kv_waves": np.ceil(np.asarray(feats["kv_blocks"], dtype=np.float64) / sm_count),
     }
 
 
@@ -140,14 +142,15 @@ def summed_features(per_seq: dict, groups: Groups, cp: int = 1) -> dict[str, np.
     return out
 
 
-def grouped_attention(per_seq: dict, groups: Groups, model: ModelConfig, block_size: int, cp: int = 1,
+def grouped_attention(per_seq: dict, groups: Groups, model: ModelConfig, block_size: int, sm_count: int, cp: int = 1,
                       extra_flops=0.0, summed: dict | None = None) -> dict[str, np.ndarray]:
     """Attention features of the micro-batches of ``groups`` from _sequence_attention's ``per_seq``: the summed
     ones (``summed``, else :func:`summed_features`; ``flops`` plus ``extra_flops``, the slowest CP rank's excess)
     and the launch features of each micro-batch's longest row and busiest key block (_launch_features)."""
     out = dict(summed_features(per_seq, groups, cp) if summed is None else summed)
     out["flops"] = out["flops"] + extra_flops
-    return _launch_features(out, groups.max(per_seq["row"]), groups.max(per_seq["busiest"]), model, block_size, cp)
+    return _launch_features(out, groups.max(per_seq["row"]), groups.max(per_seq["busiest"]), model, block_size,
+                            sm_count, cp)
 
 
 def select_features(per_seq: dict, summed: dict, kept: np.ndarray, groups: Groups, cp: int = 1) -> dict:
@@ -166,8 +169,9 @@ def select_features(per_seq: dict, summed: dict, kept: np.ndarray, groups: Group
     return {k: v.reshape(-1) for k, v in out.items()}
 
 
-def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: int) -> dict[str, float]:
-    """Features of one attention call (one layer, forward) over a micro-batch of documents.
+def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: int, sm_count: int) -> dict[str, float]:
+    """Features of one attention call (one layer, forward) over a micro-batch of documents, on a GPU of
+    ``sm_count`` multiprocessors.
 
     ``const`` counts the call, ``tokens`` the tokens, ``blocks`` the causal (query, key) block
     pairs times heads (the selection's scoring work), ``flops`` the FLOPs of the kept blocks,
@@ -175,7 +179,8 @@ def attention_features(lengths, kept_fractions, model: ModelConfig, block_size: 
     _launch_features (``fwd_path``, ``dq_path``, ``dkdv_path``, ``kv_waves``: what bounds small batches).
     """
     per_seq = _sequence_attention(np.asarray(lengths), np.asarray(kept_fractions), model, block_size)
-    feats = grouped_attention(per_seq, Groups(np.zeros(per_seq["tokens"].size, dtype=np.int64), 1), model, block_size)
+    feats = grouped_attention(per_seq, Groups(np.zeros(per_seq["tokens"].size, dtype=np.int64), 1), model, block_size,
+                              sm_count)
     return {k: float(v[0]) for k, v in feats.items()}
 
 
@@ -210,7 +215,8 @@ def layer_features(tokens: float, model: ModelConfig) -> dict[str, float]:
 
 def training_flops(lengths, kept_fractions, model: ModelConfig, block_size: int) -> float:
     """FLOPs a training step executes for these documents (backward counted as 2x forward, as in MFU)."""
-    attn = attention_features(lengths, kept_fractions, model, block_size)["flops"]
+    per_seq = _sequence_attention(np.asarray(lengths), np.asarray(kept_fractions), model, block_size)
+    attn = float(summed_features(per_seq, Groups(np.zeros(per_seq["tokens"].size, dtype=np.int64), 1))["flops"][0])
     layer = layer_features(float(np.sum(lengths)), model)["flops"]
     return 3.0 * model.layers * (attn + layer)
 
@@ -286,6 +292,7 @@ class CostModel(ABC):
         self.model = model
         self.cluster = cluster
         self.block_size = block_size
+        self.sm_count = None if cluster is None else cluster.sm_count  # the launch features' waves
         # Peers the model prices, dense and sparse: name -> term -> feature -> ms per unit (a profile's
         # ``backends``, sim.backends).
         self.dense_terms: dict[str, dict[str, dict[str, float]]] = {}
@@ -479,13 +486,13 @@ class CostModel(ABC):
         layer. That is the rank with the most kept FLOPs: the other features (tokens, causal blocks,
         programs, the longest programs) stay 1/cp, as the selection does not change which tokens and blocks a
         rank holds, and every attention term's time grows with ``flops`` (and with ``dkdv_path``, the larger
-        of the longest dK/dV program and the kept work over DKDV_SLOTS), its coefficients being >= 0.
+        of the longest dK/dV program and the kept work over the resident programs), its coefficients being >= 0.
         """
         extra = (slowest_rank_extra(groups.spread(per_seq["flops"]), np.tile(lengths, groups.replicas),
                                     groups.spread(kept), groups.flat, groups.size, cp, self.block_size)
                  if cp > 1 else 0.0)
         # the launch features read the GQA group and head_dim, which a TP rank's share of the heads keeps
-        return grouped_attention(per_seq, groups, self.model, self.block_size, cp, extra, summed)
+        return grouped_attention(per_seq, groups, self.model, self.block_size, self.sm_count, cp, extra, summed)
 
     def _layer(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         per_token = layer_features(1.0, self.model)["flops"]

@@ -6,6 +6,7 @@ import hashlib
 import math
 
 from sparsebalance.sim.backends import backends_problem
+from sparsebalance.sim.cluster import GpuKind, gpu_kinds
 from sparsebalance.sim.core import read_checked_json, resolve_path
 from sparsebalance.sim.tensor_parallel import efficiency_problem
 
@@ -19,11 +20,9 @@ BWD_FEATURES = ATTENTION_FEATURES + ("dkdv_path", "dq_path", "kv_waves")
 LAYER_FEATURES = ("const", "tokens", "flops")
 # The features each term is priced on: the simulator hands a term only these, so they are what the fit sees
 # and every key a profile term carries (a feature the fit holds at zero is written as 0, never left out).
-# Multiprocessors of the calibrated GPU (H200): one wave of the kernel's programs.
-WAVE = 132
-# dK/dV programs resident at once: two per SM (4 warps; a 64-key K/V tile and two pipeline stages of 64-row
-# Q/dO tiles at head_dim 128 take about 96 KB of shared memory).
-DKDV_SLOTS = 2 * WAVE
+# dK/dV programs resident at once per multiprocessor (the GPU kind's sm_count, conf/cluster): two (4 warps; a
+# 64-key K/V tile and two pipeline stages of 64-row Q/dO tiles at head_dim 128 take about 96 KB of shared memory).
+DKDV_PER_SM = 2
 PROFILE_FEATURES = {"attn_fwd": FWD_FEATURES, "attn_bwd": BWD_FEATURES, "select": ATTENTION_FEATURES,
                     "layer_fwd": LAYER_FEATURES, "layer_bwd": LAYER_FEATURES}
 
@@ -56,7 +55,8 @@ def profile_problem(profile) -> str | None:
     missing = [k for k in PROFILE_KEYS if k not in profile]
     if missing:
         return f"missing key {missing[0]!r}; a profile has {', '.join(PROFILE_KEYS)}"
-    return (_header_problem(profile) or _terms_problem(profile["terms"]) or backends_problem(profile.get("backends"))
+    return (_header_problem(profile) or _terms_problem(profile["terms"])
+            or _physical_problem(profile["terms"], profile["gpu"]) or backends_problem(profile.get("backends"))
             or efficiency_problem(profile.get("tp_efficiency")))
 
 
@@ -92,24 +92,32 @@ def _terms_problem(terms) -> str | None:
                 return f"terms.{term}.{feat}={coef!r}: not a number; coefficients are finite numbers >= 0"
             if not math.isfinite(coef) or coef < 0:
                 return f"terms.{term}.{feat}={coef!r}: coefficients must be finite and >= 0 (no negative times)"
-    return _physical_problem(terms)
+    return None
 
 
-# Physical bounds of the coefficients (ms per unit of a feature), from the GPUs of conf/cluster. Their fastest
-# dense bf16 peak is 989 TFLOP/s, and 2:4 sparsity doubles the datasheets' figure to 1,979 TFLOP/s, the most any
-# of them claims: a term that prices a FLOP below 1 / that executes FLOPs faster than these GPUs can. 1 GFLOP/s,
-# about a millionth of that peak, is slower than any of them (a CPU core computes more), and no launch, token,
-# block or program of one layer's kernel takes a second: above those a coefficient is a typo (1e300 makes times
-# inf).
-FASTEST_FLOPS_PER_MS = 1979e9
+def fastest_kind() -> GpuKind:
+    """The GPU kind of conf/cluster with the highest sparse peak."""
+    return max(gpu_kinds().values(), key=lambda kind: kind.sparse_peak_tflops)
+
+
+# Physical bounds of the coefficients (ms per unit of a feature), from the GPU kinds of conf/cluster: a term that
+# prices a FLOP below 1 / (the fastest kind's sparse_peak_tflops, with 2:4 sparsity the most any datasheet claims)
+# executes FLOPs faster than these GPUs can. 1 GFLOP/s, about a millionth of such a peak, is slower than any of them
+# (a CPU core computes more), and no launch, token, block or program of one layer's kernel takes a second: above
+# those a coefficient is a typo (1e300 makes times inf).
 SLOWEST_FLOPS_PER_MS = 1e6
 SLOWEST_MS_PER_UNIT = 1e3
 FLOP_FEATURES = ("flops", "fwd_path", "dq_path", "dkdv_path")  # FLOP counts; the other features count units
 WORK_TERMS = ("attn_fwd", "attn_bwd", "layer_fwd", "layer_bwd")  # the terms whose ``flops`` they execute
 
 
-def _physical_problem(terms: dict) -> str | None:
-    """A coefficient outside the physical bounds above, or a term that takes no time at all, as one line."""
+def _physical_problem(terms: dict, gpu: str) -> str | None:
+    """A coefficient outside the physical bounds above, or a term that takes no time at all, as one line. The
+    backward's dK/dV programs are spread over the resident programs of the profile's GPU kind (the fastest kind's
+    where conf/cluster names none ``gpu``)."""
+    fastest = fastest_kind()
+    fastest_flops_per_ms = fastest.sparse_peak_tflops * 1e9
+    slots = DKDV_PER_SM * gpu_kinds().get(gpu, fastest).sm_count
     for term, coefs in terms.items():
         if not any(coefs.values()):
             return f"terms.{term}: every coefficient is 0, so it takes no time; a kernel call takes some"
@@ -121,9 +129,9 @@ def _physical_problem(terms: dict) -> str | None:
                 return f"terms.{term}.{feat}={coef!r} {what}: slower than any GPU; allowed: <= {slowest:g}"
         # A large micro-batch's cost per FLOP; the backward's dK/dV path then grows with its FLOPs too
         # (_launch_features). The features count forward FLOPs, so a backward's rate is underestimated: lenient.
-        per_flop = coefs["flops"] + (2 / DKDV_SLOTS * coefs["dkdv_path"] if term == "attn_bwd" else 0.0)
-        if term in WORK_TERMS and 0 < per_flop < 1 / FASTEST_FLOPS_PER_MS:
+        per_flop = coefs["flops"] + (2 / slots * coefs["dkdv_path"] if term == "attn_bwd" else 0.0)
+        if term in WORK_TERMS and 0 < per_flop < 1 / fastest_flops_per_ms:
             return (f"terms.{term}.flops={coefs['flops']!r}: {1 / per_flop / 1e9:,.0f} TFLOP/s, faster than any GPU "
-                    f"(the fastest peak in conf/cluster is 1,979 TFLOP/s with 2:4 sparsity); allowed: 0, or >= "
-                    f"{1 / FASTEST_FLOPS_PER_MS:.3g} ms per FLOP")
+                    f"(the fastest peak in conf/cluster is {fastest.sparse_peak_tflops:,.0f} TFLOP/s with 2:4 "
+                    f"sparsity, {fastest.gpu}'s); allowed: 0, or >= {1 / fastest_flops_per_ms:.3g} ms per FLOP")
     return None

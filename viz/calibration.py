@@ -71,7 +71,7 @@ def calibration_frame(profile_path: str | Path) -> pd.DataFrame:
     if not meta.is_file():
         raise PlotError(f"{csv}: no {meta.name} beside it (written by calibrate.run)")
     grid = json.loads(meta.read_text())["runs"][-1]["grid"]
-    features = FeatureSource(grid["models"], grid["block_size"])
+    features = FeatureSource(grid["models"], grid["block_size"], profile["gpu"])
     coefs = profile["terms"]
     rows = []
     for m in load_measurements(csv):
@@ -105,7 +105,7 @@ def benchmark_vs_profile(bench: pd.DataFrame, profile_path: str | Path, model: s
     """
     profile = read_profile(profile_path)
     (shape,) = load_shapes([model])
-    features = FeatureSource({model: vars(shape)}, profile["block_size"])
+    features = FeatureSource({model: vars(shape)}, profile["block_size"], profile["gpu"])
     coefs = profile["terms"]
     ours = bench[(bench["impl"] == "triton_sparse") & (bench["ndocs"] == 1)]
     if ours.empty:

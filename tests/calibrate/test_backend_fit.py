@@ -69,7 +69,7 @@ def rows_of(shapes, backends=("fa4",), noise=0.0, seed=0, sparse=()):
     """CSV rows of a run: ours timed as the pinned profile prices it, each dense backend as TRUE, each sparse
     peer of ``sparse`` as SPARSE_TRUE at the kept fractions its selection realised (recorded in the rows)."""
     rng = np.random.default_rng(seed)
-    features = fitting.FeatureSource({s.name: vars(s) for s in shapes}, BLOCK)
+    features = fitting.FeatureSource({s.name: vars(s) for s in shapes}, BLOCK, "h200")
     rows = []
     for p in build_grid(shapes, backends, sparse):
         kept = p.kept_fractions

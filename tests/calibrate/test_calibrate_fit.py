@@ -36,7 +36,7 @@ def shapes():
 
 @pytest.fixture(scope="module")
 def features(shapes):
-    return FeatureSource({s.name: vars(s) for s in shapes}, BLOCK)
+    return FeatureSource({s.name: vars(s) for s in shapes}, BLOCK, "h200")
 
 
 def synthetic(points, features, noise=0.0, seed=0, true=TRUE) -> list[Measurement]:

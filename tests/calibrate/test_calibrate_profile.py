@@ -43,7 +43,7 @@ def test_profile_predictions_refit_from_the_committed_csv(profile):
     csv = PROFILES / profile["meta"]["raw_csv"]
     grid = json.loads(meta_path(csv).read_text())["runs"][-1]["grid"]
     measurements = fitting.load_measurements(csv)
-    features = fitting.FeatureSource(grid["models"], grid["block_size"])
+    features = fitting.FeatureSource(grid["models"], grid["block_size"], profile["gpu"])
     refit = fitting.fit_all(measurements, features)
     np.testing.assert_allclose(predictions(refit.coefs, measurements, features),
                                predictions(profile["terms"], measurements, features), rtol=1e-5)

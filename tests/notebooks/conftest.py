@@ -48,7 +48,7 @@ def fitted_profile(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("calibration")
     shapes = [s for s in load_shapes() if s.name == "qwen2.5-3b"]
     block = 128
-    features = FeatureSource({s.name: vars(s) for s in shapes}, block)
+    features = FeatureSource({s.name: vars(s) for s in shapes}, block, "h200")
     truth = json.loads(PINNED_PROFILE.read_text())["terms"]
     truth = {t: {f: c for f, c in truth[t].items()} | {"const": 0.02} for t in truth}  # a launch cost
     rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.core import ConfigError, write_json_atomic
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.cost import OVERLAP_MAX_PROGRAMS_PER_SM, attention_features, make_cost
-from sparsebalance.sim.profile import DKDV_SLOTS, PROFILE_SCHEMA_VERSION, WAVE, load_profile
+from sparsebalance.sim.profile import DKDV_PER_SM, PROFILE_SCHEMA_VERSION, load_profile
 from sparsebalance.sim.provisional import provisional_profile
 from sparsebalance.sim.workload import Sequence
 
@@ -76,27 +76,29 @@ def test_cp_splits_work_and_overlaps_the_ring():
 
 def test_features_count_causal_blocks():
     cfg = compose_config([])
-    feats = attention_features([256, 128], [1.0, 1.0], cfg.model, 128)
+    feats = attention_features([256, 128], [1.0, 1.0], cfg.model, 128, cfg.cluster.sm_count)
     assert feats["blocks"] == (3 + 1) * cfg.model.heads and feats["const"] == 1.0
 
 
 def test_launch_features_follow_the_kernels_grids():
     """The longest programs of a dense and of a diagonal-only sequence (64 blocks of 128), the dK/dV waves, and
     dQ's path only where it runs before dK/dV (not beside it on the side stream)."""
-    model = compose_config([]).model
+    cfg = compose_config([])
+    model, wave = cfg.model, cfg.cluster.sm_count
+    slots = DKDV_PER_SM * wave
     hpf, group = 4.0 * 128 * 128 * model.head_dim, model.heads // model.kv_heads
-    dense = attention_features([8192], [1.0], model, 128)
+    dense = attention_features([8192], [1.0], model, 128, wave)
     assert dense["fwd_path"] == pytest.approx(64 * hpf)  # the last row's 64 blocks, 128-row tiles
-    assert dense["dkdv_path"] == pytest.approx(max(group * 64 * hpf, 2 * dense["flops"] / DKDV_SLOTS))
-    assert dense["kv_waves"] == np.ceil(64 * model.kv_heads * 2 / WAVE) and dense["dq_path"] == 0.0
-    diagonal = attention_features([8192], [2 / 65], model, 128)
+    assert dense["dkdv_path"] == pytest.approx(max(group * 64 * hpf, 2 * dense["flops"] / slots))
+    assert dense["kv_waves"] == np.ceil(64 * model.kv_heads * 2 / wave) and dense["dq_path"] == 0.0
+    diagonal = attention_features([8192], [2 / 65], model, 128, wave)
     assert diagonal["fwd_path"] == pytest.approx(hpf / 2)  # one block, 64-row tiles
-    assert diagonal["dkdv_path"] == pytest.approx(max(group * hpf, 2 * diagonal["flops"] / DKDV_SLOTS))
+    assert diagonal["dkdv_path"] == pytest.approx(max(group * hpf, 2 * diagonal["flops"] / slots))
     assert diagonal["dq_path"] == 0.0  # 256 dK/dV programs: dQ runs beside them
-    long = attention_features([131072], [0.1], model, 128)
-    assert long["kv_blocks"] > OVERLAP_MAX_PROGRAMS_PER_SM * WAVE  # so dQ runs before dK/dV
+    long = attention_features([131072], [0.1], model, 128, wave)
+    assert long["kv_blocks"] > OVERLAP_MAX_PROGRAMS_PER_SM * wave  # so dQ runs before dK/dV
     assert long["dq_path"] == long["fwd_path"] > 0.0
-    paths = [attention_features([8192], [kf], model, 128) for kf in np.linspace(2 / 65, 1.0, 40)]
+    paths = [attention_features([8192], [kf], model, 128, wave) for kf in np.linspace(2 / 65, 1.0, 40)]
     for key in ("fwd_path", "dkdv_path"):
         assert all(a[key] <= b[key] * (1 + 1e-12) for a, b in zip(paths, paths[1:])), key
 

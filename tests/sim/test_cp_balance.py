@@ -155,7 +155,7 @@ def balanced_attention(self, per_seq, _summed, groups, cp, lengths, kept):
     """The CP price before the selection's shards were modelled: every rank 1/cp of every feature."""
     group, n_groups = groups.group, groups.n_groups
     return _launch_features(summed(per_seq, group, n_groups, cp), *largest(per_seq, group, n_groups), self.model,
-                            self.block_size, cp)
+                            self.block_size, self.sm_count, cp)
 
 
 BATCH = dict(lengths=np.array([4097, 130, 333, 20000, 9000, 64]), group=np.array([0, 0, 1, 1, 2, 2]), n_groups=3)
@@ -192,7 +192,7 @@ def test_sparse_cp_changes_attention_only_and_leaves_dense_micro_batches_alone()
 @pytest.mark.parametrize("length, kept, cp", [(4096, 0.07, 4), (4097, 0.05, 3), (333, 0.05, 4), (30001, 0.1, 8)])
 def test_attention_is_priced_on_the_most_loaded_rank(length, kept, cp):
     cost = cost_for("cost=roofline")
-    flops = attention_features([length], [kept], cost.model, cost.block_size)["flops"]
+    flops = attention_features([length], [kept], cost.model, cost.block_size, cost.sm_count)["flops"]
     share = 1 / cp + max(counted_shift(length, kept, cp, cost.block_size))
     per_layer = cost.cfg.launch_ms + flops * share / cost.attn_flops_per_ms
     got = cost.micro_batch_cost([length], [kept], Layout(dp=1, cp=cp))
@@ -213,7 +213,7 @@ def test_the_slowest_rank_is_the_one_with_the_most_kept_flops():
         for rank in range(cp):
             flops = np.bincount(BATCH["group"], weights=per_seq["flops"] * (1 / cp + shift[rank]), minlength=3)
             feats = _launch_features({**even, "flops": flops}, *largest(per_seq, BATCH["group"], 3), cost.model,
-                                     cost.block_size, cp)
+                                     cost.block_size, cost.sm_count, cp)
             times.append(cost._term(term, feats))
         np.testing.assert_allclose(getattr(got, field), cost.model.layers * np.max(times, axis=0), rtol=1e-12)
 

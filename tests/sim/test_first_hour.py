@@ -29,7 +29,7 @@ import sparsebalance.sim.run as sim_run
 from pinned import PINNED_PROFILE, pinned
 from sparsebalance.sim.core import (CONF_DIR, TEMPORARY, atomic_path, preset_options, quiet_interrupts_in_callbacks,
                                     temporary_dir)
-from sparsebalance.sim.profile import FASTEST_FLOPS_PER_MS, SLOWEST_FLOPS_PER_MS
+from sparsebalance.sim.profile import SLOWEST_FLOPS_PER_MS, fastest_kind
 
 ROOT = Path(__file__).resolve().parents[2]
 # The runner's tiny model on one CPU process (a few ms a step), for Ctrl-C during runner.train.
@@ -200,11 +200,13 @@ def test_every_atomic_writer_uses_the_shared_helper():
 
 
 def test_profile_bounds_follow_the_clusters_peaks():
-    """The fastest a profile may price a FLOP is the 2:4-sparse peak of the fastest GPU in conf/cluster (twice its
-    dense bf16 peak); the slowest, 1 GFLOP/s, below a hundred-thousandth of the slowest dense peak."""
-    peaks = [yaml.safe_load(path.read_text()).get("peak_tflops") for path in (CONF_DIR / "cluster").glob("*.yaml")]
-    peaks = [p * 1e9 for p in peaks if p is not None]  # FLOP per ms
-    assert FASTEST_FLOPS_PER_MS >= 2 * max(peaks) and SLOWEST_FLOPS_PER_MS <= 1e-5 * min(peaks)
+    """The fastest a profile may price a FLOP is the 2:4-sparse peak of the fastest GPU in conf/cluster (about twice
+    its dense bf16 peak); the slowest, 1 GFLOP/s, below a hundred-thousandth of the slowest dense peak."""
+    raw = [yaml.safe_load(path.read_text()) for path in (CONF_DIR / "cluster").glob("*.yaml")]
+    peaks = [c["peak_tflops"] * 1e9 for c in raw if "peak_tflops" in c]  # FLOP per ms
+    sparse = [c["sparse_peak_tflops"] for c in raw if "sparse_peak_tflops" in c]
+    assert fastest_kind().sparse_peak_tflops == max(sparse) and SLOWEST_FLOPS_PER_MS <= 1e-5 * min(peaks)
+    assert all(abs(s * 1e9 - 2 * p) <= 0.01 * p for s, p in zip(sparse, peaks))
 
 
 # ----------------------------------------------------------------------------- Ctrl-C

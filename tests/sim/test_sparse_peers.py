@@ -73,7 +73,8 @@ def test_sparse_features_pad_each_document_to_whole_blocks_and_count_the_kept_fl
     assert feats["tokens"] == 1024 + 256 + 128
     assert feats["head_tokens"] == feats["tokens"] * (model.heads + model.kv_heads)
     assert (feats["const"], feats["docs"], feats["doc_heads"]) == (1.0, 3.0, 3.0 * model.heads)
-    assert feats["flops"] == pytest.approx(attention_features([1000, 129, 128], [0.5, 1.0, 1.0], model, 128)["flops"])
+    assert feats["flops"] == pytest.approx(attention_features([1000, 129, 128], [0.5, 1.0, 1.0], model, 128,
+                                                         cost_for("ours").sm_count)["flops"])
     assert feats["flops"] == pytest.approx((0.5 * 36 + 3 + 1) * model.heads * _head_pair_flops(model, 128))
 
 
