@@ -9,7 +9,7 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from sparsebalance.sim.cluster import Cluster
+from sparsebalance.sim.cluster import Cluster, default_kind
 from sparsebalance.sim.config import CostConfig, ModelConfig
 from sparsebalance.sim.core import ConfigError, one_line_errors, resolve_path, write_json_atomic
 from sparsebalance.sim.cost import BF16
@@ -24,7 +24,7 @@ def provisional_profile(model: ModelConfig, cluster: Cluster, cfg: CostConfig, c
     launch = cfg.launch_ms
     return {
         "schema_version": PROFILE_SCHEMA_VERSION,
-        "gpu": "h200",
+        "gpu": default_kind().gpu,  # the default cluster's, whose figures these are
         "provisional": True,
         "meta": {
             "command": command,
@@ -59,7 +59,7 @@ def _every_feature(terms: dict[str, dict[str, float]]) -> dict[str, dict[str, fl
     return {term: {f: 0.0 for f in PROFILE_FEATURES[term]} | coefs for term, coefs in terms.items()}
 
 
-PROVISIONAL_OUT = "calibrate/profiles/h200_provisional.json"
+PROVISIONAL_OUT = f"calibrate/profiles/{default_kind().gpu}_provisional.json"
 
 
 def _measured_profile_at(path: Path) -> bool:
