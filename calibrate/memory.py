@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsebalance.calibrate.store import append_rows
+from sparsebalance.sim.cluster import default_kind
 from sparsebalance.sim.core import check_writable, fail, one_line_errors, write_json_atomic
 from sparsebalance.sim.shapes import ModelShape, load_shapes, model_names
 
-DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "h200_memory.json"
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / f"{default_kind().gpu}_memory.json"  # default cluster's
 RAW_CSV = "memory_raw.csv"
 TOKENS = (4096, 8192, 16384, 32768, 65536)
 LAYERS = (1, 2)

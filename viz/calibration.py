@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from sparsebalance.calibrate.fitting import FeatureSource, Measurement, load_measurements, term_prediction
 from sparsebalance.calibrate.linear import predict
 from sparsebalance.sim.backends import OURS
+from sparsebalance.sim.cluster import default_kind
 from sparsebalance.calibrate.grid import GridPoint
 from sparsebalance.calibrate.run import meta_path
 from sparsebalance.sim.core import ConfigError
@@ -20,7 +21,7 @@ from sparsebalance.sim.shapes import load_shapes
 from sparsebalance.viz.runs import PlotError
 from sparsebalance.viz.style import OKABE_ITO, plain_log, viridis
 
-DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "calibrate" / "profiles" / "h200.json"
+DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / default_kind().profile  # the default cluster's measured one
 TERM_ORDER = ("attn_fwd", "attn_bwd", "attn_fwd+bwd", "select", "layer_fwd", "layer_bwd")
 
 
