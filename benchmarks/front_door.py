@@ -3,7 +3,8 @@
 ``python -m benchmarks.front_door`` prints, with the load average (the machine may be shared):
 
 * import + first call: a fresh interpreter's ``import sparsebalance`` and one ``partition`` (CPU and wall, the
-  medians of ``--fresh`` interpreters; the target is on CPU time, as the machine may be shared), and which of Hydra, OmegaConf, SimPy, SciPy and pandas it loaded (none should);
+  medians of ``--fresh`` interpreters; the target is on CPU time, as the machine may be shared), and which of
+  Hydra, OmegaConf, SimPy, SciPy and pandas it loaded (none should);
 * per call: the CPU median of ``partition(lengths, dp=8, micro_batches=m, policy="verl")`` on 64 long-tailed
   lengths, beside the named peer on the same lengths: verl's ``get_seqlen_balanced_partitions(lengths, 8,
   equal_size=True)`` in its strongest form, one bare call on a prepared list. verl is not installed here, so the
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = long_tail(64)
     peer = cpu_median_ms(lambda: ldm_partition(lengths, 8, True), args.calls)
     for micro_batches in (1, 4):
-        ms = cpu_median_ms(lambda: sparsebalance.partition(lengths, dp=8, micro_batches=micro_batches), args.calls)
+        ms = cpu_median_ms(lambda m=micro_batches: sparsebalance.partition(lengths, dp=8, micro_batches=m), args.calls)
         print(f"partition(64 lengths, dp=8, micro_batches={micro_batches}, policy='verl'): {ms:.3f} ms CPU per call, "
               f"{ms / peer:.1f}x verl's get_seqlen_balanced_partitions(lengths, 8, equal_size=True) "
               f"({peer:.3f} ms; as sim.balance.ldm_partition, verl's Karmarkar-Karp, since verl is not installed); "

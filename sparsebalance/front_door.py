@@ -170,5 +170,5 @@ def _model_overrides(model: str | None) -> list[str]:
 
 def _from_plan(parts: list[list[list[int]]], seq_ids: list[int], budgets: list[Budget]) -> Partition:
     """A Plan's ``partitions()`` with each sequence's budget beside it (its ids are the lengths' positions)."""
-    by_id = dict(zip(seq_ids, budgets))
+    by_id = dict(zip(seq_ids, budgets, strict=True))
     return Partition(parts, [[[by_id[i] for i in mb] for mb in rank] for rank in parts])

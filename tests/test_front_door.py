@@ -41,7 +41,8 @@ def test_budgets_are_the_policys_beside_each_index():
 
 @pytest.mark.slow  # composes the Planner of each layout (Hydra): seconds
 @pytest.mark.parametrize("policy", ["verl", "verl_dense"])
-@pytest.mark.parametrize("dp,micro_batches,pp,cp", [(4, 2, 1, 1), (2, 4, 2, 1), (2, 3, 4, 1), (8, 1, 1, 1), (2, 2, 2, 2)])
+@pytest.mark.parametrize("dp,micro_batches,pp,cp",
+                         [(4, 2, 1, 1), (2, 4, 2, 1), (2, 3, 4, 1), (8, 1, 1, 1), (2, 2, 2, 2)])
 def test_the_numpy_path_gives_the_planners_plan(policy, dp, micro_batches, pp, cp):
     lengths = np.random.default_rng(dp * 100 + micro_batches * 10 + pp).integers(64, 32768, size=3 * dp * micro_batches)
     cluster = "h100" if policy == "verl_dense" else None  # dense_best: a profile that prices the dense peers
@@ -49,7 +50,7 @@ def test_the_numpy_path_gives_the_planners_plan(policy, dp, micro_batches, pp, c
                                   cluster=cluster)
     plan = _planner(policy, None, cluster, dp, micro_batches, pp, cp, 1).plan(lengths.tolist(), 0)
     assert out.indices == plan.partitions()
-    by_id = dict(zip(plan.seq_ids.tolist(), plan.budgets.budgets()))
+    by_id = dict(zip(plan.seq_ids.tolist(), plan.budgets.budgets(), strict=True))
     assert out.budgets == [[[by_id[i] for i in mb] for mb in rank] for rank in out.indices]
 
 
