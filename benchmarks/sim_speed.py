@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqs-per-micro-batch", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="keep the fastest of this many runs")
     parser.add_argument("--cp-mode", choices=("static", "dynamic"), default="static", help="layout.cp_mode of the runs")
-    parser.add_argument("--gpus", default="64,512,4096", help="comma-separated cluster sizes (multiples of 8)",
-                        type=number_list(int, lambda g: g > 0 and g % 8 == 0, "positive multiples of 8, comma-separated"))
+    gpus = number_list(int, lambda g: g > 0 and g % 8 == 0, "positive multiples of 8, comma-separated")
+    parser.add_argument("--gpus", default="64,512,4096", type=gpus, help="comma-separated cluster sizes")
     parser.add_argument("--sweep-steps", type=int, default=100, help="steps of each sweep job; 0: no sweep")
     args = parser.parse_args(argv)
     sizes = args.gpus
