@@ -18,7 +18,7 @@ import time
 
 import pandas as pd
 
-from sparsebalance.sim.core import ArgumentParser, group_options, one_line_errors
+from sparsebalance.sim.core import ArgumentParser, group_options, number_list, one_line_errors
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.run import simulate
 from sparsebalance.sim.setup import load_policy
@@ -69,12 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqs-per-micro-batch", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="keep the fastest of this many runs")
     parser.add_argument("--cp-mode", choices=("static", "dynamic"), default="static", help="layout.cp_mode of the runs")
-    parser.add_argument("--gpus", default="64,512,4096", help="comma-separated cluster sizes (multiples of 8)")
+    gpus = number_list(int, lambda g: g > 0 and g % 8 == 0, "positive multiples of 8, comma-separated")
+    parser.add_argument("--gpus", default="64,512,4096", type=gpus, help="comma-separated cluster sizes")
     parser.add_argument("--sweep-steps", type=int, default=100, help="steps of each sweep job; 0: no sweep")
     args = parser.parse_args(argv)
-    sizes = [int(g) for g in args.gpus.split(",") if g.strip().isdigit() and int(g) % 8 == 0 and int(g) > 0]
-    if len(sizes) != len(args.gpus.split(",")):
-        parser.error(f"--gpus {args.gpus}: allowed: positive multiples of 8, comma-separated")
+    sizes = args.gpus
     for name in ("steps", "seqs_per_micro_batch", "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
@@ -94,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     table["us_per_gpu_step"] = (1e6 / table["gpu_steps_per_s"]).round(2)
     print(f"{MICRO_BATCHES} micro-batches x {per_mb} sequences per DP rank, cp=8, cp_mode={args.cp_mode}")
     print(table.to_string(index=False))
+    if TARGET_GPUS not in sizes:
+        print(f"the target is set at {TARGET_GPUS} GPUs, which --gpus leaves out: not assessed")
     for row in table[table["gpus"] == TARGET_GPUS].itertuples():
         met = row.gpu_steps_per_cpu_s >= TARGET_GPU_STEPS_PER_CPU_S
         print(f"{row.policy} at {TARGET_GPUS} GPUs: {row.gpu_steps_per_cpu_s:,} GPU-steps per CPU-second against "

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+GAP_SLICE = 2048  # sequences per pass of distinct_gaps
+
 
 def zigzag_bounds(lengths, cp: int) -> np.ndarray:
     """``[2cp + 1, n]`` token offsets of each sequence's chunks (column ``s``: the runner's ``shard_bounds``)."""
@@ -104,7 +106,14 @@ def distinct_gaps(lengths, kept, cp: int, block_size: int) -> tuple[np.ndarray, 
     some[inverse] = np.arange(lengths.size)  # one sequence of each key, whichever: all of them are alike
     if not (np.array_equal(lengths[some][inverse], lengths) and np.array_equal(kept[some][inverse], kept)):
         some, inverse = np.arange(lengths.size), np.arange(lengths.size)
-    return rank_work(share_gap(lengths[some], kept[some], cp, block_size), cp), inverse
+    lengths, kept = lengths[some], kept[some]
+    gaps = np.empty((cp, lengths.size))
+    # In slices of sequences whose temporaries ([2cp + 1, slice]) stay in the CPU's cache: each sequence's
+    # figures are its own, so the slices give the same bits as one pass.
+    for start in range(0, lengths.size, GAP_SLICE):
+        part = slice(start, start + GAP_SLICE)
+        gaps[:, part] = rank_work(share_gap(lengths[part], kept[part], cp, block_size), cp)
+    return gaps, inverse
 
 
 def kept_share_shift(lengths, kept, cp: int, block_size: int) -> np.ndarray:

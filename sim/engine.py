@@ -6,8 +6,8 @@ of the number of sequences:
 * one process per (DP rank, pipeline stage); a CP group is folded into it, because its ranks hold
   equal zigzag shards and so are busy for the same time (the CostModel returns per-CP-rank costs
   with the ring KV exchange already overlapped);
-* one timeout per forward and per backward of a micro-batch (merged into one per micro-batch when
-  pp = 1, where nothing can come between them);
+* one timeout per forward and per backward of a micro-batch; with pp = 1, where nothing can come between
+  them and no rank waits for another, no events at all: each rank's micro-batches add up back to back;
 * stages exchange activations/gradients through events that fire a p2p transfer after the sender
   finishes; the stage order is 1F1B (warm-up forwards, steady one-forward-one-backward, cool-down);
   with pp = 1 this is plain gradient accumulation;
@@ -78,8 +78,41 @@ def run_pipeline(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, tra
     dp, m = fwd.shape[:2]
     if fwd.ndim == 2:
         fwd, bwd = np.repeat(fwd[..., None], pp, axis=2), np.repeat(bwd[..., None], pp, axis=2)
-    env = simpy.Environment()
     idle = np.zeros((dp, m, pp))
+    finish, events = (accumulate(fwd[..., 0], bwd[..., 0], trace) if pp == 1
+                      else one_f_one_b_events(fwd, bwd, p2p, pp, idle, trace))
+    barrier = finish.max(initial=0.0)
+    for stage, mb in enumerate(last_micro_batches(pp, m)):
+        idle[:, mb, stage] += barrier - finish[:, stage]
+    events.sort()
+    return Timeline(idle, finish, events)
+
+
+def accumulate(fwd: np.ndarray, bwd: np.ndarray, trace: bool) -> tuple[np.ndarray, list]:
+    """pp = 1: plain gradient accumulation, each rank running its micro-batches back to back with nothing to
+    wait for, so the event loop reduces to a running sum per rank (``np.add.accumulate`` adds in order, as the
+    clock advancing by one forward-and-backward at a time does). Returns the finish ms [dp, 1] and the trace."""
+    busy = fwd + bwd
+    ends = np.add.accumulate(busy, axis=1)
+    events: list = []
+    if trace:
+        starts = np.zeros_like(ends)
+        starts[:, 1:] = ends[:, :-1]
+        for (rank, mb), start in np.ndenumerate(starts):
+            f, b = float(fwd[rank, mb]), float(bwd[rank, mb])
+            events.append((float(start), float(start) + f, rank, 0, "F", mb))
+            events.append((float(start) + f, float(start) + f + b, rank, 0, "B", mb))
+    finish = ends[:, -1:] if busy.shape[1] else np.zeros((busy.shape[0], 1))
+    return finish, events
+
+
+def one_f_one_b_events(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, idle: np.ndarray,
+                       trace: bool) -> tuple[np.ndarray, list]:
+    """pp > 1: the 1F1B schedule as SimPy processes, one per (rank, stage), exchanging activations and gradients
+    through events; adds each op's wait for its input to ``idle`` [dp, m, pp]. Returns the finish ms [dp, pp] and
+    the trace."""
+    dp, m = fwd.shape[:2]
+    env = simpy.Environment()
     finish = np.zeros((dp, pp))
     events: list = []
     fwd_l, bwd_l, p2p_l = fwd.tolist(), bwd.tolist(), p2p.tolist()
@@ -89,17 +122,6 @@ def run_pipeline(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, tra
             env.timeout(delay).callbacks.append(lambda _: event.succeed())
         else:
             event.succeed()
-
-    def accumulate(rank: int) -> simpy.events.Process:
-        # pp = 1: nothing can interrupt a micro-batch between its forward and its backward, so one
-        # timeout covers both (half the events; the trace still has both phases at exact times).
-        f, b = [t[0] for t in fwd_l[rank]], [t[0] for t in bwd_l[rank]]
-        for mb in range(m):
-            if trace:
-                events.append((env.now, env.now + f[mb], rank, 0, "F", mb))
-                events.append((env.now + f[mb], env.now + f[mb] + b[mb], rank, 0, "B", mb))
-            yield env.timeout(f[mb] + b[mb])
-        finish[rank, 0] = env.now
 
     def stage_proc(rank: int, stage: int, fwd_in: list, bwd_in: list):
         f, b, hop = fwd_l[rank], bwd_l[rank], p2p_l[rank]
@@ -122,20 +144,12 @@ def run_pipeline(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int, tra
         finish[rank, stage] = env.now
 
     for rank in range(dp):
-        if pp == 1:
-            env.process(accumulate(rank))
-            continue
         fwd_in = [[None] * m] + [[env.event() for _ in range(m)] for _ in range(pp - 1)]
         bwd_in = [[env.event() for _ in range(m)] for _ in range(pp)]
         for stage in range(pp):
             env.process(stage_proc(rank, stage, fwd_in, bwd_in))
     env.run()
-
-    barrier = finish.max(initial=0.0)
-    for stage, mb in enumerate(last_micro_batches(pp, m)):
-        idle[:, mb, stage] += barrier - finish[:, stage]
-    events.sort()
-    return Timeline(idle, finish, events)
+    return finish, events
 
 
 @dataclass(frozen=True)
@@ -231,25 +245,13 @@ class Engine:
         barrier = float(timeline.finish_ms.max(initial=0.0))
         last_bwd = np.broadcast_to(bwd.reshape(dp, m, -1), (dp, m, pp))[:, last_micro_batches(pp, m), np.arange(pp)]
         step_ms = max(barrier, self.reduced_ms(timeline.finish_ms - last_bwd, last_bwd))
-        tokens = int(arrays.length.sum())
-        flops = training_flops(arrays.length, kept, cost.model, cost.block_size)
         # [dp, m, pp] GB of each stage while each micro-batch's backward runs (sim.memory)
         memory_gb = (None if self.memory is None else
                      self.memory.bytes_of(arrays.dp_rank, arrays.micro_batch, arrays.length, kept,
                                           topk=arrays.budgets.fixes_blocks,
                                           on_sparse_peer=np.isin(mb_cost.backend, cost.sparse_backends())) / GB)
-        record = StepRecord(
-            step=plan.step,
-            step_ms=step_ms,
-            bubble_fraction=float(timeline.idle_ms.sum() / (dp * pp * barrier)) if barrier > 0 else 0.0,
-            tokens_per_s=tokens / step_ms * 1e3 if step_ms > 0 else 0.0,
-            mfu=flops / (layout.gpus * self.cluster.peak_tflops * 1e9 * step_ms) if step_ms > 0 else 0.0,
-            mean_coverage=float(coverage.mean()) if coverage.size else 1.0,
-            min_coverage=float(coverage.min()) if coverage.size else 1.0,
-            **coverage_fields(arrays.length, coverage),
-            peak_memory_gb=float(memory_gb.max(initial=0.0)) if memory_gb is not None else float("nan"),
-            predicted_ms=predicted_ms,
-        )
+        record = self._record(plan.step, step_ms, float(timeline.idle_ms.sum()), dp * pp * barrier, arrays.length,
+                              kept, coverage, memory_gb, predicted_ms)
         compute = np.broadcast_to((fwd + bwd).reshape(dp, m, -1), (dp, m, pp)).reshape(-1)
         rows = self._rows(plan.step, group, kept, coverage, mb_cost, compute, p2p, timeline)
         rows["peak_memory_gb"] = memory_gb.reshape(-1) if memory_gb is not None else np.full(rows["step"].size, np.nan)
@@ -274,19 +276,9 @@ class Engine:
         memory_gb = (None if self.memory is None else
                      self.memory.unit_bytes(units, arrays.length, kept, arrays.budgets.fixes_blocks,
                                             np.isin(costs.backend, cost.sparse_backends())) / GB)
-        tokens = int(arrays.length.sum())
-        flops = training_flops(arrays.length, kept, cost.model, cost.block_size)
-        record = StepRecord(
-            step=plan.step, step_ms=step_ms,
-            bubble_fraction=float(timeline.idle_ms.sum() / (domain * pp * barrier)) if barrier > 0 else 0.0,
-            tokens_per_s=tokens / step_ms * 1e3 if step_ms > 0 else 0.0,
-            mfu=flops / (layout.gpus * self.cluster.peak_tflops * 1e9 * step_ms) if step_ms > 0 else 0.0,
-            mean_coverage=float(coverage.mean()) if coverage.size else 1.0,
-            min_coverage=float(coverage.min()) if coverage.size else 1.0,
-            **coverage_fields(arrays.length, coverage),
-            peak_memory_gb=float(memory_gb.max(initial=0.0)) if memory_gb is not None else float("nan"),
-            predicted_ms=predicted_ms,
-        )
+        record = self._record(plan.step, step_ms, float(timeline.idle_ms.sum()), domain * pp * barrier, arrays.length,
+                              kept, coverage, memory_gb, predicted_ms)
+
         def by_axis(per_rank, how):
             return getattr(per_rank.reshape(layout.dp, layout.cp, m, -1), how)(axis=1).reshape(-1)
 
@@ -300,6 +292,27 @@ class Engine:
         rows["peak_memory_gb"] = (by_axis(memory_gb, "max") if memory_gb is not None
                                   else np.full(rows["step"].size, np.nan))
         return StepOutcome(record, rows, Timeline(timeline.idle_ms, finish, []), kept, coverage)
+
+    def _record(self, step: int, step_ms: float, idle_ms: float, busy_span_ms: float, lengths: np.ndarray,
+                kept: np.ndarray, coverage: np.ndarray, memory_gb: np.ndarray | None,
+                predicted_ms: float) -> StepRecord:
+        """The step's record: ``idle_ms`` summed over its ranks and stages out of ``busy_span_ms`` (ranks x stages x
+        the barrier) is its bubble; ``memory_gb`` None where no memory is modelled."""
+        cost = self.cost
+        tokens = int(lengths.sum())
+        flops = training_flops(lengths, kept, cost.model, cost.block_size)
+        return StepRecord(
+            step=step,
+            step_ms=step_ms,
+            bubble_fraction=float(idle_ms / busy_span_ms) if busy_span_ms > 0 else 0.0,
+            tokens_per_s=tokens / step_ms * 1e3 if step_ms > 0 else 0.0,
+            mfu=flops / (self.layout.gpus * self.cluster.peak_tflops * 1e9 * step_ms) if step_ms > 0 else 0.0,
+            mean_coverage=float(coverage.mean()) if coverage.size else 1.0,
+            min_coverage=float(coverage.min()) if coverage.size else 1.0,
+            **coverage_fields(lengths, coverage),
+            peak_memory_gb=float(memory_gb.max(initial=0.0)) if memory_gb is not None else float("nan"),
+            predicted_ms=predicted_ms,
+        )
 
     def _rows(self, step, group, kept, coverage, mb_cost, compute, p2p, timeline,
               dynamic=None) -> dict[str, np.ndarray]:

@@ -40,9 +40,15 @@ class Belief:
     samples: np.ndarray  # [S, n] in [MIN_SENSITIVITY, 1]
 
     def at(self, ids) -> np.ndarray:
-        """[S, len(ids)] samples of the given sequences."""
-        index = {int(i): j for j, i in enumerate(self.ids.tolist())}
-        return self.samples[:, [index[int(i)] for i in ids]]
+        """[S, len(ids)] samples of the given sequences (a KeyError names the first id the belief lacks)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        order = np.argsort(self.ids, kind="stable")
+        pos = np.searchsorted(self.ids[order], ids, side="right") - 1  # the last column of an id seen twice
+        columns = order[pos.clip(0, max(order.size - 1, 0))] if order.size else pos
+        missing = (pos < 0) | (self.ids[columns] != ids) if order.size else np.ones(ids.size, dtype=bool)
+        if missing.any():
+            raise KeyError(int(ids[np.argmax(missing)]))
+        return self.samples[:, columns]
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,9 @@ def as_requests(batch: Iterable, step: int) -> list[Request]:
     items = list(batch)
     if all(isinstance(x, (int, np.integer)) for x in items):
         return [Request(step * len(items) + i, int(n)) for i, n in enumerate(items)]
+    # Requests of plain ints (sim.workload.requests gives them) are what this would build: kept as they are.
+    if all(type(x) is Request and type(x.id) is int and type(x.length) is int for x in items):
+        return items
     return [Request(int(x.id), int(x.length)) for x in items]
 
 

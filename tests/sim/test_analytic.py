@@ -150,6 +150,27 @@ def test_exact_event_trace_gradient_accumulation():
     assert timeline.idle_ms[:, :, 0].tolist() == [[0.0, 1.5], [0.0, 0.0]]
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 9), st.integers(0, 2**32 - 1))
+def test_gradient_accumulation_adds_each_rank_in_order(dp, m, seed):
+    """pp = 1: each rank's clock moves by one forward plus backward at a time, in micro-batch order (the same
+    additions, so the same bits, as one event per micro-batch), and every rank waits at the end for the slowest."""
+    rng = np.random.default_rng(seed)
+    fwd, bwd = rng.random((dp, m)) * 10 ** rng.uniform(-3, 4), rng.random((dp, m)) * 10 ** rng.uniform(-3, 4)
+    timeline = run_pipeline(fwd, bwd, np.zeros((dp, m)), pp=1)
+    clocks = []
+    for f, b in zip(fwd.tolist(), bwd.tolist(), strict=True):
+        clock = 0.0
+        for busy in (x + y for x, y in zip(f, b, strict=True)):
+            clock += busy
+        clocks.append(clock)
+    assert timeline.finish_ms[:, 0].tolist() == clocks
+    waits = np.zeros((dp, m))
+    if m:
+        waits[:, -1] = max(clocks) - np.array(clocks)
+    assert timeline.idle_ms[:, :, 0].tolist() == waits.tolist()
+
+
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4), (8, 16), (3, 5)])
 def test_1f1b_bubble_is_textbook(pp, m):
     timeline = run_pipeline(np.full((2, m), 1.0), np.full((2, m), 2.0), np.zeros((2, m)), pp=pp)

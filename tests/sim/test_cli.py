@@ -54,7 +54,7 @@ def test_a_run_without_plans_leaves_no_plans_file_not_even_an_earlier_runs(tmp_p
 @pytest.mark.parametrize("args, message", [
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--policies", "baseline,nope"], "--policies: unknown nope; allowed: "),
-    (["--gpus", "64,63"], "--gpus 64,63: allowed: positive multiples of 8"),
+    (["--gpus", "64,63"], "--gpus: '64,63': 63 is not allowed; allowed: positive multiples of 8"),
 ], ids=["steps", "policy", "gpus"])
 def test_sim_speed_benchmark_bad_arguments_are_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as exited:
