@@ -38,7 +38,7 @@ import pandas as pd
 from scipy.special import expit, logit
 from scipy.stats import norm, spearmanr
 
-from sparsebalance.sim.core import ConfigError, check_writable, one_line_errors, write_checked_json
+from sparsebalance.sim.core import ArgumentParser, ConfigError, check_writable, one_line_errors, write_checked_json
 from sparsebalance.sim.sensitivity import (FAMILY, KIND, MODES, RAW_COLUMNS, SENSITIVITY_SCHEMA_VERSION,
                                            SensitivityModel, profile_problem, raw_meta_path, read_profile)
 from sparsebalance.sim.workload import MIN_SENSITIVITY
@@ -374,7 +374,7 @@ def _recorded(section, *keys: str) -> float | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m calibrate.sensitivity", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m calibrate.sensitivity", description=__doc__.splitlines()[0])
     ap.add_argument("csv", nargs="*", type=Path, help="raw CSVs of python -m runner.sensitivity (one per task)")
     ap.add_argument("--out", type=Path, help="the profile to write (calibrate/profiles/sensitivity_<name>.json)")
     ap.add_argument("--check", nargs="?", const="", metavar="PROFILE",

@@ -90,17 +90,20 @@ class PartitionPolicy(ABC):
 
     def plan(self, batch: list[Request], layout: Layout, cost: CostModel, step: int, belief: Belief) -> Plan:
         costs = self.costs(batch, layout, cost, belief)
-        index, rank_of, mb_of = [], [], []  # per plan row: its sequence in the batch, rank and micro-batch
+        # per plan row: its sequence in the batch, rank and micro-batch
+        rows: list[int] = []
+        rank_of: list[int] = []
+        mb_of: list[int] = []
         ranks = self.partition(costs, layout.dp)
         for rank, (members, count) in enumerate(zip(ranks, self.micro_batch_counts(batch, ranks, layout), strict=True)):
             for mb, sub in enumerate(self.rank_partition(costs[members], count, layout)):
-                index.extend(members[i] for i in sub)
+                rows.extend(members[i] for i in sub)
                 rank_of.extend([rank] * len(sub))
                 mb_of.extend([mb] * len(sub))
         ids, lengths = batch_arrays(batch)
-        index = np.array(index, dtype=np.int64)
-        plan = Plan(step, layout.dp, layout.micro_batches, ids[index], lengths[index], rank_of, mb_of,
-                    BudgetArrays.uniform(Budget(), index.size))
+        index = np.array(rows, dtype=np.int64)
+        plan = Plan(step, layout.dp, layout.micro_batches, ids[index], lengths[index], np.array(rank_of),
+                    np.array(mb_of), BudgetArrays.uniform(Budget(), index.size))
         return self.ordered(plan, costs, batch, layout, cost, belief)
 
     def ordered(self, plan: Plan, costs: np.ndarray, batch: list[Request], layout: Layout, cost: CostModel,

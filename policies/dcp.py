@@ -146,6 +146,7 @@ class DynamicCP:
 
     Params = DynamicCPParams
     plans_cp_groups = True  # its plans carry CP groups: it runs on a dynamic-CP layout only
+    name: str  # set by register_batching on each subclass
 
     def __init__(self, params) -> None:
         self.params = params

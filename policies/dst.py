@@ -327,7 +327,9 @@ def best_levels(table: LevelTable, start_ms: float, target_cov: float) -> np.nda
         # Between two uniform times only single raised micro-batches fit, so search a finer grid too.
         finer = np.linspace(table.rank_ms.min(axis=0).max(), tau, FINE_TAUS)  # from the lowest feasible tau
         tau = smallest_good(np.union1d(candidates[candidates <= tau], finer), filled_good)
-    return fill_bubbles(table, uniform(tau), tau)
+    levels = uniform(tau)
+    assert levels is not None, "every returned tau was checked"
+    return fill_bubbles(table, levels, tau)
 
 
 def smallest_good(candidates: np.ndarray, good) -> float:

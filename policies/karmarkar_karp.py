@@ -128,6 +128,7 @@ def refined(costs: np.ndarray, parts: list[list[int]], equal_count: bool) -> lis
             loads[target] += costs[item]
             part_of[item] = target
         else:
+            assert best is not None, "a gain without a move is a swap's"
             item, other = int(mine[best[0]]), int(rest[best[1]])
             target = int(part_of[other])
             shift = costs[item] - costs[other]

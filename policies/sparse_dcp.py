@@ -42,6 +42,7 @@ BISECTIONS = 40  # steps of the search for tau: far below the grid of budgets
 @register_batching("sparsebalance_dcp")
 class SparseDCP:
     plans_cp_groups = True  # its plans carry CP groups: it runs on a dynamic-CP layout only
+    name: str  # set by register_batching
 
     @dataclass(frozen=True)
     class Params:

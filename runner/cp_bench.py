@@ -23,20 +23,21 @@ config (model, cost, block size).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import pandas as pd
 import torch
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from sparsebalance.kernels.sparse_attention import select_blocks, sparse_attention
 from sparsebalance.runner.cp import Shards, attention_piece, merge_pieces
 from sparsebalance.runner.cp_kernel import own_rows
 from sparsebalance.sim.cluster import Layout
-from sparsebalance.sim.core import ConfigError, fail
+from sparsebalance.sim.core import ArgumentParser, ConfigError, fail, hydra_reason
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.cp_shards import kept_share_shift
 from sparsebalance.sim.setup import prepare
@@ -157,7 +158,9 @@ def predicted(cost, row: dict, layers: int) -> dict:
 
 
 def parse(argv: list[str]):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The options and the ``sim.run`` overrides, which may come before or after them."""
+    parser = ArgumentParser(prog="python -m runner.cp_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="sim.run's overrides (model, cost, block size)")
     parser.add_argument("--lengths", default="4096,8192,16384")
     parser.add_argument("--cp", default="2,4")
     parser.add_argument("--p", default="1.0,0.9", help="top-p budgets")
@@ -165,7 +168,7 @@ def parse(argv: list[str]):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument("--out", default="cp_bench.csv")
-    return parser.parse_known_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def budgets(args) -> list[dict]:
@@ -175,11 +178,13 @@ def budgets(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse(sys.argv[1:] if argv is None else argv)
     try:
-        setup = prepare(OmegaConf.to_object(compose_config(overrides)))
+        args = parse(sys.argv[1:] if argv is None else argv)
+        setup = prepare(OmegaConf.to_object(compose_config(args.overrides)))
     except ConfigError as exc:
         fail(str(exc).splitlines()[0])
+    except (HydraException, OmegaConfBaseException) as exc:
+        fail(hydra_reason(exc))
     name = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = torch.device("cpu" if name == "auto" else name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -39,8 +39,8 @@ from sparsebalance.runner.device import check_attention, device_type
 from sparsebalance.runner.task import TaskConfig, make_example
 from sparsebalance.sim.cluster import Cluster
 from sparsebalance.sim.config import ClusterConfig, CostConfig, ModelConfig, WorkloadConfig
-from sparsebalance.sim.core import (ConfigError, atomic_path, check_writable, one_line_errors, parse_numbers,
-                                    write_json_atomic)
+from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, one_line_errors,
+                                    parse_numbers, write_json_atomic)
 from sparsebalance.sim.cost import make_cost
 from sparsebalance.sim.results import FLOAT_FORMAT
 from sparsebalance.sim.sensitivity import MODES, RAW_COLUMNS, raw_meta_path
@@ -228,7 +228,7 @@ def _numbers(text: str, flag: str, kind: type, allowed: str, ok) -> list:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m runner.sensitivity", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m runner.sensitivity", description=__doc__.splitlines()[0])
     ap.add_argument("source", type=Path, help="a runner checkpoint.pt, or the run dir holding one")
     ap.add_argument("--lengths", required=True, help="comma-separated sequence lengths in tokens")
     ap.add_argument("--p", default="0.5,0.7,0.8,0.9,0.95,0.99", help="top-p coverage targets in (0, 1]")

@@ -44,6 +44,7 @@ from sparsebalance.sim.core import (
     hydra_reason,
     interrupted,
     preset_overrides,
+    refuse_unknown_options,
 )
 from sparsebalance.sim.sensitivity import load_sensitivity_profile
 
@@ -258,8 +259,11 @@ def check_config(argv: list[str]) -> None:
     """The advisor's own keys, composed before Hydra runs, so that a bad one is one line."""
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     try:
+        refuse_unknown_options(argv)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             compose(config_name="advise", overrides=overrides)
+    except ConfigError as exc:
+        fail(str(exc))
     except (HydraException, OmegaConfBaseException) as exc:
         fail(hydra_reason(exc))
 

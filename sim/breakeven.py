@@ -95,9 +95,9 @@ def formatted(frame: pd.DataFrame) -> pd.DataFrame:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m sim.breakeven", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: cost.profile=..., model=...")
-    args = parser.parse_args(argv)
     register()
     try:
+        args = parser.parse_args(argv)
         cfg = OmegaConf.to_object(compose_config(args.overrides))
         cost = make_cost(cfg.cost, cfg.model, Cluster.from_config(cfg.cluster), recompute=False)
         frame = table(cost)

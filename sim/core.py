@@ -54,6 +54,16 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def refuse_unknown_options(argv: list[str]) -> None:
+    """A ConfigError for an option a Hydra app does not take (Hydra would print its usage and the error)."""
+    from hydra._internal.utils import get_args_parser
+
+    _, unknown = get_args_parser().parse_known_args(argv)
+    if unknown:
+        raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}; allowed: key=value overrides and Hydra's "
+                          "options (--help)")
+
+
 def parse_numbers(text: str, kind: Callable[[str], object], valid: Callable[[object], bool] | None = None,
                   allowed: str = "") -> list:
     """The comma-separated ``kind`` values of ``text`` (``int``, ``float``, ``str``), each passing ``valid``

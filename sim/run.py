@@ -36,7 +36,7 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
                                           validate)
     from sparsebalance.sim.core import (CONF_DIR, PRESETS, ConfigError, check_group_overrides, check_writable,
                                         did_you_mean, fail, group_options, hydra_reason, interrupted, preset_options,
-                                        preset_overrides, quiet_interrupts_in_callbacks)
+                                        preset_overrides, quiet_interrupts_in_callbacks, refuse_unknown_options)
     from sparsebalance.sim.outputs import claimed_run_dir, discard_outputs, discard_run, output_dir, pin_output_dir
     from sparsebalance.sim.engine import Engine
     from sparsebalance.sim.profile import profile_source
@@ -385,6 +385,7 @@ def cli() -> None:
     if "--help" in argv or "-h" in argv:
         return print_help(argv)
     try:
+        refuse_unknown_options(argv)
         for note in check_composition(argv):  # each job's composition checks its group options first
             print(note, file=sys.stderr)
         argv, outputs = pin_output_dir(argv, fixed_overrides(command_overrides(argv)), is_sweep(argv))

@@ -1,7 +1,7 @@
 """The backend Protocol, the registry and what every backend shares; the package docstring says how to use them."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +28,8 @@ class AttentionBackend(Protocol):
         """Causal attention within each document; ``[T, Hq, D]`` in q's dtype."""
 
 
-BACKENDS: dict[str, type] = {}
+# name -> a class whose instances meet AttentionBackend and have check(); a sparse one takes the block size
+BACKENDS: dict[str, Any] = {}
 
 
 def register(name: str):

@@ -47,14 +47,14 @@ def padded_documents(lengths: Sequence[int], block_size: int, device) -> PaddedD
 
     from sparsebalance.kernels.sparse_attention import VarlenBatch
 
-    lengths = torch.tensor(list(lengths), dtype=torch.int64)
-    padded = -(-lengths // block_size) * block_size
+    lens = torch.tensor(list(lengths), dtype=torch.int64)
+    padded = -(-lens // block_size) * block_size
     starts = torch.cumsum(padded, 0) - padded
-    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    offset = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[doc]
+    doc = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    offset = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[doc]
     positions = starts[doc] + offset
-    kv_end = torch.repeat_interleave(starts + lengths, padded).to(torch.int32)
-    return PaddedDocuments(VarlenBatch.from_cu_seqlens(cu_seqlens(lengths.tolist())), positions.to(device),
+    kv_end = torch.repeat_interleave(starts + lens, padded).to(torch.int32)
+    return PaddedDocuments(VarlenBatch.from_cu_seqlens(cu_seqlens(lens.tolist())), positions.to(device),
                            kv_end.to(device))
 
 

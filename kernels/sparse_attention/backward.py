@@ -248,7 +248,7 @@ def sparse_attn_bwd_dq(do, q, k, v, o, lse, sel, sm_scale, delta=None, dq=None,
     pairs = kept_pairs(q, k, sel)
     G = Hq // k.shape[1]
 
-    def arguments(cfg, ends, tma, store):
+    def arguments(cfg, ends, tma, store) -> tuple[tuple, dict]:
         kd, vd = tensor_descriptors(cfg["BN"], k, v) if tma else (None, None)
         args = (q, k, v, o, do, dq, lse, delta, kd, vd, lay.block_start, ends, sel.q2k_start, sel.q2k_cnt,
                 sel.q_order, sm_scale * LOG2E, sm_scale, T, NB, sel.q2k_idx.shape[-1],
@@ -283,7 +283,7 @@ def sparse_attn_bwd_dkdv(do, q, k, v, lse, delta, sel, sm_scale, options: Kernel
     pairs = kept_pairs(q, k, sel)
     G = Hq // Hkv
 
-    def arguments(cfg, ends, tma):
+    def arguments(cfg, ends, tma) -> tuple[tuple, dict]:
         qd, dod = tensor_descriptors(cfg["BM"], q, do) if tma else (None, None)
         args = (q, k, v, do, dk, dv, lse, delta, qd, dod, lay.block_start, ends, sel.k2q_ptr, sel.k2q_start,
                 sel.k2q_end, sel.k_order, sm_scale * LOG2E, sm_scale, T, NB,

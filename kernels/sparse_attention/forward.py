@@ -109,7 +109,7 @@ def sparse_attn_fwd(q, k, v, sel, sm_scale, options: KernelOptions = DEFAULT_OPT
     pairs = kept_pairs(q, k, sel)
     G = Hq // k.shape[1]
 
-    def arguments(cfg, ends, tma):
+    def arguments(cfg, ends, tma) -> tuple[tuple, dict]:
         kd, vd = tensor_descriptors(cfg["BN"], k, v) if tma else (None, None)
         args = (q, k, v, o, lse, kd, vd, lay.block_start, ends, sel.q2k_start, sel.q2k_cnt, sel.q_order,
                 sm_scale * LOG2E, T, NB, sel.q2k_idx.shape[-1],

@@ -62,20 +62,20 @@ class BlockSelection:
     kept_fraction: torch.Tensor  # float32 [n] kept blocks / causal blocks (over KV heads)
     coverage: torch.Tensor  # float32 [n] mean routing-score mass kept per (KV head, query block)
     # first token of each listed block (saves the kernels one dependent load per iteration)
-    q2k_start: torch.Tensor = None  # int32 [Hkv, NB, W]
-    k2q_start: torch.Tensor = None  # int32 like k2q_idx
-    k2q_end: torch.Tensor = None  # int32 like k2q_idx (query blocks may be partial)
+    q2k_start: torch.Tensor | None = None  # int32 [Hkv, NB, W]
+    k2q_start: torch.Tensor | None = None  # int32 like k2q_idx
+    k2q_end: torch.Tensor | None = None  # int32 like k2q_idx (query blocks may be partial)
     # host: the most blocks any row keeps (<= W; picks the kernels' tile configs); for a top-k selection
     # with host budgets, the budget's count (rows keep more only on exact score ties); None where only the
     # device knows it (the fused top-p selection), which then gives ``row_class_end``
-    row_blocks: int = None
+    row_blocks: int | None = None
     # host: kept (KV head, query block, KV block) entries, exact or (host-sized top-k) estimated from the
     # budgets; None where only the device knows it. Sizes the backward's work (the overlap rule)
-    kept_entries: int = None
+    kept_entries: int | None = None
     # device, where the host does not know ``row_blocks``: the block ends int32 [NB] for the short-row and
     # for the long-row launches, each the layout's ends where the widest row is of that class and zeros
     # (every program of that launch has nothing to do) where it is not (launch.row_class_launches)
-    row_class_end: tuple = None
+    row_class_end: tuple | None = None
 
     def __post_init__(self):
         lay = self.layout
