@@ -115,6 +115,7 @@ def test_unknown_summary_is_refused(sweep_copy):
         read_run(sweep_copy / "0")
 
 
+@pytest.mark.slow  # a Python process importing the plotting stack
 def test_cli_bad_input_is_one_line_without_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-m", "sparsebalance.viz", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
