@@ -132,6 +132,7 @@ def test_bad_trace_is_one_error_before_any_job(tmp_path, name, content, needle):
     assert_one_error(["workload=trace", f"workload.trace_path={trace}"], needle)
 
 
+@pytest.mark.slow  # a Python process per case; the same cases run in-process above, in the fast lane
 @pytest.mark.parametrize("overrides,needle", CLI_CONFIG_CASES, ids=[" ".join(o) for o, _ in CLI_CONFIG_CASES])
 def test_bad_config_value_is_one_line_and_leaves_nothing(tmp_path, overrides, needle):
     proc = run_cli(f"hydra.run.dir={tmp_path / 'run'}", "steps=20", *overrides, cwd=tmp_path)
@@ -139,6 +140,7 @@ def test_bad_config_value_is_one_line_and_leaves_nothing(tmp_path, overrides, ne
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a Python process per case; the same cases run in-process above, in the fast lane
 @pytest.mark.parametrize("name,content,needle", CLI_TRACE_CASES, ids=[c[0] for c in CLI_TRACE_CASES])
 def test_bad_trace_is_one_line_and_leaves_nothing(tmp_path, name, content, needle):
     trace = tmp_path / name
