@@ -150,6 +150,7 @@ def test_bad_trace_is_one_line_and_leaves_nothing(tmp_path, name, content, needl
     assert list(tmp_path.iterdir()) == [trace]
 
 
+@pytest.mark.slow  # a Python process running the simulator
 @pytest.mark.parametrize("mode", ["run", "sweep"])
 def test_a_run_or_sweep_directory_that_is_a_file_is_one_line(tmp_path, mode):
     there = tmp_path / "taken"
