@@ -160,6 +160,7 @@ def test_a_run_or_sweep_directory_that_is_a_file_is_one_line(tmp_path, mode):
     assert list(tmp_path.iterdir()) == [there]
 
 
+@pytest.mark.slow  # a Python process running the simulator
 def test_one_bad_job_stops_a_sweep_before_any_job_runs(tmp_path):
     proc = run_cli("-m", f"hydra.sweep.dir={tmp_path / 'multirun'}", "steps=2", "policy=kk,baseline",
                    "workload.sigma=1,-1", cwd=tmp_path)
@@ -173,6 +174,7 @@ def test_force_lifts_the_size_guard_but_not_the_range_checks(tmp_path):
         check_composition(["force=true", "workload.sigma=nan"])
 
 
+@pytest.mark.slow  # Python processes running the simulator
 def test_packages_named_like_ours_in_the_working_directory_hide_nothing(tmp_path):
     """``python -m`` puts the working directory first on the path; the project imports itself as
     ``sparsebalance.<package>``, so a sweep's ``policies`` folder or another project's ``sim`` or ``kernels``
