@@ -71,7 +71,8 @@ class Collector:
             self.costs.append((cost, report.nodeid))
         if self.log:
             with open(self.log, "a") as log:
-                log.write(f"{cost:.2f}\t{self.wall.pop(report.nodeid):.2f}\t{'slow' if slow else 'fast'}\t{report.nodeid}\n")
+                lane = "slow" if slow else "fast"
+                log.write(f"{cost:.2f}\t{self.wall.pop(report.nodeid):.2f}\t{lane}\t{report.nodeid}\n")
 
 
 def pytest_terminal_summary(terminalreporter, config):
