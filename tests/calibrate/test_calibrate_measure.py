@@ -47,6 +47,7 @@ def test_every_term_is_timed_with_the_realised_kept_fractions(measurer, point):
             assert point.kept_fractions[0] < kept[0] < 1.0
 
 
+@pytest.mark.slow  # times every term of three grid points on the CPU
 def test_measured_rows_go_to_the_csv(tmp_path, measurer):
     csv = tmp_path / "raw.csv"
     assert run.measure_all(POINTS, measurer, csv, time_budget_s=None) == len(POINTS)

@@ -112,6 +112,7 @@ def test_check_defaults_to_the_committed_profile():
     assert fit.parse_args(["--check"]).check == fit.DEFAULT_OUT == ROOT / "calibrate" / "profiles" / "h200.json"
 
 
+@pytest.mark.slow  # two Python processes
 def test_check_from_the_shell_exits_with_the_verdict(tmp_path):
     def shell(path):
         return subprocess.run([sys.executable, "-m", "sparsebalance.calibrate.fit", "--check", str(path)], cwd=ROOT,

@@ -100,6 +100,7 @@ def test_bad_profile_is_one_error_line_and_leaves_nothing(tmp_path, content, nee
     check_refusal(*sim_run_here(profile, tmp_path / "run", monkeypatch, capsys), needle, profile, tmp_path / "run")
 
 
+@pytest.mark.slow  # a Python process running the simulator
 def test_the_process_exits_with_the_one_line(tmp_path):
     _, content, needle = CASES[0]
     profile = tmp_path / "bad.json"
@@ -108,6 +109,7 @@ def test_the_process_exits_with_the_one_line(tmp_path):
     check_refusal(run.returncode, run.stdout, run.stderr, needle, profile, tmp_path / "run")
 
 
+@pytest.mark.slow  # a Python process running the simulator
 def test_the_pinned_profile_itself_runs(tmp_path):
     """The cases above fail for what was changed, not for what they start from."""
     run = sim_run(PINNED_PROFILE, tmp_path / "run", "steps=2", "baseline=null")

@@ -44,6 +44,7 @@ def test_bad_lists_are_one_line_errors(args, message, capsys):
     assert capsys.readouterr().err.splitlines()[-1].endswith("error: " + message)
 
 
+@pytest.mark.slow  # a Python process importing torch
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_no_gpu_is_one_line(tmp_path):
     out = run_module("--bench", "--csv", str(tmp_path / "grid.csv"))
@@ -353,6 +354,7 @@ def test_kernel_ptx_names_a_missing_reference_directory_in_one_line(tmp_path, mo
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # eager FlexAttention on the CPU, over 2 s
 @pytest.mark.parametrize("gqa", [1, 2], ids=["mha", "gqa2"])
 def test_fair_flex_constructions_attend_exactly_our_kept_blocks(gqa):
     """The fair grid's Flex inputs compute what our kernel computes: on whole-block documents Flex given our

@@ -47,7 +47,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("lens,Hq,Hkv,D,B,budget,dtype,cfg", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# The fast lane keeps the cases that cost under 2 s of CPU through the interpreter; the others are slow.
+FAST_CASES = ("odd-lengths-mha-p0.5", "single-token-docs-p0.9", "subtiles-block32-tile16")
+
+
+@pytest.mark.parametrize("lens,Hq,Hkv,D,B,budget,dtype,cfg", [
+    pytest.param(*c[1:], id=c[0], marks=() if c[0] in FAST_CASES else pytest.mark.slow) for c in CASES])
 def test_matches_naive(lens, Hq, Hkv, D, B, budget, dtype, cfg):
     options = poisoned({(B, D): cfg} if cfg else None)
     q, k, v = qkv(lens, Hq, Hkv, D, dtype)
@@ -59,6 +64,7 @@ def test_matches_naive(lens, Hq, Hkv, D, B, budget, dtype, cfg):
     check_against_naive(q, k, v, cu, sel, ATOL[dtype], options)
 
 
+@pytest.mark.slow  # interpreted Triton, over 2 s of CPU
 def test_tma_and_pointer_tiles_agree():
     """The forward and dQ load K/V tiles, dK/dV its Q/dO tiles, through TMA descriptors by default (the
     interpreter runs them); with TMA off, and where K/V or Q have no ``[T, H*D]`` view (heads not D apart),
@@ -89,6 +95,7 @@ def test_tma_and_pointer_tiles_agree():
             torch.testing.assert_close(a, b, atol=ATOL[torch.float16], rtol=0)
 
 
+@pytest.mark.slow  # interpreted Triton, over 2 s of CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_documents_never_read_each_other(dtype):
     """NaN in one document's Q, K, V and dO leaves every other document's output and gradients as they were:
@@ -214,6 +221,7 @@ def test_naive_backend_and_default_dense():
     torch.testing.assert_close(a, dense_causal_varlen(q, k, v, cu), atol=ATOL[torch.float32], rtol=0)
 
 
+@pytest.mark.slow  # interpreted Triton, over 2 s of CPU
 def test_explicit_selection_from_mask_and_determinism():
     lens = [70, 40]
     q, k, v = qkv(lens, 2, 2, 16)
@@ -232,6 +240,7 @@ def test_explicit_selection_from_mask_and_determinism():
     assert all(torch.equal(a, b) for a, b in zip(g2, g3, strict=True)), "backward is not deterministic"
 
 
+@pytest.mark.slow  # interpreted Triton, over 2 s of CPU
 @settings(max_examples=6, suppress_health_check=[HealthCheck.too_slow])
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), p=st.sampled_from([0.3, 0.7, 1.0]),
        seed=st.integers(0, 1000))
@@ -258,6 +267,7 @@ def test_strided_inputs():
     torch.testing.assert_close(a, b, atol=ATOL[torch.float32], rtol=0)
 
 
+@pytest.mark.slow  # interpreted Triton, over 2 s of CPU
 @pytest.mark.parametrize("lens,Hq,Hkv", [([37, 70, 5], 2, 2), ([50, 1, 81], 4, 1)], ids=["mha-odd", "gqa4to1"])
 def test_delta_prepass_matches_delta_from_dq(lens, Hq, Hkv):
     """The overlapped backward's pieces: the delta pre-pass equals the delta the dQ kernel stores, and dQ

@@ -44,6 +44,7 @@ def test_a_sweep_draws_every_job(tmp_path):
         assert (tmp_path / job / "figures" / "timeline.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # a Python process running the simulator
 def test_bad_input_with_plot_leaves_nothing(tmp_path):
     done = sim_run("plot=true", "steps=0", f"hydra.run.dir={tmp_path / 'run'}")
     assert done.returncode == 2
@@ -51,6 +52,7 @@ def test_bad_input_with_plot_leaves_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a Python process running the simulator
 def test_figures_without_plans_are_refused_before_the_run(tmp_path):
     done = sim_run("plot=true", "write_plans=false", "steps=1", "baseline=null", f"hydra.run.dir={tmp_path / 'run'}")
     assert done.returncode == 2 and "Traceback" not in done.stderr

@@ -115,6 +115,7 @@ def test_unknown_summary_is_refused(sweep_copy):
         read_run(sweep_copy / "0")
 
 
+@pytest.mark.slow  # a Python process importing the plotting stack
 def test_cli_bad_input_is_one_line_without_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-m", "sparsebalance.viz", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
@@ -134,6 +135,7 @@ def test_cli_names_a_partial_or_old_run(sweep_copy, damage, message, capsys):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow  # draws every results figure, over 2 s of CPU
 def test_cli_writes_every_results_figure(sweep, tmp_path, capsys):
     out = tmp_path / "figs"
     assert main([str(sweep), "--out", str(out), "--format", "svg", "--step", "1"]) == 0
@@ -247,6 +249,7 @@ def test_benchmark_checks_the_profile_on_our_kernel(bench_csv):
     assert_legible(plot_residuals(frame, profile))
 
 
+@pytest.mark.slow  # draws three figures, over 2 s of CPU
 def test_cli_benchmark_figures(bench_csv, tmp_path):
     out = tmp_path / "figs"
     assert main([str(bench_csv), "--out", str(out)]) == 0

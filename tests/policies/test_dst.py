@@ -2,15 +2,16 @@
 zero heterogeneity is a no-op, and the infeasible cases behave as documented."""
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 
 from sparsebalance.policies.base import uniform_budget_plan
 
 from sparsebalance.sim.policy import make_batching, make_sparsity
-from sparsebalance.policies.dst import LevelTable, level_budgets
+from sparsebalance.policies.dst import LevelTable, best_levels, level_budgets
 from sparsebalance.sim.plan import Budget
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.core import ConfigError
+from sparsebalance.sim.estimate import Belief, logit_normal_samples
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.cost import make_cost
 from sparsebalance.sim.engine import Engine, run_pipeline
@@ -91,6 +92,57 @@ def test_dst_never_slower_than_fixed_and_budgets_in_range(world, layout_dims, bu
         (a.seq_id, a.dp_rank, a.micro_batch) for a in plan.assignments
     ]
     assert mean_coverage(tuned, belief, cost, weight) >= mean_coverage(fixed, belief, cost, weight) - 1e-12
+
+
+def expected_ms(plan, belief, layout, cost, cluster):
+    """The belief's mean, over its samples, of the engine's step: what a planner holding it expects."""
+    return float(np.mean([barrier_ms(plan, Belief(belief.ids, sample[None]), layout, cost, cluster)
+                          for sample in belief.samples]))
+
+
+# Batches where DST's search, planning each rank at the belief's 0.75 quantile, finds levels whose expected
+# step is 0.3%, 0.8% and 1.7% slower than the start's: there the guard, and nothing else, keeps DST's plan
+# no slower than fixed; a guard loosened by a few percent, or none, lets them through.
+@settings(max_examples=10)
+@example((3, 2, 1), [19198, 22379, 3524], [0.71, -1.84, -1.8], 1.0)
+@example((2, 2, 2), [26556, 25806, 8344, 10161, 4749, 23030, 18766], [0.05, 1.5, 1.31, -1.06, 1.31, -1.92, -1.14],
+         2.0)
+@example((3, 1, 1), [8330, 17484, 11160, 14304, 17717], [-1.5, 0.8, 1.43, -0.34, -2.0], 2.0)
+@given(st.tuples(st.integers(2, 3), st.integers(1, 2), st.integers(1, 2)),
+       st.lists(st.integers(1024, 32768), min_size=6, max_size=10), st.lists(st.floats(-2, 2), min_size=10,
+                                                                            max_size=10),
+       st.sampled_from([0.5, 1.0, 2.0]))
+def test_dst_is_never_expected_slower_than_its_start_under_a_belief_with_spread(world, dims, lengths, means, std):
+    """A planner's belief with spread (16 logit-normal samples per sequence): DST's plan, priced by the engine
+    under every sample, is on average no slower than the uniform start's."""
+    cluster, cost = world
+    dp, pp, m = dims
+    layout = Layout(dp=dp, pp=pp, micro_batches=m)
+    n = len(lengths)
+    belief = Belief(np.arange(n), logit_normal_samples(np.array(means[:n]), np.full(n, std), seed=0, step=0,
+                                                       samples=16))
+    batch = [Sequence(i, length, 0.5) for i, length in enumerate(lengths)]  # the truth: unused, DST plans on the belief
+    plan = make_batching("sequential", {}).plan(requests(batch), layout, cost, step=0, belief=belief)
+    tuned = make_sparsity("dst", {}).tune(plan, layout, cost, belief)
+    fixed = uniform_budget_plan(plan, Budget(p=0.9))
+    assert expected_ms(tuned, belief, layout, cost, cluster) <= \
+        expected_ms(fixed, belief, layout, cost, cluster) * (1 + 1e-12)
+
+
+def test_the_pinned_spread_cases_need_the_guard(world):
+    """The first pinned batch above does exercise the guard: DST's search alone plans an expected-slower step."""
+    _, cost = world
+    layout = Layout(dp=3)
+    lengths, means = [8330, 17484, 11160, 14304, 17717], np.array([-1.5, 0.8, 1.43, -0.34, -2.0])
+    belief = Belief(np.arange(5), logit_normal_samples(means, np.full(5, 2.0), seed=0, step=0, samples=16))
+    batch = [Sequence(i, length, 0.5) for i, length in enumerate(lengths)]
+    plan = make_batching("sequential", {}).plan(requests(batch), layout, cost, step=0, belief=belief)
+    params = make_sparsity("dst", {}).params
+    budgets, start_level = level_budgets(params, cost.block_size, max(lengths))
+    table = LevelTable.build(plan, layout, cost, budgets, belief, params.coverage_weight, params.quantile)
+    start = np.full((3, 1), start_level)
+    searched = best_levels(table, table.makespan(start), table.mean_coverage(start))
+    assert 1 < table.expected_ms(searched) / table.expected_ms(start) < 1.03
 
 
 def mean_coverage(plan, belief, cost, weight="attention"):

@@ -36,6 +36,7 @@ def placement(plan):
     return [(a.seq_id, a.dp_rank, a.micro_batch) for a in plan.assignments]
 
 
+@pytest.mark.slow  # 60 examples of two planned steps, over 3 s
 @settings(max_examples=60)
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.floats(0.01, 1.0), st.data())
 def test_sab_equals_lbb_with_equal_sensitivity_and_dense_budgets(cost, cluster, dp, pp, m, sens, data):

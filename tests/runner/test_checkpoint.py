@@ -53,20 +53,21 @@ def ok(proc: subprocess.CompletedProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def half(tmp_path_factory) -> Path:
-    """A 1-step run with its checkpoint: what the checks of a bad or mismatched checkpoint start from."""
-    run = tmp_path_factory.mktemp("checkpoint") / "half"
-    ok(train(run, "steps=1", "runner.checkpoint_every=1"))
-    return run
+def half(once) -> Path:
+    """A 1-step run with its checkpoint: what the checks of a bad or mismatched checkpoint start from (one run
+    per session, however many xdist workers share this module's tests)."""
+    return once("checkpoint_half", lambda run: ok(train(run, "steps=1", "runner.checkpoint_every=1")))
 
 
 @pytest.fixture(scope="module")
-def runs(half) -> dict[str, Path]:
+def runs(half, once) -> dict[str, Path]:
     """The 1-step run, the 2-step run resumed from its checkpoint, and the same 2 steps uninterrupted."""
-    root = half.parent
-    ok(train(root / "resumed", "steps=2", "runner.checkpoint_every=2", f"runner.resume={half / 'checkpoint.pt'}"))
-    ok(train(root / "full", "steps=2", "runner.checkpoint_every=2"))
-    return {name: root / name for name in ("half", "resumed", "full")}
+    def make(root: Path) -> None:
+        ok(train(root / "resumed", "steps=2", "runner.checkpoint_every=2", f"runner.resume={half / 'checkpoint.pt'}"))
+        ok(train(root / "full", "steps=2", "runner.checkpoint_every=2"))
+
+    root = once("checkpoint_runs", make)
+    return {"half": half, "resumed": root / "resumed", "full": root / "full"}
 
 
 @pytest.fixture(scope="module")

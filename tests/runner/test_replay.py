@@ -191,6 +191,7 @@ def times_grid(times, step, grid, phase):
     return np.vectorize(lambda r, b, s: times(("lbb", step, r, b, s, phase)))(rank, mb, stage)
 
 
+@pytest.mark.slow  # over 3 s of CPU: two model runs, forward and backward
 def test_stages_and_recomputation_do_the_whole_models_work():
     """Cut into two stages with every layer's forward recomputed in its backward (from the blocks its forward
     selected), one micro-batch gives the gradients and kernel stats of the uncut model without recomputation
@@ -244,6 +245,7 @@ def test_the_replay_runs_the_runners_weights(pp):
             assert torch.equal(replayed[name], weights), name
 
 
+@pytest.mark.slow  # over 10 s of CPU: two policies replayed on the host clock
 def test_host_clock_and_deadline_end_to_end(tmp_path, capsys):
     out = tmp_path / "timed"
     assert main([*TINY, "--policies", "baseline,lbb", "--warmup", "0", "--deadline-s", "1e-6",

@@ -134,6 +134,7 @@ def test_bad_trace_is_one_error_before_any_job(tmp_path, name, content, needle):
     assert_one_error(["workload=trace", f"workload.trace_path={trace}"], needle)
 
 
+@pytest.mark.slow  # a Python process per case; the same cases run in-process above, in the fast lane
 @pytest.mark.parametrize("overrides,needle", CLI_CONFIG_CASES, ids=[" ".join(o) for o, _ in CLI_CONFIG_CASES])
 def test_bad_config_value_is_one_line_and_leaves_nothing(tmp_path, overrides, needle):
     proc = run_cli(f"hydra.run.dir={tmp_path / 'run'}", "steps=20", *overrides, cwd=tmp_path)
@@ -141,6 +142,7 @@ def test_bad_config_value_is_one_line_and_leaves_nothing(tmp_path, overrides, ne
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a Python process per case; the same cases run in-process above, in the fast lane
 @pytest.mark.parametrize("name,content,needle", CLI_TRACE_CASES, ids=[c[0] for c in CLI_TRACE_CASES])
 def test_bad_trace_is_one_line_and_leaves_nothing(tmp_path, name, content, needle):
     trace = tmp_path / name
@@ -150,6 +152,7 @@ def test_bad_trace_is_one_line_and_leaves_nothing(tmp_path, name, content, needl
     assert list(tmp_path.iterdir()) == [trace]
 
 
+@pytest.mark.slow  # a Python process running the simulator
 @pytest.mark.parametrize("mode", ["run", "sweep"])
 def test_a_run_or_sweep_directory_that_is_a_file_is_one_line(tmp_path, mode):
     there = tmp_path / "taken"
@@ -159,6 +162,7 @@ def test_a_run_or_sweep_directory_that_is_a_file_is_one_line(tmp_path, mode):
     assert list(tmp_path.iterdir()) == [there]
 
 
+@pytest.mark.slow  # a Python process running the simulator
 def test_one_bad_job_stops_a_sweep_before_any_job_runs(tmp_path):
     proc = run_cli("-m", f"hydra.sweep.dir={tmp_path / 'multirun'}", "steps=2", "policy=kk,baseline",
                    "workload.sigma=1,-1", cwd=tmp_path)
@@ -174,6 +178,7 @@ def test_force_lifts_the_size_guard_but_not_the_range_checks(tmp_path):
         check_composition(["force=true", "workload.sigma=nan"])
 
 
+@pytest.mark.slow  # Python processes running the simulator
 def test_packages_named_like_ours_in_the_working_directory_hide_nothing(tmp_path):
     """``python -m`` puts the working directory first on the path; the project imports itself as
     ``sparsebalance.<package>``, so a sweep's ``policies`` folder or another project's ``sim`` or ``kernels``

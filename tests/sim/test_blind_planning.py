@@ -78,7 +78,8 @@ def test_observe_reaches_the_estimator_and_both_policies_every_step(monkeypatch)
         assert ((observation.coverage > 0) & (observation.coverage <= 1)).all()
 
 
-@pytest.mark.parametrize("preset", ["+experiment=paper", "+experiment=paper_bubble_light"])
+@pytest.mark.parametrize("preset", ["+experiment=paper", pytest.param("+experiment=paper_bubble_light",
+                                                                     marks=pytest.mark.slow)])  # over 3 s of CPU
 def test_the_prediction_is_the_engines_step_when_the_belief_is_the_truth(preset):
     """The planner's prediction runs the engine's pipeline and gradient reduction in closed form: with the
     oracle's belief (one sample, the truth) it is the step the engine then simulates."""

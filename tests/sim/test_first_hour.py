@@ -281,6 +281,7 @@ def test_ctrl_c_in_a_sweep_keeps_finished_jobs_only(tmp_path):
     assert (sweep / "0" / "summary.json").is_file() and temporaries(sweep) == []
 
 
+@pytest.mark.slow  # a Python process, interrupted once it runs
 def test_ctrl_c_in_a_comparison_is_one_line():
     """Sent once the comparison runs, after its trace warning (the shipped trace is shorter than the run)."""
     first: list[str] = []

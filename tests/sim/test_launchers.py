@@ -145,6 +145,7 @@ def test_bad_launcher_and_sweeper_options_are_one_line(args, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # a Python process running the simulator
 def test_a_bad_sweeper_option_stops_the_command_before_it_writes(tmp_path):
     proc = sim_run("-m", "hydra/sweeper=dst_optuna", "hydra.sweeper.n_trials=-1",
                    f"hydra.sweep.dir={tmp_path / 'sweep'}")

@@ -233,6 +233,7 @@ def test_unfittable_sequence_through_sim_run_is_one_line_and_leaves_nothing(tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a Python process per case
 @pytest.mark.parametrize("overrides,needle", [
     (["memory.margin_gb=-1"], "memory.margin_gb=-1.0 is out of range; allowed: >= 0"),
     (["memory.margin_gb=141"], "memory.margin_gb=141 leaves nothing of cluster.hbm_gb=141; allowed: margin_gb < 141"),

@@ -170,6 +170,7 @@ def test_a_task_the_profile_lacks_is_one_line(task, needle):
     assert needle in str(exc.value)
 
 
+@pytest.mark.slow  # a Python process per case
 @pytest.mark.parametrize("overrides, needle", [
     (["workload.sensitivity_profile=tests/fixtures/missing.json"], "no such file"),
     (["workload.sensitivity_task=retrieval"],

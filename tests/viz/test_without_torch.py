@@ -39,6 +39,7 @@ def test_plot_and_viz_draw_a_simulated_run_where_torch_cannot_be_imported(tmp_pa
     assert [p.name for p in out.iterdir()] == ["timeline.png"] and (out / "timeline.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # a Python process importing the plotting stack
 def test_viz_imports_no_torch():
     code = ("import sys, viz.cli, viz.figures, viz.callbacks; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))")
