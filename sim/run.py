@@ -31,6 +31,7 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
     from omegaconf import DictConfig, OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
+    from sparsebalance.sim.choice import expectation_decides, planned_backends
     from sparsebalance.sim.cluster import Layout
     from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, register,
                                           validate)
@@ -71,7 +72,9 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     for step in with_progress(range(cfg.steps), policy.name, enabled=progress):
         batch = setup.workload.batch(step)
         plan = planner.plan(requests(batch), step)
-        outcome = engine.step(plan, truth_of(batch), predicted_ms=planner.predicted_ms)
+        # under hybrid the backends are chosen before the step, as the runner chooses them (sim.choice)
+        ran = planned_backends(plan, setup.cost, layout, planner.belief) if expectation_decides(setup.cost) else None
+        outcome = engine.step(plan, truth_of(batch), predicted_ms=planner.predicted_ms, ran=ran)
         planner.observe(plan, outcome.kept, outcome.coverage, outcome.record.step_ms)
         results.add(outcome.record, outcome.rows, plan.to_json() if cfg.write_plans else None)
         kept.append(outcome.kept)
