@@ -15,7 +15,6 @@ baseline (OWN_BASELINE, planning from the same prior), over all steps and from s
 """
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
