@@ -86,6 +86,8 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
         **({"tp": layout.tp} if layout.tp > 1 else {}),  # tp = 1 summaries keep their keys
         **profile_source(cfg.cost.profile if cfg.cost.name == "calibrated" else None),
         prior=prior_label(policy),
+        # what a policy that promises a coverage (balanced DST) still owes at the end: > 0 where it fell short
+        coverage_owed=getattr(planner.sparsity, "owed", None),
     )
     return RunOutput(results, summary, kept)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from sparsebalance.sim.compare import policy_variant
+from sparsebalance.sim.compare import check_overrides, policy_variant
 from sparsebalance.sim.config import PriorConfig, compose_config
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.estimate import Observation, OnlineEstimator
@@ -79,3 +79,16 @@ def test_the_online_estimator_moves_a_wrong_prior_at_lengths_it_has_not_seen():
     estimator.observe(Observation(plan, kept, kept ** (1 / (1 + np.exp(-truth))), 1.0))
     mean, _ = estimator.moments(np.array([1 << 16]))
     assert mean[0] == pytest.approx(truth * n / (n + estimator.prior_weight))
+
+
+def test_a_coverage_promise_reports_what_it_still_owes():
+    """Balanced DST promises its start's coverage and says what it still owes after the last step (0 where it
+    kept it); a policy that promises none says null. sim.compare accepts policy.prior.* and nothing else of
+    policy."""
+    small = ["+experiment=paper", "steps=2", "policy.prior.mean=0.1", "policy.prior.spread=0.05"]
+    owed = simulate(compose_config([*small, "policy=sparsebalance_topk"])).summary["coverage_owed"]
+    assert isinstance(owed, float) and owed >= 0.0
+    assert simulate(compose_config([*small, "policy=verl"])).summary["coverage_owed"] is None
+    check_overrides(["policy.prior.mean=0.3"])
+    with pytest.raises(ConfigError, match="^policy.name=verl: sim.compare does not read policy"):
+        check_overrides(["policy.name=verl"])
