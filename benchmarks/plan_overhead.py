@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     policy = policy_variant(args.policy, "--policy")
     batches = [workload.batch(step) for step in range(args.steps)]
     engine = Engine(layout, cost, cluster)
-    estimator = make_estimator(str(getattr(policy.estimator, "value", policy.estimator)), stated_prior(policy.prior).moments,
+    estimator = make_estimator(str(getattr(policy.estimator, "value", policy.estimator)),
+                               stated_prior(policy.prior).moments,
                                cfg.seed, truth=lambda step: truth_of(batches[step]))
     planner = Planner(*make_policy(policy), estimator, layout, cost, timer=engine)
     wall, cpu = [], []

@@ -202,9 +202,11 @@ def prior_of(base: DictConfig) -> str:
     """The prior the planners start from (policy.prior) and what the simulator draws the data's truth from."""
     workload = base.workload
     if workload.sensitivity_profile:
-        truth = f"the measured profile {workload.sensitivity_profile} (task {workload.sensitivity_task or 'its only one'})"
+        task = workload.sensitivity_task or "its only one"
+        truth = f"the measured profile {workload.sensitivity_profile} (task {task})"
     else:
-        truth = f"Beta({workload.sensitivity_a:g}, {workload.sensitivity_b:g}) for every length (workload.sensitivity_a/b)"
+        a, b = workload.sensitivity_a, workload.sensitivity_b
+        truth = f"Beta({a:g}, {b:g}) for every length (workload.sensitivity_a/b)"
     return f"{stated_prior(OmegaConf.to_object(base.policy.prior)).describe()}; the data's truth drawn from {truth}"
 
 

@@ -208,9 +208,9 @@ class Engine:
         """One step of ``plan`` on sequences whose sensitivities are ``truth`` (id -> s). ``busy_ms``: (fwd, bwd)
         ms per [dp, m, pp] in place of the cost model's compute times (measured ones, runner.replay); hand-offs,
         the all-reduce, memory and coverage stay modelled. ``predicted_ms``: what the planner expected the step
-        to take, recorded beside it. ``ran``: ``[dp, m]`` the backend each micro-batch's attention runs on (chosen before
-        the step, sim.choice, or a run's record, runner.compare; per unit under dynamic CP) in place of the cost
-        model's choice at the realised kept fractions."""
+        to take, recorded beside it. ``ran``: ``[dp, m]`` the backend each micro-batch's attention runs on (chosen
+        before the step, sim.choice, or a run's record, runner.compare; per unit under dynamic CP) in place of the
+        cost model's choice at the realised kept fractions."""
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
         if layout.dynamic or plan.dynamic_cp:

@@ -307,8 +307,8 @@ def test_the_runner_chooses_hybrids_backend_at_the_beliefs_mean_not_its_minimum(
     assert at_min[0] < at_mean[0]
     dense = attention_added(cost, "dense_best", plan, kept.mean(axis=0), layout)
     scale = np.sqrt(at_min[0] * at_mean[0]) / (dense[0] * (1 - cost.hybrid_margin))
-    planner, _ = build_planner(compose([*top_p, f"cost.profile={reference_profile(tmp_path / 'b.json', 1e-4 * scale)}"]),
-                               ONE_RANK)
+    priced = reference_profile(tmp_path / "b.json", 1e-4 * scale)
+    planner, _ = build_planner(compose([*top_p, f"cost.profile={priced}"]), ONE_RANK)
     again = planner.plan(0)[0]
     assert again == plan  # the same plan and belief: only the reference's price moved
     np.testing.assert_array_equal(kept, again.budgets.kept(planner.cost, again.lengths[None],
