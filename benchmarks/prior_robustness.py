@@ -8,8 +8,9 @@ it) and from three wrong ones, all with the default ``online`` estimator: too sp
 (policy, prior) it prints the mean step time and attention-weighted coverage; ``x_correct``, the correct-prior
 run's step time over this one's; ``first5_%``, how much slower the first 5 steps ran than with the correct prior;
 ``recovered``, the first step (the worst seed's; the run's length where never) from which the run's later steps
-take within 1% of the correct-prior run's time at no less coverage (0.002 allowed); and ``vs_base`` and ``vs_base_5+``, the speedup over the policy's own
-baseline (OWN_BASELINE, planning from the same prior), over all steps and from step 5 on.
+take within 1% of the correct-prior run's time at no less coverage (0.002 allowed); and ``vs_base`` and
+``vs_base_5+``, the speedup over the policy's own baseline (OWN_BASELINE, planning from the same prior), over all
+steps and from step 5 on.
 
     python -m benchmarks.prior_robustness [--seeds 1] [--steps 50] [--policies verl,verl_topk,...]
 """
