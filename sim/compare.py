@@ -122,7 +122,7 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
     for name in labels:  # a coverage promise not kept on this seed is said, with its shortfall
         if (outputs[name].summary.get("coverage_owed") or 0.0) > COVERAGE_TOLERANCE:
             print(f"seed {seed}: {labels[name]} ends {outputs[name].summary['coverage_owed']:.4f} short of the "
-                  "attention-weighted coverage it promised (its target was out of reach)", file=sys.stderr)
+                  "attention-weighted coverage it promised (summary.json's coverage_owed)", file=sys.stderr)
     rows = [{"policy": labels[name], **{col: outputs[name].summary[key] for col, key in FIGURES.items()}}
             for name in labels]
     for name in bounds:
