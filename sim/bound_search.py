@@ -87,5 +87,5 @@ def searched(cfg, plans: list[str], coverages, moves: int = MOVES) -> tuple[floa
     search = BoundSearch(Engine(setup.layout, setup.cost, setup.cluster), setup.cost, setup.layout, setup.memory,
                          moves)
     found = [search.step(Plan.from_json(text), truth_of(setup.workload.batch(step)), float(target), cfg.seed)
-             for step, (text, target) in enumerate(zip(plans, coverages))]
+             for step, (text, target) in enumerate(zip(plans, coverages, strict=True))]
     return float(np.mean([f[0] for f in found])), float(np.mean([f[1] for f in found]))

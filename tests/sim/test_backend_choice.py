@@ -30,9 +30,10 @@ def test_the_simulated_step_runs_the_backends_chosen_from_the_planners_expectati
     monkeypatch.setattr(sim_run, "planned_backends", recording)
     rows = sim_run.simulate(hybrid_cfg()).results.micro_batches()
     first_stage = rows[rows.stage == 0]
-    ran = [g.sort_values(["dp_rank", "micro_batch"]).attention_backend.to_numpy() for _, g in first_stage.groupby("step")]
+    ran = [g.sort_values(["dp_rank", "micro_batch"]).attention_backend.to_numpy()
+           for _, g in first_stage.groupby("step")]
     assert len(chosen) == len(ran) == 3
-    for planned, step in zip(chosen, ran):
+    for planned, step in zip(chosen, ran, strict=True):
         np.testing.assert_array_equal(planned.reshape(-1), step)
 
 
