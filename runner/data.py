@@ -54,7 +54,7 @@ def pack(assignments: tuple[Assignment, ...], truth: Mapping[int, float], task: 
     examples = [make_example(task, vocab_size, seed, a.seq_id, a.length, truth[a.seq_id]) for a in assignments]
     offsets = np.cumsum([0] + [a.length for a in assignments])
     tokens = np.concatenate([e.tokens for e in examples])
-    positions = np.concatenate([o + e.answer_positions for o, e in zip(offsets, examples, strict=True)])
+    positions = np.concatenate([o + e.answer_positions for o, e in zip(offsets[:-1], examples, strict=True)])
     answers = np.concatenate([e.answers for e in examples])
     fixed = [a.budget.kept_fraction for a in assignments]
     top_k = [a.budget.top_k for a in assignments]
