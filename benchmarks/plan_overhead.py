@@ -27,6 +27,7 @@ from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.engine import Engine
 from sparsebalance.sim.estimate import make_estimator
 from sparsebalance.sim.planner import Planner
+from sparsebalance.sim.prior import stated_prior
 from sparsebalance.sim.setup import make_policy
 from sparsebalance.sim.workload import Workload, requests, truth_of
 
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     policy = policy_variant(args.policy, "--policy")
     batches = [workload.batch(step) for step in range(args.steps)]
     engine = Engine(layout, cost, cluster)
-    estimator = make_estimator(str(getattr(policy.estimator, "value", policy.estimator)), workload.population,
+    estimator = make_estimator(str(getattr(policy.estimator, "value", policy.estimator)),
+                               stated_prior(policy.prior).moments,
                                cfg.seed, truth=lambda step: truth_of(batches[step]))
     planner = Planner(*make_policy(policy), estimator, layout, cost, timer=engine)
     wall, cpu = [], []

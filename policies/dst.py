@@ -58,7 +58,7 @@ import numpy as np
 from sparsebalance.policies.base import uniform_budget_plan
 
 from sparsebalance.sim.config import FRACTION, bounded
-from sparsebalance.sim.estimate import Belief
+from sparsebalance.sim.estimate import Belief, Observation, observed_sensitivity
 from sparsebalance.sim.pipeline import pipeline_ms
 from sparsebalance.sim.policy import register_sparsity
 from sparsebalance.sim.plan import Budget, BudgetArrays, Plan
@@ -108,6 +108,8 @@ class DynamicSparsityTuning:
         quantile: float = bounded(0.75, FRACTION)
         # false: no balancing, only the one budget per step that meets min_mean_coverage (a baseline's choice)
         balance: bool = True
+        # false: keep min_mean_coverage itself, not the start's coverage, which overshoots it by up to a level
+        keep_start: bool = True
 
     def __init__(self, params: Params) -> None:
         if Family(params.family) is Family.topp and not 0.0 < params.floor <= params.p <= params.cap <= 1.0:
@@ -123,14 +125,38 @@ class DynamicSparsityTuning:
         if not params.balance and params.min_mean_coverage is None:
             raise ValueError("balance=false picks the budget that meets min_mean_coverage: set min_mean_coverage")
         self.params = params
+        # the coverage the realized steps fell short of their starts', owed to the next steps' target (observe)
+        self.owed = 0.0
+        self.start: tuple[Budget, CostModel] | None = None  # the last plan's start and the cost model it ran on
 
     def tune(self, plan: Plan, layout: Layout, cost: CostModel, belief: Belief) -> Plan:
-        return tuned(self.params, plan, layout, cost, belief)
-
-
-def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost: CostModel, belief: Belief) -> Plan:
-    if not len(plan):
+        plan, start = tuned(self.params, plan, layout, cost, belief, self.owed)
+        self.start = None if start is None else (start, cost)
         return plan
+
+    def observe(self, observation: Observation) -> None:
+        """Balanced DST promises its start's coverage, but plans it under the belief: what a step's realized
+        weighted coverage fell short of the start budget's on the same sequences (with the sensitivities the step
+        reported; a sequence that reports none counts alike for both) is owed to the next steps' target, so that
+        a run keeps its start's coverage, not only in expectation. A surplus pays debt off, never below zero."""
+        if self.start is None or not self.params.balance or not len(observation.plan):
+            return
+        start, cost = self.start
+        plan = observation.plan
+        s = observed_sensitivity(observation.kept_fraction, observation.coverage)
+        known = ~np.isnan(s)
+        kept = uniform_budget_plan(plan, start).budgets.kept(cost, plan.lengths, np.where(known, s, 1.0))
+        weights = CoverageWeight(self.params.coverage_weight).weights(plan.lengths)
+        short = np.where(known, cost.coverages(np.where(known, s, 1.0), kept) - observation.coverage, 0.0)
+        self.owed = max(0.0, self.owed + float((weights * short).sum() / weights.sum()))
+
+
+def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost: CostModel, belief: Belief,
+          owed: float = 0.0) -> tuple[Plan, Budget | None]:
+    """The tuned plan and its start budget (None for an empty plan); ``owed`` raises the coverage target above
+    the start's (DynamicSparsityTuning.observe), from a higher uniform start where the start cannot reach it."""
+    if not len(plan):
+        return plan, None
     longest = int(plan.lengths.max())
     budgets, start_level = level_budgets(params, cost.block_size, longest)
     table = LevelTable.build(plan, layout, cost, budgets, belief, CoverageWeight(params.coverage_weight),
@@ -138,15 +164,23 @@ def tuned(params: DynamicSparsityTuning.Params, plan: Plan, layout: Layout, cost
     if params.min_mean_coverage is not None:
         start_level = meeting_level(table, params.min_mean_coverage)
     if not params.balance:
-        return uniform_budget_plan(plan, budgets[start_level])
+        return uniform_budget_plan(plan, budgets[start_level]), budgets[start_level]
+    start_budget = budgets[start_level]
     start = np.full((layout.dp, layout.micro_batches), start_level)
     start_ms, start_cov = table.makespan(start), table.mean_coverage(start)
-    levels = best_levels(table, start_ms, start_cov)
+    keep = start_cov if params.keep_start or params.min_mean_coverage is None else params.min_mean_coverage
+    target = keep + owed
+    levels = best_levels(table, start_ms, target)
+    if table.mean_coverage(levels) < target:  # the debt needs more time than the start's: start higher
+        start_level = max(start_level, meeting_level(table, target))
+        start = np.full((layout.dp, layout.micro_batches), start_level)
+        start_ms, start_cov = table.makespan(start), table.mean_coverage(start)
+        levels = best_levels(table, start_ms, min(target, start_cov))
     new_ms, new_cov = table.expected_ms(levels), table.mean_coverage(levels)
     start_expected = table.expected_ms(start)
     if new_ms > start_expected or (new_ms == start_expected and new_cov <= start_cov):
-        return uniform_budget_plan(plan, budgets[start_level])
-    return with_levels(plan, levels[table.rank, table.micro_batch], budgets)
+        return uniform_budget_plan(plan, budgets[start_level]), start_budget
+    return with_levels(plan, levels[table.rank, table.micro_batch], budgets), start_budget
 
 
 def meeting_level(table: LevelTable, target: float) -> int:

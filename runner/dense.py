@@ -1,20 +1,15 @@
 """Which attention backend runs each micro-batch in the runner, and loading the peers (dense and sparse).
 
-The choice is the cost model's (``sim.backends.choose``, the simulator's own decision), made at the kept fractions
-the planner expects of the Plan's budgets: ``ours`` everywhere by default; ``dense_best`` the dense backend the
-profile prices fastest; ``hybrid`` the fastest of that, ours and the sparse peers at the budgets.
+The choice is ``sim.choice.planned_backends``, the simulator's own, made at the kept fractions the planner expects
+of the Plan's budgets: ``ours`` everywhere by default; ``dense_best`` the dense backend the profile prices fastest;
+``hybrid`` the fastest of that, ours and the sparse peers at the budgets.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from sparsebalance.kernels.backends import BackendAbsent, load
 from sparsebalance.sim.backends import OURS
-from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.core import ConfigError
 from sparsebalance.sim.cost import CostModel
-from sparsebalance.sim.estimate import Belief
-from sparsebalance.sim.plan import Plan
 
 
 def load_peers(cost: CostModel, key: str, cp: int) -> dict[str, object]:
@@ -50,17 +45,3 @@ def _load_peer(name: str, sparse: bool, block_size: int, setting: str, allowed: 
                           f"{'sparse' if backend.sparse else 'dense'}; allowed: a profile whose backends entry for "
                           f"{name} says \"sparse\": {str(backend.sparse).lower()}")
     return backend
-
-
-def micro_batch_backends(plan: Plan, cost: CostModel, layout: Layout, belief: Belief | None) -> np.ndarray:
-    """``[dp, m]``: the backend that runs each micro-batch's attention, as the cost model decides it
-    (``MicroBatchCosts.backend``: the simulator's decision) at the kept fractions the planner expects of the
-    Plan's budgets, the mean over its belief's samples. (The simulator's engine decides at the data's truth,
-    which the runner's planner does not know.)"""
-    dp, m = layout.dp, layout.micro_batches
-    if cost.attention_backend == OURS:
-        return np.full((dp, m), OURS)
-    kept = plan.budgets.kept(cost, plan.lengths[None], belief.at(plan.seq_ids))
-    costs = cost.micro_batch_costs(plan.lengths, kept.mean(axis=0), plan.dp_ranks * m + plan.micro_batch_ids, dp * m,
-                                   layout)
-    return costs.backend.reshape(dp, m)

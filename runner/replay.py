@@ -197,7 +197,7 @@ def policy_list(cfg: RunConfig, policies: str | None) -> list[tuple[str, PolicyC
     if policies is None:
         chosen = [(cfg.policy.name, cfg.policy)]
         if cfg.baseline and cfg.baseline != cfg.policy.name:
-            chosen.insert(0, (cfg.baseline, load_policy(cfg.baseline)))
+            chosen.insert(0, (cfg.baseline, OmegaConf.merge(load_policy(cfg.baseline), {"prior": cfg.policy.prior})))
     else:
         specs = names(policies)
         if not specs:
@@ -207,7 +207,7 @@ def policy_list(cfg: RunConfig, policies: str | None) -> list[tuple[str, PolicyC
             if spec.split(":")[0] not in group_options("policy"):
                 raise ConfigError(f"--policies={policies}: {spec.split(':')[0]!r} is not a policy; "
                                   f"allowed: {', '.join(group_options('policy'))}")
-        chosen = [(label(spec), policy_variant(spec)) for spec in specs]
+        chosen = [(label(spec), policy_variant(spec, prior=cfg.policy.prior)) for spec in specs]
     labels = [name for name, _ in chosen]
     if len(set(labels)) < len(labels):
         raise ConfigError(f"--policies={policies}: a policy is named twice; allowed: each policy once")

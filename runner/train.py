@@ -30,13 +30,14 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sparsebalance.runner.dense import load_peers, micro_batch_backends
+from sparsebalance.runner.dense import load_peers
 from sparsebalance.runner.capacity import check_fits, device_capacity
 from sparsebalance.runner.config import register
 from sparsebalance.runner.device import check_attention, device_type
 from sparsebalance.runner.dist import Comm, RankFailure, World, check_world
 from sparsebalance.runner.loop import Trainer, check_resume
 from sparsebalance.runner.parallel import DATA_PARALLEL
+from sparsebalance.sim.choice import planned_backends
 from sparsebalance.sim.cluster import Cluster, Layout
 from sparsebalance.sim.core import (CONF_DIR, EXIT_INTERRUPTED, ConfigError, check_group_overrides, fail, hydra_reason,
                                     interrupted, preset_overrides)
@@ -87,7 +88,7 @@ class StepPlanner:
     def backends(self, plan: Plan) -> np.ndarray:
         """``[dp, m]``: which backend runs each micro-batch's attention (``cost.attention_backend``: the cost
         model's choice at the kept fractions the planner expects of the Plan, which it made last)."""
-        return micro_batch_backends(plan, self.cost, self.layout, self.planner.belief)
+        return planned_backends(plan, self.cost, self.layout, self.planner.belief)
 
     def observe(self, plan: Plan, kept_fraction, coverage, step_ms: float, micro_batch_ms=None) -> None:
         self.planner.observe(plan, kept_fraction, coverage, step_ms, micro_batch_ms)

@@ -46,7 +46,12 @@ from sparsebalance.sim.core import (
     preset_overrides,
     refuse_unknown_options,
 )
+from sparsebalance.sim.prior import stated_prior
 from sparsebalance.sim.sensitivity import load_sensitivity_profile
+
+# a measured profile is both the data's truth the simulator draws and the prior the planners start from (the
+# user measured it, so a trainer knows it)
+PROFILE_KEYS = ("workload.sensitivity_profile", "policy.prior.profile")
 
 
 def base_overrides(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
@@ -71,7 +76,7 @@ def base_overrides(cfg: DictConfig, out: Path) -> tuple[list[str], list[str]]:
                      + (f"; tasks {trace.tasks}" if trace.tasks else ""))
         base += task_overrides(cfg, trace.tasks, facts)
     elif cfg.sensitivity_profile:
-        base.append(f"workload.sensitivity_profile={override_value(cfg.sensitivity_profile)}")
+        base += [f"{key}={override_value(cfg.sensitivity_profile)}" for key in PROFILE_KEYS]
     return [*base, *cfg.overrides], facts
 
 
@@ -82,7 +87,7 @@ def task_overrides(cfg: DictConfig, tasks: dict[str, int], facts: list[str]) -> 
         if tasks:
             facts.append("task labels read; without a sensitivity profile every sequence's s comes from the Beta prior")
         return []
-    out = [f"workload.sensitivity_profile={override_value(cfg.sensitivity_profile)}"]
+    out = [f"{key}={override_value(cfg.sensitivity_profile)}" for key in PROFILE_KEYS]
     if tasks:
         model = None
         for task in sorted(tasks, key=tasks.get, reverse=True):
@@ -94,7 +99,7 @@ def task_overrides(cfg: DictConfig, tasks: dict[str, int], facts: list[str]) -> 
         if model is None:
             raise ConfigError(f"trace.task_column: no label of {sorted(tasks)} is a task of sensitivity_profile="
                               f"{cfg.sensitivity_profile!r}")
-        out.append(f"workload.sensitivity_task={model.task}")
+        out += [f"workload.sensitivity_task={model.task}", f"policy.prior.task={model.task}"]
         facts.append(f"sensitivities: task {model.task!r} of {cfg.sensitivity_profile} for every sequence "
                      f"(the most frequent label it measured)")
     return out
@@ -197,11 +202,15 @@ def composed_outside(overrides: list[str]) -> DictConfig:
 
 
 def prior_of(base: DictConfig) -> str:
+    """The prior the planners start from (policy.prior) and what the simulator draws the data's truth from."""
     workload = base.workload
     if workload.sensitivity_profile:
-        return (f"the measured profile {workload.sensitivity_profile} "
-                f"(task {workload.sensitivity_task or 'its only one'})")
-    return f"Beta({workload.sensitivity_a:g}, {workload.sensitivity_b:g}) for every length (workload.sensitivity_a/b)"
+        task = workload.sensitivity_task or "its only one"
+        truth = f"the measured profile {workload.sensitivity_profile} (task {task})"
+    else:
+        a, b = workload.sensitivity_a, workload.sensitivity_b
+        truth = f"Beta({a:g}, {b:g}) for every length (workload.sensitivity_a/b)"
+    return f"{stated_prior(OmegaConf.to_object(base.policy.prior)).describe()}; the data's truth drawn from {truth}"
 
 
 DEFAULT_BASELINE = "verl_topk"  # the strongest baseline of the README's tables on both presets

@@ -2,7 +2,7 @@
 promising ones, successive halving over rungs of more steps and seeds.
 
 Rung 0 (``price``) plans the first ``cheap_steps`` global batches of the base seed and records what the planner
-expects of each plan under its belief (blind: the workload's population prior, nothing of the data's truth):
+expects of each plan under its belief (blind: the stated prior, policy.prior, nothing of the data's truth):
 the step time (``Planner.predicted_ms``) and the attention-weighted coverage (the belief's mean of
 ``min(1, kf ** s)`` weighted by length ** 2). Planning also applies the memory model to whole plans, so a
 candidate whose plans cannot fit is counted out here. Each later rung simulates the best ``keep`` of the rung

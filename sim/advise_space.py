@@ -130,10 +130,11 @@ def longest_length(cfg: RunConfig) -> int:
 
 
 def configured(base: DictConfig, candidate: Candidate, **top) -> RunConfig:
-    """The typed run config of a candidate on ``base`` (``top``: seed, steps), with the policy's backend."""
+    """The typed run config of a candidate on ``base`` (``top``: seed, steps), with the policy's backend, planning
+    from ``base``'s prior (``policy.prior``: the user's)."""
     cfg = base.copy()
     with open_dict(cfg):
-        cfg.policy = load_policy(candidate.policy)
+        cfg.policy = OmegaConf.merge(load_policy(candidate.policy), {"prior": base.policy.prior})
         for key, value in [*candidate.settings, *top.items()]:
             OmegaConf.update(cfg, key, value, merge=True)
     typed = OmegaConf.to_object(cfg)

@@ -30,6 +30,7 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from sparsebalance.sim.bound_search import MOVES, searched
     from sparsebalance.sim.cluster import Cluster, Layout
     from sparsebalance.sim.config import AttentionBackend, PolicyConfig, compose_config, register
     from sparsebalance.sim.core import (ArgumentParser, ConfigError, did_you_mean, fail, group_options, hydra_reason,
@@ -37,14 +38,16 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
     from sparsebalance.sim.cost import make_cost
     from sparsebalance.sim.engine import Engine, run_pipeline
     from sparsebalance.sim.plan import Plan
+    from sparsebalance.sim.prior import stated_prior
     from sparsebalance.sim.progress import with_progress
-    from sparsebalance.sim.run import simulate, trace_note
+    from sparsebalance.sim.run import COVERAGE_TOLERANCE, simulate, trace_note
     from sparsebalance.sim.setup import load_policy, prepare
 
 # Every balancer that uses no SparseBalance mechanism (fixed budget p = 0.9; verl_topk: one top-k budget per step
 # at the coverage sparsebalance_topk keeps), then ours and the cross; verl_dense is what a user who does not
-# train sparse runs (dense on the fastest dense kernel the profile prices).
-BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "token_cap", "verl_topk", "verl_dense")
+# train sparse runs (dense on the fastest dense kernel the profile prices). token_cap is not among them: on the
+# presets its cap never binds below the layout's micro-batches, so it plans exactly as verl (name it to compare).
+BASELINES = ("baseline", "lbb", "lbb_ordered", "verl", "verl_topk", "verl_dense")
 POLICIES = (*BASELINES, "sab", "dst", "verl_dst", "sparsebalance", "sparsebalance_topk")
 BOUNDS = ("baseline", "sparsebalance")
 FIXED_K = "verl_fixed_k"  # the matched fixed-top-k baseline row (seed_runs)
@@ -63,14 +66,17 @@ FIGURES = {  # table column -> summary key
     "min_cov": "min_coverage",
     "peak_GB": "peak_memory_gb",  # the most any GPU holds in any step (sim.memory)
     "pred_err_%": "prediction_error_pct",  # median over steps of realized / predicted step time - 1
+    "pred_p90_%": "prediction_error_p90_pct",  # its 90th percentile, in size
+    "pred_in5_%": "prediction_within_5_pct",  # the share of steps predicted within 5%
 }
 
 
 def compare(overrides: list[str], policies: tuple[str, ...] | None = None, seeds: int = 1,
             baselines: tuple[str, ...] | None = None, bounds: tuple[str, ...] = (),
-            oracles: tuple[str, ...] = (), matched: str | None = None) -> pd.DataFrame:
-    """One row per policy (then per bound), the columns of FIGURES plus ``speedup`` and ``vs_best``, as
-    means over seeds, with ``<column>_std`` beside each when seeds > 1; ``matched``: seed_runs's."""
+            oracles: tuple[str, ...] = (), matched: str | None = None, search: int = 0) -> pd.DataFrame:
+    """One row per policy (then per bound), the columns of FIGURES plus ``speedup``, ``vs_best`` and
+    ``cov_vs_best``, as means over seeds, with ``<column>_std`` beside each when seeds > 1; ``matched`` and
+    ``search``: seed_runs's."""
     if seeds < 1:
         raise ConfigError(f"--seeds={seeds} must be >= 1")
     check_overrides(overrides)
@@ -78,25 +84,30 @@ def compare(overrides: list[str], policies: tuple[str, ...] | None = None, seeds
     policies, baselines = with_defaults(base, policies, baselines)
     if matched is not None and matched not in policies:
         raise ConfigError(f"--fixed-k-of {matched!r} is not among the policies; allowed: {', '.join(policies)}")
-    runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds, oracles, matched)
+    runs = pd.concat([seed_runs(base, seed, policies, baselines, bounds, oracles, matched, search)
                       for seed in with_progress(range(base.seed, base.seed + seeds), "sim.compare", unit="seed")],
                      ignore_index=True)
     return seed_statistics(runs, seeds > 1)
 
 
 def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines: tuple[str, ...],
-              bounds: tuple[str, ...], oracles: tuple[str, ...] = (), matched: str | None = None) -> pd.DataFrame:
+              bounds: tuple[str, ...], oracles: tuple[str, ...] = (), matched: str | None = None,
+              search: int = 0) -> pd.DataFrame:
     """One seed: a row per policy and per bound, with speedups over the first policy and the best baseline.
     Policies plan blind (their config's estimator, never the oracle); ``oracles`` adds a row ``oracle: <policy>``
     per name, the policy planning with every sequence's true sensitivity: a bound, not a plan a trainer can make.
     ``matched`` (one of ``policies``) adds the baseline row FIXED_K: verl with one top-k for the whole run, the
-    fewest blocks whose attention-weighted coverage over the run reaches that policy's (``matched_k``)."""
+    fewest blocks whose attention-weighted coverage over the run reaches that policy's (``matched_k``).
+    ``search`` (moves per step; 0: none) adds ``bound: search`` (sim.bound_search), started on each step from the
+    fastest policy's placement, at the coverage the strongest baseline realised on that step. Every blind row
+    plans from the command line's ``policy.prior`` (sim.prior); a row's own ``prior.*`` override wins."""
     cfg = OmegaConf.merge(base, {"seed": seed, "write_plans": True})
     option: dict[str, str] = {}  # each policy once, named in errors by the first list that has it
     for flag, listed in (("--policies", policies), ("--baselines", baselines), ("--bounds", bounds)):
         for name in listed:
             option.setdefault(name, flag)
-    variants = {name: blind(policy_variant(name, flag), name, flag) for name, flag in option.items()}
+    prior = base.policy.prior  # the command line's policy.prior: every blind row plans from it
+    variants = {name: blind(policy_variant(name, flag, prior), name, flag) for name, flag in option.items()}
     variants.update({f"oracle: {name}": OmegaConf.merge(policy_variant(name, "--oracles"), {"estimator": "oracle"})
                      for name in oracles})  # every name checked before anything runs
     outputs = {name: simulate(cfg, variant, progress=True) for name, variant in variants.items()}
@@ -104,11 +115,16 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
               **{f"oracle: {name}": f"oracle: {label(name)}" for name in oracles}}
     if matched is not None:
         k = matched_k(cfg, outputs[matched].summary["attention_coverage"])
-        outputs[FIXED_K] = simulate(cfg, policy_variant(f"verl:sparsity.params.top_k={k}"), progress=True)
+        fixed_k = policy_variant(f"verl:sparsity.params.top_k={k}", prior=prior)
+        outputs[FIXED_K] = simulate(cfg, fixed_k, progress=True)
         labels[FIXED_K] = FIXED_K
         baselines = (*baselines, FIXED_K)
         print(f"seed {seed}: {FIXED_K} runs k={k}, the fewest blocks whose attention-weighted coverage reaches "
               f"{matched}'s {outputs[matched].summary['attention_coverage']:.4f}", file=sys.stderr)
+    for name in labels:  # a coverage promise not kept on this seed is said, with its shortfall
+        if (outputs[name].summary.get("coverage_owed") or 0.0) > COVERAGE_TOLERANCE:
+            print(f"seed {seed}: {labels[name]} ends {outputs[name].summary['coverage_owed']:.4f} short of the "
+                  "attention-weighted coverage it promised (summary.json's coverage_owed)", file=sys.stderr)
     rows = [{"policy": labels[name], **{col: outputs[name].summary[key] for col, key in FIGURES.items()}}
             for name in labels]
     for name in bounds:
@@ -118,10 +134,15 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
         figures.update({col: np.nan for col in ("bubble_%", "peak_GB") if col in figures})
         rows.append({"policy": f"even: {name}", **figures, "step_ms": even})
         rows.append({"policy": f"bound: {name}", **figures, "step_ms": bound})
+    if search:
+        rows.append(search_row(cfg, outputs, policies, baselines, search))
     frame = pd.DataFrame(rows)
     frame["bubble_%"] *= 100
     frame["speedup"] = outputs[policies[0]].summary["step_ms"] / frame["step_ms"]
     frame["vs_best"] = min(outputs[name].summary["step_ms"] for name in baselines) / frame["step_ms"]
+    strongest = min(baselines, key=lambda name: outputs[name].summary["step_ms"])
+    # coverage parity, per seed: the attention-weighted coverage above (below: < 0) the strongest baseline's
+    frame["cov_vs_best"] = frame["attn_cov"] - outputs[strongest].summary["attention_coverage"]
     frame["seed"] = seed
     return frame
 
@@ -146,12 +167,25 @@ def matched_k(cfg: DictConfig, coverage: float) -> int:
     return int(ks[np.argmax(meets)]) if meets.any() else int(ks[-1])
 
 
-def policy_variant(spec: str, option: str = "--policies") -> PolicyConfig:
-    """``name`` or ``name:key=value:...``: a policy of conf/policy/ with overrides of its own config; errors
-    name ``option``, the list it came from."""
+def search_row(cfg: DictConfig, outputs: dict, policies: tuple[str, ...], baselines: tuple[str, ...],
+               moves: int) -> dict:
+    """The ``bound: search`` row of one seed: step time and attention-weighted coverage (no other figure)."""
+    fastest = min(policies, key=lambda name: outputs[name].summary["step_ms"])
+    strongest = min(baselines, key=lambda name: outputs[name].summary["step_ms"])
+    coverages = outputs[strongest].results.steps_frame()["attention_coverage"].to_numpy()
+    ms, coverage = searched(OmegaConf.to_object(cfg), outputs[fastest].results.plans, coverages, moves)
+    return {"policy": "bound: search", **{col: np.nan for col in FIGURES}, "step_ms": ms, "attn_cov": coverage}
+
+
+def policy_variant(spec: str, option: str = "--policies", prior=None) -> PolicyConfig:
+    """``name`` or ``name:key=value:...``: a policy of conf/policy/ with overrides of its own config, planning from
+    ``prior`` (a PriorConfig; None: the policy's own) unless the spec overrides it; errors name ``option``, the
+    list it came from."""
     name, *overrides = spec.split(":")
     try:
         policy = load_policy(name)
+        if prior is not None:
+            policy = OmegaConf.merge(policy, {"prior": prior})
     except ConfigError:
         raise ConfigError(f"{option} {spec!r}: no policy {name!r} in conf/policy/"
                           f"{did_you_mean(name, group_options('policy'))}; allowed: "
@@ -213,7 +247,7 @@ def pipeline_time(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, pp: int) ->
 
 
 def seed_statistics(runs: pd.DataFrame, with_std: bool) -> pd.DataFrame:
-    columns = [*FIGURES, "speedup", "vs_best"]
+    columns = [*FIGURES, "speedup", "vs_best", "cov_vs_best"]
     grouped = runs.groupby("policy", sort=False)[columns]
     table = grouped.mean()
     if with_std:
@@ -221,12 +255,14 @@ def seed_statistics(runs: pd.DataFrame, with_std: bool) -> pd.DataFrame:
         for col in columns:
             table.insert(table.columns.get_loc(col) + 1, f"{col}_std", spread[col])
         table["vs_best_min"] = runs.groupby("policy", sort=False)["vs_best"].min()  # the worst seed's
+        table["cov_vs_best_min"] = runs.groupby("policy", sort=False)["cov_vs_best"].min()
     return table.reset_index()
 
 
 def formatted(table: pd.DataFrame) -> pd.DataFrame:
     """The table as printed: ``mean +- std`` where there is a spread."""
-    digits = {"step_ms": 1, "bubble_%": 1, "speedup": 3, "vs_best": 3, "vs_best_min": 3, "peak_GB": 1}
+    digits = {"step_ms": 1, "bubble_%": 1, "speedup": 3, "vs_best": 3, "vs_best_min": 3, "peak_GB": 1,
+              "pred_p90_%": 1, "pred_in5_%": 0}
     out = pd.DataFrame({"policy": table["policy"]})
     for col in [c for c in table.columns if c != "policy" and not c.endswith("_std")]:
         places = digits.get(col, 4)
@@ -286,8 +322,9 @@ def finite(table: pd.DataFrame) -> pd.DataFrame:
 
 # Keys of a run that sim.compare sets itself: each policy's config comes from --policies, and nothing is written.
 NOT_READ = {"policy": "it compares the policies of --policies, each with its own config; allowed: a policy's own "
-                      "overrides there, --policies <name>:<key>=<value> (e.g. sparsebalance:estimator=prior), or "
-                      "--oracles for the estimator=oracle bound rows",
+                      "overrides there, --policies <name>:<key>=<value> (e.g. sparsebalance:estimator=prior), "
+                      "--oracles for the estimator=oracle bound rows, or policy.prior.<key>=<value> (every row's "
+                      "prior)",
             "baseline": "--baselines names the policies vs_best is over",
             "write_plans": "it writes nothing", "plot": "it writes nothing"}
 
@@ -298,7 +335,7 @@ def check_overrides(overrides: list[str]) -> None:
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         top = key.split(".", 1)[0]
-        if top in NOT_READ:
+        if top in NOT_READ and not key.startswith("policy.prior."):
             raise ConfigError(f"{override}: sim.compare does not read {top}: {NOT_READ[top]}")
 
 
@@ -332,6 +369,9 @@ def main() -> None:
                         help=f"add the baseline {FIXED_K}: verl at the fewest top-k blocks, one for the whole run, "
                              f"whose attention-weighted coverage reaches this policy's (default {MATCHED} where it "
                              "runs; '' for none)")
+    parser.add_argument("--search", nargs="?", type=int, const=MOVES, default=0, metavar="MOVES",
+                        help=f"add 'bound: search': the truth known, placement and top-k budgets searched, MOVES "
+                             f"placements per step (alone: {MOVES}) at the strongest baseline's coverage")
     try:
         args = parser.parse_intermixed_args()  # overrides may come before or after the options
         register()
@@ -345,10 +385,12 @@ def main() -> None:
         baselines = names(args.baselines) if args.baselines is not None else baselines
         notes += [note for note in [vs_best_note(policies, baselines)] if note]
         check_work(base, args.seeds, len({*policies, *baselines, *names(args.bounds)}) + len(names(args.oracles)))
+        if args.search < 0:
+            raise ConfigError(f"--search={args.search}: allowed: a number of moves >= 0")
         with np.errstate(over="ignore", invalid="ignore"):  # reported once below, as a time that is not finite
             matched = args.fixed_k_of if args.fixed_k_of is not None else (MATCHED if MATCHED in policies else "")
             table = finite(compare(overrides, policies, args.seeds, baselines, names(args.bounds),
-                                   names(args.oracles), matched or None))
+                                   names(args.oracles), matched or None, args.search))
     except ConfigError as exc:
         fail(str(exc))
     except (HydraException, OmegaConfBaseException) as exc:
@@ -356,6 +398,7 @@ def main() -> None:
     except KeyboardInterrupt:
         interrupted()
     print(" ".join(args.overrides), f"(seeds {args.seeds})" if args.seeds > 1 else "")
+    print(f"prior: {stated_prior(OmegaConf.to_object(base.policy.prior)).describe()} (every row but oracle: ones)")
     for note in notes:
         print(note)
     print(formatted(table).to_string(index=False))

@@ -248,9 +248,33 @@ class PolicyPart:
 class EstimatorName(str, Enum):
     """What the policies believe about sequences they have not run (sim.estimate)."""
 
-    prior = "prior"  # the workload's population figures by length
+    prior = "prior"  # the stated prior (policy.prior), nothing learned
     online = "online"  # those updated with what the kernel reported of earlier steps
     oracle = "oracle"  # the data's truth: bound rows of the simulator only
+
+
+@dataclass
+class PriorConfig:
+    """What the planner believes of sensitivities before any step has reported (sim.prior): a measured profile
+    (``profile``, a ``python -m calibrate.sensitivity`` file) or a stated mean and spread of s, with a stated trend
+    by length. Never the generator the simulator draws the data's truth from."""
+
+    profile: Optional[str] = None  # a measured sensitivity profile: its mean and spread of logit s by length
+    task: Optional[str] = None  # the profile's task; null: its only one
+    mean: float = bounded(0.5, Bound(0, 1, lo_open=True, hi_open=True))  # stated mean of s (no profile)
+    spread: float = bounded(0.25, POSITIVE)  # stated standard deviation of s (no profile)
+    trend: float = bounded(0.0, Bound(-4, 4))  # stated change of logit s per doubling of the length from `pivot`
+    pivot: int = bounded(4096, AT_LEAST_ONE)  # the length at which s has the stated mean
+
+    def check(self, prefix: str) -> None:
+        stated = {k: getattr(self, k) for k in ("mean", "spread", "trend", "pivot")}
+        changed = [k for k, v in stated.items() if v != getattr(PriorConfig, k)]
+        if self.profile is not None and changed:
+            raise ConfigError(f"{prefix}{changed[0]}={stated[changed[0]]} with {prefix}profile={self.profile!r}: a "
+                              f"profile states its own mean and spread by length; allowed: one of the two")
+        if self.task is not None and self.profile is None:
+            raise ConfigError(f"{prefix}task={self.task!r} needs {prefix}profile (a measured profile); a stated prior "
+                              "has no tasks")
 
 
 @dataclass
@@ -264,6 +288,7 @@ class PolicyConfig:
     # dynamic: this policy plans its own CP groups over the whole dp x cp domain of a static layout (megatron_dcp:
     # Megatron's groups of every power of two up to the whole DP x CP group); null: the run's layout.cp_mode.
     cp_mode: Optional[CPMode] = None
+    prior: PriorConfig = field(default_factory=PriorConfig)  # where the estimator starts (sim.prior)
 
 
 def policy_cost(cost: CostConfig, policy: PolicyConfig) -> CostConfig:

@@ -362,7 +362,8 @@ class CostModel(ABC):
     def micro_batch_costs(self, lengths, kept_fractions, group, n_groups: int, layout: Layout,
                           ran=None) -> MicroBatchCosts:
         """Costs of ``n_groups`` micro-batches; ``group[i]`` is the micro-batch of sequence i. ``ran``: the backend
-        each micro-batch's attention ran on (a run's record, replayed) in place of the mode's choice.
+        each micro-batch's attention runs on (chosen before the step, sim.choice, or a run's record, replayed) in
+        place of the mode's choice; alike in every replica.
 
         ``kept_fractions`` of shape ``[R, n]`` prices R replicas of the batch at once (the same lengths and
         micro-batches, other kept fractions): micro-batch ``r * n_groups + g`` is micro-batch g of replica r,
@@ -370,8 +371,6 @@ class CostModel(ABC):
         lengths = np.asarray(lengths, dtype=np.int64)
         kept = np.asarray(kept_fractions, dtype=np.float64)
         groups = Groups(group, n_groups, kept.shape[0] if kept.ndim == 2 else 1)
-        if ran is not None and groups.replicas > 1:
-            raise ValueError("a run's backends (ran) price one batch, not replicas of it")
         mode = self.attention_backend
         # the options: every peer (hybrid, or a replay of what ran), ours and the dense peers (dense_best), or ours
         if mode == "hybrid" or ran is not None:
@@ -386,7 +385,7 @@ class CostModel(ABC):
         tp_f, tp_b = tp_split.comm_ms(tokens, self.model, layout, self.cluster)
         a_f, a_b, sel = options[OURS]
         if ran is not None:
-            backend = self._priced(ran, options)
+            backend = groups.tile(self._priced(ran, options))
         elif mode == OURS:
             backend = np.full(groups.size, OURS)
         else:

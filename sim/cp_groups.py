@@ -78,18 +78,20 @@ def plan_units(plan: Plan, layout: Layout) -> Units:
 
 
 def unit_costs(cost: CostModel, units: Units, lengths, kept, layout: Layout,
-               samples: int = 1) -> tuple[MicroBatchCosts, np.ndarray]:
+               samples: int = 1, ran=None) -> tuple[MicroBatchCosts, np.ndarray]:
     """(costs per unit, hand-off ms per unit): each unit priced as a micro-batch of ``layout.with_cp`` its size.
     ``lengths``/``kept``: the plan's rows, or ``samples`` copies of them one after another (a planner's beliefs),
-    which are then priced as ``samples x U`` units, sample-major."""
+    which are then priced as ``samples x U`` units, sample-major. ``ran``: ``[U]`` the backend each unit's
+    attention runs on (sim.choice), alike in every sample, in place of the cost model's choice."""
     count = units.count * samples
     group = (np.arange(samples)[:, None] * units.count + units.row_unit[None, :]).ravel()
     size = np.tile(units.size, samples)
     lengths, kept = np.asarray(lengths), np.asarray(kept)
+    ran = None if ran is None else np.tile(np.asarray(ran, dtype=str), samples)
     sizes = np.unique(units.size)
     if sizes.size == 1:
         on = layout.with_cp(int(sizes[0]))
-        costs = cost.micro_batch_costs(lengths, kept, group, count, on)
+        costs = cost.micro_batch_costs(lengths, kept, group, count, on, ran)
         return costs, cost.hand_off_ms(costs.tokens, on)
     parts, hand_offs, order = [], [], []
     for c in sizes.tolist():
@@ -98,7 +100,8 @@ def unit_costs(cost: CostModel, units: Units, lengths, kept, layout: Layout,
         local[members] = np.arange(members.size)
         rows = np.flatnonzero(local[group] >= 0)
         on = layout.with_cp(c)
-        part = cost.micro_batch_costs(lengths[rows], kept[rows], local[group[rows]], members.size, on)
+        part = cost.micro_batch_costs(lengths[rows], kept[rows], local[group[rows]], members.size, on,
+                                      None if ran is None else ran[members])
         parts.append(part)
         hand_offs.append(cost.hand_off_ms(part.tokens, on))
         order.append(members)

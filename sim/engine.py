@@ -185,23 +185,25 @@ class Engine:
         first = (start + busy / b).max(axis=-2) + b * t
         return np.maximum(last, first).max(axis=-1, initial=0.0)
 
-    def expected_step_ms(self, plan: Plan, kept: np.ndarray) -> float:
+    def expected_step_ms(self, plan: Plan, kept: np.ndarray, ran: np.ndarray | None = None) -> float:
         """The mean step time over rows of kept fractions ``kept`` [S, n] (plan order): what a planner that
         believes the sequences will run at one of those rows, each as likely, expects the step to take. The
-        same pipeline and gradient reduction as ``step``, in closed form (sim.pipeline)."""
+        same pipeline and gradient reduction as ``step``, in closed form (sim.pipeline). ``ran``: the backends chosen
+        before the step (sim.choice: ``[dp, m]``, or per unit under dynamic CP), on every row, in place of the cost
+        model's choice per row."""
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
         s = kept.shape[0]
         if layout.dynamic:
             units = plan_units(plan, layout)
-            costs, p2p = unit_costs(cost, units, np.tile(plan.lengths, s), kept.ravel(), layout, s)
+            costs, p2p = unit_costs(cost, units, np.tile(plan.lengths, s), kept.ravel(), layout, s, ran)
             timeline = run_units(costs.fwd_ms.reshape(s, -1), costs.bwd_ms.reshape(s, -1), p2p[: units.count], units,
                                  layout)
             finish, last = timeline.finish_ms, timeline.last_bwd_ms
             return float(np.maximum(finish.max(axis=(-1, -2)), self.reduced_all_ms(finish - last, last)).mean())
         rows = 1 if (kept == kept[:1]).all() else s  # rows alike (top-k budgets) are priced once
         costs = cost.micro_batch_costs(plan.lengths, kept[:rows], plan.dp_ranks * m + plan.micro_batch_ids, dp * m,
-                                       layout)
+                                       layout, None if ran is None else np.reshape(ran, dp * m))
         fwd = np.broadcast_to(costs.fwd_ms.reshape(rows, dp, m), (s, dp, m))
         bwd = np.broadcast_to(costs.bwd_ms.reshape(rows, dp, m), (s, dp, m))
         p2p = cost.hand_off_ms(costs.tokens[: dp * m], layout).reshape(dp, m)
@@ -221,15 +223,16 @@ class Engine:
         """One step of ``plan`` on sequences whose sensitivities are ``truth`` (id -> s). ``busy_ms``: (fwd, bwd)
         ms per [dp, m, pp] in place of the cost model's compute times (measured ones, runner.replay); hand-offs,
         the all-reduce, memory and coverage stay modelled. ``predicted_ms``: what the planner expected the step
-        to take, recorded beside it. ``ran``: ``[dp, m]`` the backend each micro-batch's attention ran on (a
-        run's record, runner.compare) in place of the cost model's choice."""
+        to take, recorded beside it. ``ran``: ``[dp, m]`` the backend each micro-batch's attention runs on (chosen
+        before the step, sim.choice, or a run's record, runner.compare; per unit under dynamic CP) in place of the
+        cost model's choice at the realised kept fractions."""
         layout, cost = self.layout, self.cost
         dp, m, pp = layout.dp, layout.micro_batches, layout.pp
         if layout.dynamic or plan.dynamic_cp:
-            if busy_ms is not None or ran is not None or trace:
-                raise ConfigError("measured times, measured backends and traces are replayed for static CP only; "
+            if busy_ms is not None or trace:
+                raise ConfigError("measured times and traces are replayed for static CP only; "
                                   "allowed under layout.cp_mode=dynamic: the modelled step")
-            return self.dynamic_step(plan, truth, predicted_ms)
+            return self.dynamic_step(plan, truth, predicted_ms, ran)
         arrays = PlanArrays.from_plan(plan, truth)
         group = arrays.dp_rank * m + arrays.micro_batch
         kept = arrays.kept(cost)
@@ -257,7 +260,8 @@ class Engine:
         rows["peak_memory_gb"] = memory_gb.reshape(-1) if memory_gb is not None else np.full(rows["step"].size, np.nan)
         return StepOutcome(record, rows, timeline, kept, coverage)
 
-    def dynamic_step(self, plan: Plan, truth: Mapping[int, float], predicted_ms: float = float("nan")) -> StepOutcome:
+    def dynamic_step(self, plan: Plan, truth: Mapping[int, float], predicted_ms: float = float("nan"),
+                     ran: np.ndarray | None = None) -> StepOutcome:
         """``step`` under dynamic CP (sim.cp_groups): each unit priced on its CP group's size and scheduled on its
         ranks. The records' rows stay per (DP rank, micro-batch, stage), a DP rank standing for its cp ranks of
         the domain: its busiest rank's compute and communication, their mean idle, the most any of them holds."""
@@ -266,7 +270,7 @@ class Engine:
         arrays = PlanArrays.from_plan(plan, truth)
         units = plan_units(plan, layout)
         kept = arrays.kept(cost)
-        costs, p2p = unit_costs(cost, units, arrays.length, kept, layout)
+        costs, p2p = unit_costs(cost, units, arrays.length, kept, layout, ran=ran)
         kept = np.where(costs.dense[units.row_unit], 1.0, kept)
         coverage = cost.coverages(arrays.sensitivity, kept)
         timeline = run_units(costs.fwd_ms[None], costs.bwd_ms[None], p2p, units, layout, idle=True)

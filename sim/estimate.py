@@ -9,8 +9,8 @@ kept fraction kf and coverage c, from which ``s = ln c / ln kf`` (the coverage m
 
 Estimators (``ESTIMATORS``):
 
-* ``prior``: the workload's population figures by length (the Beta prior or the measured profile), nothing
-  learned and nothing per sequence;
+* ``prior``: the stated prior by length (``policy.prior``, sim.prior: a measured profile or a stated mean and
+  spread, never the workload's generator), nothing learned and nothing per sequence;
 * ``online`` (the default): per length bucket, the prior updated with every observed s (a normal update of
   logit s with the prior counted as ``prior_weight`` observations); the bucket's spread stays in the belief;
 * ``oracle``: each sequence's true s, for labelled bound rows of ``sim.compare`` only. It needs the data's
@@ -89,7 +89,7 @@ def logit_normal_samples(mean: np.ndarray, std: np.ndarray, seed: int, step: int
 
 @dataclass
 class PriorEstimator:
-    """The workload's population figures by length: ``population(lengths) -> (logit mean, logit std)``."""
+    """The stated prior by length: ``population(lengths) -> (logit mean, logit std)`` (sim.prior)."""
 
     population: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
     seed: int = 0
@@ -107,37 +107,48 @@ class PriorEstimator:
 
 @dataclass
 class OnlineEstimator(PriorEstimator):
-    """Per length bucket (log2 of the length in steps of 1 / ``buckets_per_octave``), the prior's logit mean
-    and variance updated with the observed logit s: the prior weighs as ``prior_weight`` observations."""
+    """The stated prior's logit mean and variance moved first by every observation (of logit s less the prior's
+    mean at its length), so that a wrong prior is corrected at lengths not yet seen, then per length bucket
+    (log2 of the length in steps of 1 / ``buckets_per_octave``) by that bucket's observed logit s; at each level
+    the prior weighs as ``prior_weight`` observations."""
 
     buckets_per_octave: int = 2
     prior_weight: float = 4.0
     stats: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # bucket -> (n, sum, sum of squares)
+    residuals: tuple[int, float, float] = (0, 0.0, 0.0)  # over every observation: (n, sum, sum of squares)
 
     def bucket(self, lengths: np.ndarray) -> np.ndarray:
         return np.floor(np.log2(np.maximum(lengths, 1)) * self.buckets_per_octave).astype(np.int64)
 
     def moments(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        mean, std = self.population(lengths)
-        mean, var = np.array(mean, dtype=np.float64), np.square(std, dtype=np.float64)
+        prior_mean, std = self.population(lengths)
+        # first the prior moved by every residual so far, then each bucket by its own observations
+        shift, var = self.updated(np.zeros(np.size(prior_mean)), np.square(std, dtype=np.float64), *self.residuals)
+        mean = np.asarray(prior_mean, dtype=np.float64) + shift
         buckets, inverse = np.unique(self.bucket(lengths), return_inverse=True)
         known = np.array([self.stats.get(b, (0, 0.0, 0.0)) for b in buckets.tolist()], dtype=np.float64)
         n, total, squares = known.reshape(-1, 3)[inverse.reshape(-1)].T
+        mean, var = self.updated(mean, var, n, total, squares)
+        return mean, np.sqrt(np.maximum(var, 0.0))
+
+    def updated(self, mean: np.ndarray, var: np.ndarray, n, total, squares) -> tuple[np.ndarray, np.ndarray]:
+        """The prior (mean, var) updated where n > 0 with n observations of sum ``total`` and sum of squares
+        ``squares`` (scalars or arrays like ``mean``): the posterior mean and the pooled second moment about it
+        (the prior's spread, the data's, and the distance between the two means)."""
         w = self.prior_weight
-        with np.errstate(invalid="ignore", divide="ignore"):  # buckets seen never are not updated
+        with np.errstate(invalid="ignore", divide="ignore"):  # where nothing was seen, nothing is updated
             post_mean = (w * mean + total) / (w + n)
-            # pooled second moment about the posterior mean: the prior's spread, the data's, and the distance
-            # between the two means
             post_var = (w * (var + (mean - post_mean) ** 2)
                         + squares - 2 * post_mean * total + n * post_mean ** 2) / (w + n)
-        seen = n > 0
-        return np.where(seen, post_mean, mean), np.sqrt(np.maximum(np.where(seen, post_var, var), 0.0))
+        seen = np.asarray(n) > 0
+        return np.where(seen, post_mean, mean), np.where(seen, post_var, var)
 
     def observe(self, observation: Observation) -> None:
         s = observed_sensitivity(observation.kept_fraction, observation.coverage)
         seen = ~np.isnan(s)
         logits = special.logit(s[seen])
-        buckets, inverse = np.unique(self.bucket(observation.plan.lengths[seen]), return_inverse=True)
+        lengths = observation.plan.lengths[seen]
+        buckets, inverse = np.unique(self.bucket(lengths), return_inverse=True)
         old = [self.stats.get(b, (0, 0.0, 0.0)) for b in buckets.tolist()]
         # added one observation at a time, in plan order, as a running sum does
         total = np.array([o[1] for o in old], dtype=np.float64)
@@ -147,6 +158,9 @@ class OnlineEstimator(PriorEstimator):
         counts = np.bincount(inverse, minlength=buckets.size)
         for b, o, c, t, q in zip(buckets.tolist(), old, counts.tolist(), total.tolist(), squares.tolist(), strict=True):
             self.stats[b] = (o[0] + c, t, q)
+        r = logits - np.asarray(self.population(lengths)[0], dtype=np.float64)
+        n, r_total, r_squares = self.residuals
+        self.residuals = (n + r.size, r_total + float(r.sum()), r_squares + float(np.square(r).sum()))
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
+from sparsebalance.sim.choice import expectation_decides, planned_backends
 from sparsebalance.sim.cluster import Layout
 from sparsebalance.sim.cost import CostModel
 from sparsebalance.sim.estimate import Belief, Estimator, Observation
@@ -32,7 +33,7 @@ from sparsebalance.sim.workload import Request
 class StepTimer(Protocol):
     """What ``Planner.predicted_ms`` needs of the engine (sim.engine.Engine has it)."""
 
-    def expected_step_ms(self, plan: Plan, kept: np.ndarray) -> float: ...
+    def expected_step_ms(self, plan: Plan, kept: np.ndarray, ran: np.ndarray | None = None) -> float: ...
 
 
 @dataclass
@@ -67,9 +68,11 @@ class Planner:
         return plan
 
     def predict(self, plan: Plan, belief: Belief) -> float:
-        """The step time the belief expects of a plan: the mean, over its samples, of the engine's step."""
+        """The step time the belief expects of a plan: the mean, over its samples, of the engine's step, on the
+        backends chosen before the step (sim.choice)."""
         kept = plan.budgets.kept(self.cost, plan.lengths[None], belief.at(plan.seq_ids))
-        return self.timer.expected_step_ms(plan, kept)
+        ran = planned_backends(plan, self.cost, self.layout, belief) if expectation_decides(self.cost) else None
+        return self.timer.expected_step_ms(plan, kept, ran)
 
     def observe(self, plan: Plan, kept_fraction, coverage, step_ms: float, micro_batch_ms=None) -> None:
         """What the step of ``plan`` reported, per sequence in plan order; shown to the estimator and to each

@@ -65,13 +65,24 @@ OPTIONAL = tuple(dict.fromkeys(f.name for record in (MicroBatchRecord, StepRecor
                                if isinstance(f.default, float) and math.isnan(f.default)))
 
 
+PREDICTION_WITHIN_PCT = 5.0  # a prediction this close to the realized step time counts as met
+
+
 def prediction_fields(steps) -> dict:
-    """How far the steps ran from the planner's predictions: the median and the largest of
-    100 (realized / predicted - 1) over the steps that have a prediction (None where none has)."""
+    """How far the steps ran from the planner's predictions, over the steps that have one (None where none
+    has), of 100 (realized / predicted - 1): its median, the 90th percentile and the largest of its absolute
+    value, and the share of steps (%) within PREDICTION_WITHIN_PCT."""
     err = (100 * (steps["step_ms"] / steps["predicted_ms"] - 1)).dropna() if "predicted_ms" in steps else []
     if len(err) == 0:
-        return {"prediction_error_pct": None, "prediction_error_max_pct": None}
-    return {"prediction_error_pct": float(err.median()), "prediction_error_max_pct": float(err.abs().max())}
+        return {key: None for key in PREDICTION_KEYS}
+    size = err.abs()
+    return {"prediction_error_pct": float(err.median()), "prediction_error_p90_pct": float(size.quantile(0.9)),
+            "prediction_error_max_pct": float(size.max()),
+            "prediction_within_5_pct": float(100 * (size <= PREDICTION_WITHIN_PCT).mean())}
+
+
+PREDICTION_KEYS = ("prediction_error_pct", "prediction_error_p90_pct", "prediction_error_max_pct",
+                   "prediction_within_5_pct")
 LONG_SHARE = 0.25  # long_coverage: this share of a step's sequences, the longest
 
 

@@ -31,6 +31,7 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
     from omegaconf import DictConfig, OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
+    from sparsebalance.sim.choice import expectation_decides, planned_backends
     from sparsebalance.sim.cluster import Layout
     from sparsebalance.sim.config import (LengthDistribution, PolicyConfig, RunConfig, compose_config, register,
                                           validate)
@@ -39,6 +40,7 @@ with interrupts_as_one_line():  # Ctrl-C while these load (seconds): one line
                                         preset_overrides, quiet_interrupts_in_callbacks, refuse_unknown_options)
     from sparsebalance.sim.outputs import claimed_run_dir, discard_outputs, discard_run, output_dir, pin_output_dir
     from sparsebalance.sim.engine import Engine
+    from sparsebalance.sim.prior import stated_prior
     from sparsebalance.sim.profile import profile_source
     from sparsebalance.sim.progress import with_progress
     from sparsebalance.sim.results import Results
@@ -72,7 +74,9 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
     for step in with_progress(range(cfg.steps), policy.name, enabled=progress):
         batch = setup.workload.batch(step)
         plan = planner.plan(requests(batch), step)
-        outcome = engine.step(plan, truth_of(batch), predicted_ms=planner.predicted_ms)
+        # under hybrid the backends are chosen before the step, as the runner chooses them (sim.choice)
+        ran = planned_backends(plan, setup.cost, layout, planner.belief) if expectation_decides(setup.cost) else None
+        outcome = engine.step(plan, truth_of(batch), predicted_ms=planner.predicted_ms, ran=ran)
         planner.observe(plan, outcome.kept, outcome.coverage, outcome.record.step_ms)
         results.add(outcome.record, outcome.rows, plan.to_json() if cfg.write_plans else None)
         kept.append(outcome.kept)
@@ -82,8 +86,18 @@ def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | No
         **({"cp_mode": layout.cp_mode} if layout.dynamic else {}),
         **({"tp": layout.tp} if layout.tp > 1 else {}),  # tp = 1 summaries keep their keys
         **profile_source(cfg.cost.profile if cfg.cost.name == "calibrated" else None),
+        prior=prior_label(policy),
+        # what a policy that promises a coverage (balanced DST) still owes at the end: > 0 where it fell short
+        coverage_owed=getattr(planner.sparsity, "owed", None),
     )
     return RunOutput(results, summary, kept)
+
+
+def prior_label(policy: PolicyConfig) -> str:
+    """Which prior the policy's rows planned from (sim.prior), or that they planned with the data's truth."""
+    if str(getattr(policy.estimator, "value", policy.estimator)) == "oracle":
+        return "none: the data's truth (oracle)"
+    return stated_prior(policy.prior).describe()
 
 
 def row_label(policy: PolicyConfig) -> str:
@@ -98,12 +112,14 @@ def run(cfg: DictConfig, run_dir: Path) -> float | None:
     main_run = simulate(cfg, progress=True)
     rows = [main_run.summary]
     if cfg.baseline and cfg.baseline != cfg.policy.name:
-        rows.append(simulate(cfg, load_policy(cfg.baseline), progress=True).summary)
+        baseline = OmegaConf.merge(load_policy(cfg.baseline), {"prior": cfg.policy.prior})  # planning as the policy
+        rows.append(simulate(cfg, baseline, progress=True).summary)
     baseline_ms = rows[-1]["step_ms"] if cfg.baseline else None
     main_run.summary["baseline"] = cfg.baseline
     main_run.summary["speedup_vs_baseline"] = baseline_ms / main_run.summary["step_ms"] if baseline_ms else None
     files = main_run.results.write(run_dir, main_run.summary)
     print(summary_table(rows, baseline_ms).to_string(index=False))
+    print(f"prior: {main_run.summary['prior']}")
     print(f"results: {files[0].parent}  ({', '.join(f.name for f in files)})")
     return objective(main_run.summary, rows[-1] if cfg.baseline else None)
 

@@ -72,19 +72,19 @@ def raw_meta_path(csv: Path) -> Path:
     return csv.with_name(csv.stem + ".meta.json")
 
 
-def load_sensitivity_profile(path: str, task: str | None = None,
-                             key: str = "workload.sensitivity_profile") -> SensitivityModel:
+def load_sensitivity_profile(path: str, task: str | None = None, key: str = "workload.sensitivity_profile",
+                             task_key: str = "workload.sensitivity_task") -> SensitivityModel:
     """The model of ``task`` (None: the profile's only task) in the profile at ``path``; any problem is one
-    ConfigError line naming ``key`` and the file."""
+    ConfigError line naming ``key`` (the file's) or ``task_key`` (the task's)."""
     profile = read_profile(path, key)
     tasks = profile["tasks"]
     if task is None:
         if len(tasks) != 1:
             raise ConfigError(f"{key}={path!r} holds the tasks {', '.join(sorted(tasks))}; set "
-                              "workload.sensitivity_task to one of them")
+                              f"{task_key} to one of them")
         task = next(iter(tasks))
     if task not in tasks:
-        raise ConfigError(f"workload.sensitivity_task={task!r} is not in {key}={path!r}; allowed: "
+        raise ConfigError(f"{task_key}={task!r} is not in {key}={path!r}; allowed: "
                           f"{', '.join(sorted(tasks))}")
     entry = tasks[task]
     return SensitivityModel(task, tuple(entry["lengths"]), tuple(map(float, entry["logit_mean"])),

@@ -15,6 +15,7 @@ from sparsebalance.sim.core import CONF_DIR, ConfigError, group_options
 from sparsebalance.sim.cost import CostModel, make_cost
 from sparsebalance.sim.engine import Engine
 from sparsebalance.sim.estimate import make_estimator
+from sparsebalance.sim.prior import stated_prior
 from sparsebalance.sim.memory import MemoryModel
 from sparsebalance.sim.planner import Planner
 from sparsebalance.sim.policy import make_batching, make_sparsity
@@ -95,7 +96,7 @@ def make_planner(cfg: RunConfig, setup: Setup, policy: PolicyConfig | None = Non
                           "policy)")
     batching, sparsity = make_policy(policy)
     estimator = make_estimator(str(getattr(policy.estimator, "value", policy.estimator)),
-                               setup.workload.population, cfg.seed, truth)
+                               stated_prior(policy.prior).moments, cfg.seed, truth)
     engine = Engine(setup.layout, setup.cost, setup.cluster)
     return Planner(batching, sparsity, estimator, setup.layout, setup.cost, setup.memory, engine)
 

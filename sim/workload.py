@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy import special
 
 from sparsebalance.sim.config import LengthDistribution, WorkloadConfig, validate
 from sparsebalance.sim.core import ConfigError, not_a_file, resolve_path
@@ -148,18 +147,6 @@ class Workload:
         raw = (self._profile.draw(lengths, rng) if self._profile is not None
                else rng.beta(self.cfg.sensitivity_a, self.cfg.sensitivity_b, lengths.size))
         return np.clip(raw, MIN_SENSITIVITY, 1.0)
-
-    def population(self, lengths) -> tuple[np.ndarray, np.ndarray]:
-        """The workload's population figures, nothing per sequence: the mean and standard deviation of
-        logit(s) at each length (the measured profile's, or the Beta(a, b) prior's exact ones:
-        E logit s = digamma(a) - digamma(b), Var logit s = trigamma(a) + trigamma(b))."""
-        lengths = np.asarray(lengths, dtype=np.float64)
-        if self._profile is not None:
-            return self._profile.mean(lengths), self._profile.std(lengths)
-        a, b = self.cfg.sensitivity_a, self.cfg.sensitivity_b
-        mean = float(special.digamma(a) - special.digamma(b))
-        std = float(np.sqrt(special.polygamma(1, a) + special.polygamma(1, b)))
-        return np.full(lengths.size, mean), np.full(lengths.size, std)
 
     def batch(self, step: int) -> list[Sequence]:
         rng = np.random.default_rng([self.seed, step])

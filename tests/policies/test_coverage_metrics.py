@@ -32,7 +32,7 @@ def test_compare_reports_seed_spread_and_weighted_coverage(two_seeds):
         assert col in two_seeds and f"{col}_std" in two_seeds
     assert two_seeds.loc["baseline", "speedup"] == pytest.approx(1.0) and two_seeds.loc["baseline", "speedup_std"] == 0
     assert (two_seeds["step_ms_std"].drop("even: baseline") > 0).all()  # two workloads, two step times
-    # vs_best is over the fastest baseline of each seed (baseline, lbb, lbb_ordered, verl, token_cap)
+    # vs_best is over the fastest baseline of each seed (baseline, lbb, lbb_ordered, verl)
     assert two_seeds.loc["verl", "vs_best"] <= 1.0 + 1e-12
 
 

@@ -271,3 +271,46 @@ def test_each_peer_runs_forward_and_backward_once_before_the_first_step(monkeypa
     assert [name for name, _ in calls] == [NAME, SPARSE]
     assert all(q.grad is not None and q.grad.abs().sum() > 0 for _, q in calls)
     assert warm_peers({}, 4, 2, 16, torch.float32, torch.device("cpu")) == {}
+
+
+def reference_profile(path: Path, per_token_ms: float) -> Path:
+    """The pinned profile with ``reference`` its only dense backend, at ``per_token_ms`` a token (forward)."""
+    priced = json.loads(BACKENDS_PROFILE.read_text())
+    zero = dict.fromkeys(DENSE_FEATURES, 0.0)
+    priced["backends"] = {NAME: {"version": Reference().version(), "terms": {
+        "attn_fwd": zero | {"tokens": per_token_ms}, "attn_bwd": zero | {"tokens": 2 * per_token_ms}}}}
+    path.write_text(json.dumps(priced))
+    return path
+
+
+def attention_added(cost, mode: str, plan, kept: np.ndarray, layout) -> np.ndarray:
+    """Per micro-batch, what its attention adds under ``mode`` at the kept fractions ``kept`` (one process, no CP
+    ring): the figure hybrid compares."""
+    chosen, cost.attention_backend = cost.attention_backend, mode
+    try:
+        c = cost.micro_batch_costs(plan.lengths, kept, plan.micro_batch_ids, layout.micro_batches, layout)
+    finally:
+        cost.attention_backend = chosen
+    return c.attn_fwd_ms * (1 + cost.recompute) + c.select_ms + c.attn_bwd_ms
+
+
+def test_the_runner_chooses_hybrids_backend_at_the_beliefs_mean_not_its_minimum(reference, tmp_path):
+    """A top-p budget (p 0.9) keeps more of a sequence the denser the belief thinks it is. The reference's price
+    is set between what ours costs on micro-batch 0 at the belief's lowest kept fractions and at their mean, so
+    that a choice at the mean runs the reference there and a choice at the minimum would run ours."""
+    top_p = [o for o in TINY if "kept_fraction" not in o] + ["cost.attention_backend=hybrid"]
+    planner, _ = build_planner(compose([*top_p, f"cost.profile={reference_profile(tmp_path / 'a.json', 1e-4)}"]),
+                               ONE_RANK)
+    plan, cost, layout = planner.plan(0)[0], planner.cost, planner.layout
+    kept = plan.budgets.kept(cost, plan.lengths[None], planner.planner.belief.at(plan.seq_ids))
+    at_mean, at_min = (attention_added(cost, "ours", plan, k, layout) for k in (kept.mean(axis=0), kept.min(axis=0)))
+    assert at_min[0] < at_mean[0]
+    dense = attention_added(cost, "dense_best", plan, kept.mean(axis=0), layout)
+    scale = np.sqrt(at_min[0] * at_mean[0]) / (dense[0] * (1 - cost.hybrid_margin))
+    priced = reference_profile(tmp_path / "b.json", 1e-4 * scale)
+    planner, _ = build_planner(compose([*top_p, f"cost.profile={priced}"]), ONE_RANK)
+    again = planner.plan(0)[0]
+    assert again == plan  # the same plan and belief: only the reference's price moved
+    np.testing.assert_array_equal(kept, again.budgets.kept(planner.cost, again.lengths[None],
+                                                           planner.planner.belief.at(again.seq_ids)))
+    assert planner.backends(again)[0, 0] == NAME

@@ -6,7 +6,7 @@ byte for byte; the host clock and the deadline work end to end; bad input is one
 
 The replay's planners observe what the kernel measured, sim.run's what the cost model prices, so their Plans
 agree past step 0 where the planner learns nothing from observations: sparsebalance runs here with the prior
-estimator (its belief the workload's population, whatever a step reported).
+estimator (its belief the stated prior, policy.prior, whatever a step reported).
 """
 from __future__ import annotations
 

@@ -131,8 +131,9 @@ def test_compare_with_chosen_policies_prints_vs_best_over_them(monkeypatch, caps
                                       "--policies", "baseline,verl", "--oracles", ""])
     sim_compare.main()
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]
-    rows = lines[next(i for i, words in enumerate(lines) if words[:1] == ["policy"]) + 1:]
-    vs_best = {row[0]: float(row[-1]) for row in rows}
+    header = next(i for i, words in enumerate(lines) if words[:1] == ["policy"])
+    column = lines[header].index("vs_best")
+    vs_best = {row[0]: float(row[column]) for row in lines[header + 1:]}
     assert max(vs_best.values()) == 1.0 and set(vs_best) == {"baseline", "verl"}
 
 

@@ -22,6 +22,8 @@ PEER = "fa4_sparse"
 LENGTHS = np.array([32768, 32768, 32768, 8192, 1024, 30000])
 KEPT = np.array([1.0, 0.5, 0.05, 0.3, 1.0, 0.4])
 TERMS = load_profile(str(SPARSE_PEER_PROFILE))["backends"][PEER]["terms"]
+# a stated prior under which the planned choice uses ours, the sparse peer and dense FA4 on 3 small steps
+SPARSE_PRIOR = ("policy.prior.mean=0.3", "policy.prior.spread=0.2")
 
 
 def cost_for(mode, profile=SPARSE_PEER_PROFILE, recompute=True):
@@ -141,7 +143,7 @@ def test_break_even_table_adds_the_sparse_peers_columns_and_the_best_sparse_opti
 
 def test_the_engine_keeps_the_budget_on_the_sparse_peers_micro_batches():
     small = ["steps=3", "workload.global_batch=8", "layout.micro_batches=1", f"cost.profile={SPARSE_PEER_PROFILE}",
-             "cost.attention_backend=hybrid"]
+             "cost.attention_backend=hybrid", "policy=sparsebalance_topk", *SPARSE_PRIOR]
     rows = simulate(compose_config(small)).results.micro_batches().query("tokens > 0")
     assert set(rows.attention_backend) == {"ours", "fa4", PEER}
     peer, dense = rows[rows.attention_backend == PEER], rows[rows.attention_backend == "fa4"]
@@ -236,7 +238,7 @@ def test_a_micro_batch_on_the_sparse_peer_holds_its_padded_copies_for_each_layer
 
 def test_the_engine_counts_the_sparse_peers_copies_where_it_runs(monkeypatch):
     small = ["steps=3", "workload.global_batch=8", "layout.micro_batches=1", f"cost.profile={SPARSE_PEER_PROFILE}",
-             "cost.attention_backend=hybrid"]
+             "cost.attention_backend=hybrid", "policy=sparsebalance_topk", *SPARSE_PRIOR]
     with_copies = simulate(compose_config(small)).results.micro_batches().query("tokens > 0")
     monkeypatch.setattr("sparsebalance.sim.memory.sparse_peer_bytes", lambda model: 0.0)
     without = simulate(compose_config(small)).results.micro_batches().query("tokens > 0")
