@@ -246,6 +246,9 @@ class CostConfig:
 
     def check(self, prefix: str) -> None:
         if self.name == "roofline":
+            if self.block_size is None:
+                raise ConfigError(f"{prefix}block_size is not set; cost=roofline needs a block size (allowed: 16 to "
+                                  "1024, conf/cost/roofline.yaml sets 128)")
             refuse_unread(self, ["profile"], prefix, "by cost=roofline (it prices from the cluster's peak rates)",
                           f"cost=calibrated {prefix}profile={self.profile}, or leave it out")
 
@@ -362,14 +365,12 @@ class MemoryConfig:
 
     def check(self, prefix: str) -> None:
         if self.profile:
-            refuse_unread(self, TOKEN_BYTES, prefix, f"under {prefix}profile={self.profile} (its measured terms "
-                          "replace the per-token counts)", f"{prefix}profile=null to use the counts, or leave them out")
+            refuse_unread(self, ("activations", "checkpointed", "backward", "micro_batch"), prefix,
+                          f"under {prefix}profile={self.profile} (its measured terms replace the per-token counts)",
+                          f"{prefix}profile=null to use the counts, or leave them out")
         if not self.activation_checkpointing:
             refuse_unread(self, ["checkpointed"], prefix, f"under {prefix}activation_checkpointing=false (every "
                           "activation is kept)", f"{prefix}activation_checkpointing=true to use it, or leave it out")
-
-
-TOKEN_BYTES = ("activations", "checkpointed", "backward", "micro_batch")  # MemoryConfig's per-token counts
 
 
 # A run on more GPUs than this, or larger than this many simulated GPU-steps (GPUs x steps) or sequences
