@@ -2,7 +2,6 @@
 profile, until the calibration harness (calibrate.run) measures one."""
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -11,7 +10,8 @@ from pathlib import Path
 
 from sparsebalance.sim.cluster import Cluster
 from sparsebalance.sim.config import CostConfig, ModelConfig
-from sparsebalance.sim.core import ConfigError, one_line_errors, resolve_path, write_json_atomic
+from sparsebalance.sim.core import (ArgumentParser, ConfigError, check_writable, one_line_errors, resolve_path,
+                                    write_json_atomic)
 from sparsebalance.sim.cost import BF16
 from sparsebalance.sim.profile import PROFILE_FEATURES, PROFILE_SCHEMA_VERSION
 
@@ -76,7 +76,7 @@ def _measured_profile_at(path: Path) -> bool:
 def _write_provisional(out: str, replace_measured: bool) -> None:
     from sparsebalance.sim.config import compose_config
 
-    target = resolve_path(out)
+    target = check_writable(resolve_path(out), "--out")
     if not replace_measured and _measured_profile_at(target):
         raise ConfigError(f"--out={out}: holds a measured (not provisional) profile; pass --replace-measured "
                           "to overwrite it with the roofline-derived one")
@@ -90,7 +90,7 @@ def _write_provisional(out: str, replace_measured: bool) -> None:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sim.provisional", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m sim.provisional", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=PROVISIONAL_OUT, help=f"where to write it (default {PROVISIONAL_OUT})")
     parser.add_argument("--replace-measured", action="store_true",
                         help="allow --out to name a measured profile, which is then overwritten")
