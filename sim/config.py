@@ -209,11 +209,12 @@ class WorkloadConfig:
                               "(a measured profile); the Beta prior has no tasks")
 
     def _check_shape_keys(self, prefix: str) -> None:
-        """Each distribution draws lengths from its own shape keys only (a trace's are the file's)."""
+        """Each distribution draws lengths from its own shape keys only; a trace, which reads none, refuses none: a
+        preset's shape (paper_64nodes_cp's median) stays under sim.advise's workload=trace."""
         distribution = LengthDistribution(self.distribution)
         for name, keys in {"longtail": ("median", "sigma"),
                            "bimodal": ("short_median", "long_median", "long_fraction")}.items():
-            if name != distribution.value:
+            if name != distribution.value and distribution is not LengthDistribution.trace:
                 refuse_unread(self, keys, prefix, f"under {prefix}distribution={distribution.value} (only {name} "
                               "draws from it)", f"workload={name} to use it, or leave it out")
 

@@ -55,7 +55,7 @@ CHANGES: dict[str, list[tuple[object, dict]]] = {
     "model.name": [("renamed", {})],
     "model.max_context": [(16384, {})],
     "workload.name": [("renamed", {})],
-    "workload.trace_path": [("sim/traces/example.csv", {}), ("sim/traces/example.csv", {"workload.distribution": "trace", "workload.median": 4096.0})],
+    "workload.trace_path": [("sim/traces/example.csv", {}), ("sim/traces/example.csv", {"workload.distribution": "trace"})],
     "workload.sensitivity_profile": [(str(ROOT / "tests/fixtures/sensitivity_profile.json"), {})],
     "workload.sensitivity_task": [("retrieval", {})],
     "workload.median": [(2048.0, {}), (2048.0, {"workload.distribution": "bimodal"})],
