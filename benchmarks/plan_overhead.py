@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dp", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=1024)
     parser.add_argument("--policy", default="sparsebalance",
-                        help="a policy of conf/policy/, optionally with overrides: sparsebalance:batching.params.refine=true")
+                        help="a policy of conf/policy/, optionally with overrides: "
+                             "sparsebalance:batching.params.refine=true")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: allowed: >= 2 (the first step, which pays one-off costs, is not timed)")

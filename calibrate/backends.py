@@ -135,7 +135,8 @@ def backend_checks(profile: dict, recorded) -> list[tuple[str, float | None, flo
     """(what, recorded % error or None, limit) of every backend's held-out attention fwd+bwd: ours (the
     profile's own fit) and each peer of its ``backends``, dense or sparse. ``recorded(section, *keys)`` reads a
     number."""
-    fits = {OURS: profile.get("fit")} | {name: entry.get("fit") for name, entry in (profile.get("backends") or {}).items()}
+    peers = profile.get("backends") or {}
+    fits = {OURS: profile.get("fit")} | {name: entry.get("fit") for name, entry in peers.items()}
     return [(f"held-out attn_fwd+bwd {stat}, {name}", recorded(fit, "heldout_mape", "attn_fwd+bwd", key), limit)
             for name, fit in fits.items()
             for stat, key, limit in (("median", "median_ape_pct", HELDOUT_MEDIAN_PCT),

@@ -10,6 +10,7 @@ import json
 import socket
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -58,11 +59,11 @@ def _worker(rank: int, world: int, backend: str, port: int, sizes: tuple[int, ..
     results: dict[str, list[dict]] = {"allreduce": [], "p2p": []}
     for size in sizes:
         x = torch.randn(size // 4, device=device)  # fp32: 4 bytes an element
-        ms = _median_ms(lambda: dist.all_reduce(x), device)
+        ms = _median_ms(partial(dist.all_reduce, x), device)
         busbw = 2 * (world - 1) / world * size / (ms * 1e6)  # GB/s, the ring algorithm's bus bandwidth
         results["allreduce"].append({"bytes": size, "median_ms": ms, "busbw_gbps": busbw})
 
-        def pair():  # rank 0 -> rank 1; the other ranks only join the barriers
+        def pair(x=x):  # rank 0 -> rank 1; the other ranks only join the barriers
             if rank == 0:
                 dist.send(x, dst=1)
             elif rank == 1:

@@ -87,7 +87,7 @@ class GridPoint:
 
 def kept_work(lengths: tuple[int, ...], kept_fractions: tuple[float, ...]) -> float:
     """Kept causal query-key pairs / 0.5 (so dense T tokens gives T^2): the grid's size measure."""
-    return sum(f * n * n for n, f in zip(lengths, kept_fractions))
+    return sum(f * n * n for n, f in zip(lengths, kept_fractions, strict=True))
 
 
 def _heldout(key: str, edge: bool) -> bool:

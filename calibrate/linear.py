@@ -84,7 +84,8 @@ def fit_term(X: np.ndarray, y: np.ndarray, names: list[str]) -> TermFit:
     robust[robust < 1e-6] = 0.0
     coefs = np.zeros(A.shape[1])
     coefs[free] = robust / norm[free]
-    return TermFit(dict(zip(names, coefs.tolist())), _in_feature_units(merged, norm, names), float(np.linalg.cond(Af)))
+    return TermFit(dict(zip(names, coefs.tolist(), strict=True)), _in_feature_units(merged, norm, names),
+                   float(np.linalg.cond(Af)))
 
 
 def _in_feature_units(merged: dict[int, np.ndarray], norm: np.ndarray, names: list[str]) -> dict:

@@ -77,7 +77,8 @@ def build_points(models: list[str], token_counts: tuple[int, ...] = TOKENS) -> l
         group = [(model, ckpt, kept, layers) for model in models for ckpt in (False, True)
                  for kept in KEPT_FRACTIONS for layers in LAYERS]
         step = max(1, tokens // 4 // (len(group) + 1))
-        points += [Point(m, tokens, layers, ckpt, kept, (i + 1) * step) for i, (m, ckpt, kept, layers) in enumerate(group)]
+        points += [Point(m, tokens, layers, ckpt, kept, (i + 1) * step)
+                   for i, (m, ckpt, kept, layers) in enumerate(group)]
     return points
 
 
@@ -187,7 +188,8 @@ def measure_all(points: list[Point], measurer: Measurer, csv_path: Path, time_bu
         row = measurer.measure(point)
         append_rows(csv_path, [row], COLUMNS)
         print(f"{point.model} tokens={point.tokens} layers={point.layers} checkpointing={int(point.checkpointing)} "
-              f"kept={point.kept_fraction}: held {row['held_bytes'] / 1e9:.3f} GB, peak {row['peak_bytes'] / 1e9:.3f} GB",
+              f"kept={point.kept_fraction}: held {row['held_bytes'] / 1e9:.3f} GB, "
+              f"peak {row['peak_bytes'] / 1e9:.3f} GB",
               file=sys.stderr, flush=True)
     return len(points)
 

@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="raw measurements, appended per point")
     ap.add_argument("--models", nargs="*", default=list(CALIBRATED_MODELS),
                     help=f"conf/model/ names (default: {' '.join(CALIBRATED_MODELS)})")
-    ap.add_argument("--block-size", type=int, default=128, help="kernel block size in tokens (the simulator's, conf/cost)")
+    ap.add_argument("--block-size", type=int, default=128,
+                    help="kernel block size in tokens (the simulator's, conf/cost)")
     ap.add_argument("--max-tokens", type=int, default=None, help="only points with at most this many tokens")
     ap.add_argument("--min-tokens", type=int, default=None,
                     help="only points with at least this many tokens (the long end timed again, into another --csv)")
@@ -154,7 +155,7 @@ def grid_description(shapes: list[ModelShape], block_size: int, max_tokens: int 
         "kept_fractions": list(grid.KEPT_FRACTIONS),
         "packs": [list(p) for p in grid.PACKS],
         "mixed_budgets": list(grid.MIXED_BUDGETS),
-        "validation": [{"lengths": list(l), "kept_fractions": list(f)} for l, f in grid.VALIDATION],
+        "validation": [{"lengths": list(lens), "kept_fractions": list(f)} for lens, f in grid.VALIDATION],
         "max_kept_work": grid.MAX_KEPT_WORK,
         "max_tokens": max_tokens,
         "min_tokens": min_tokens,

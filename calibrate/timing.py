@@ -129,7 +129,7 @@ def busy_ms(activities: list[tuple[str, int, int]]) -> list[float]:
     activities = sorted(activities, key=lambda a: a[1])
     marks = [i for i, a in enumerate(activities) if MARKER in a[0]]
     busy = []
-    for start, end in zip(marks[::2], marks[1::2]):
+    for start, end in zip(marks[::2], marks[1::2], strict=False):
         total, reach = 0, activities[start][2]
         for _, a, b in activities[start + 1:end]:
             a = max(a, reach)

@@ -91,7 +91,7 @@ class PartitionPolicy(ABC):
         costs = self.costs(batch, layout, cost, belief)
         index, rank_of, mb_of = [], [], []  # per plan row: its sequence in the batch, rank and micro-batch
         ranks = self.partition(costs, layout.dp)
-        for rank, (members, count) in enumerate(zip(ranks, self.micro_batch_counts(batch, ranks, layout))):
+        for rank, (members, count) in enumerate(zip(ranks, self.micro_batch_counts(batch, ranks, layout), strict=True)):
             for mb, sub in enumerate(self.rank_partition(costs[members], count, layout)):
                 index.extend(members[i] for i in sub)
                 rank_of.extend([rank] * len(sub))
@@ -108,7 +108,7 @@ class PartitionPolicy(ABC):
         if order is PipelineOrder.packed or layout.pp == 1 or layout.micro_batches == 1:
             return plan
         if order is PipelineOrder.verl:
-            by_id = dict(zip(batch_arrays(batch)[0].tolist(), costs.tolist()))
+            by_id = dict(zip(batch_arrays(batch)[0].tolist(), costs.tolist(), strict=True))
             m = layout.micro_batches
             loads = np.bincount(plan.dp_ranks * m + plan.micro_batch_ids,
                                 weights=[by_id[i] for i in plan.seq_ids.tolist()], minlength=layout.dp * m)
@@ -133,7 +133,9 @@ class PartitionPolicy(ABC):
         p2p = cost.hand_off_ms(mb_costs.tokens, layout).reshape(dp, m)
 
         def spans(orders: np.ndarray) -> np.ndarray:  # orders [dp, c, m] -> [dp, c]
-            take = lambda x: np.take_along_axis(x[:, None, :], orders, axis=2)
+            def take(x):
+                return np.take_along_axis(x[:, None, :], orders, axis=2)
+
             return pipeline_ms(take(fwd), take(bwd), take(p2p), layout.pp)
 
         if m <= MAX_ORDERED:

@@ -99,8 +99,8 @@ def grouped(work: np.ndarray, degrees: np.ndarray, layout: Layout, lengths: np.n
         if remaining and mb == m - 1:
             i = remaining[0]
             raise ConfigError(f"a sequence of {int(lengths[i])} tokens on {int(degrees[i])} CP ranks finds no place in "
-                              f"the last micro-batch within max_tokens_per_rank={token_cap}; allowed: more micro-batches "
-                              "(layout.micro_batches), a larger domain or max_tokens_per_rank")
+                              f"the last micro-batch within max_tokens_per_rank={token_cap}; allowed: more "
+                              "micro-batches (layout.micro_batches), a larger domain or max_tokens_per_rank")
         widen(mine, free, layout.cp)
         groups += mine
     return groups

@@ -29,8 +29,8 @@ look-ups.
    mean lets DST buy speed with sparsity on the long stragglers, where most of the attention is, while
    short sequences gain coverage that weighs little. tau never exceeds the start's planned makespan,
    and a plan whose expected step (the belief's mean of the slowest rank) is slower than the start's is
-   dropped for the start: DST is never expected to be slower than ``fixed`` at the same ``p``. Whether it is, is a question of realized
-   times: ``sim.compare`` and the Results hold the planner's prediction beside every realized step.
+   dropped for the start: DST is never expected to be slower than ``fixed`` at the same ``p``. Whether it is, is a
+   question of realized times: ``sim.compare`` and the Results hold the planner's prediction beside every realized step.
 2. Micro-batch level (fills pipeline bubbles): with tau fixed, each micro-batch in turn is raised to
    the highest level that keeps its rank within tau; repeated until nothing moves (a fixed point).
    A micro-batch off the critical path of the 1F1B schedule gets a higher budget for free, and with
@@ -245,7 +245,8 @@ class LevelTable:
         """[S, dp, m]: field[levels[r, j], sample, r, j]."""
         dp, m = levels.shape
         s = field.shape[1]
-        return field[levels[None], np.arange(s)[:, None, None], np.arange(dp)[None, :, None], np.arange(m)[None, None, :]]
+        return field[levels[None], np.arange(s)[:, None, None], np.arange(dp)[None, :, None],
+                     np.arange(m)[None, None, :]]
 
     def rank_times(self, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
         """The planning quantile, over the samples (axis -3), of each rank's pipeline time."""

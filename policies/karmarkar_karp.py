@@ -74,7 +74,7 @@ def ldm_partition(costs, k: int, equal_count: bool) -> list[list[int]]:
     while len(heap) > 1:
         _, _, loads_a, members_a = heapq.heappop(heap)
         _, _, loads_b, members_b = heapq.heappop(heap)
-        sums = [x + y for x, y in zip(loads_a, reversed(loads_b))]
+        sums = [x + y for x, y in zip(loads_a, reversed(loads_b), strict=True)]
         members_b = members_b[::-1]  # paired as the loads: the heavier parts of a with the lighter parts of b
         # Heaviest first; reverse=True keeps equal loads in pairing order, as a stable sort on -load does.
         order = sorted(range(k), key=sums.__getitem__, reverse=True)

@@ -80,7 +80,7 @@ def improve_ranks(timer: RankTimer, rank: np.ndarray, mb: np.ndarray, ranks: lis
         times = timer.times([members for members, cands in blocks for _ in cands],
                             [c for _, cands in blocks for c in cands])
         still, start = [], 0
-        for r, (members, cands) in zip(active, blocks):
+        for r, (members, cands) in zip(active, blocks, strict=True):
             block = times[start : start + len(cands)]
             start += len(cands)
             best = int(np.argmin(block))

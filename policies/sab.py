@@ -2,16 +2,16 @@
 
 Length-balanced batching costs every sequence as if it ran dense, but under sparse attention a
 sequence's time depends on the kept fraction its budget buys, p ** (1 / s) for a sequence of sensitivity
-s: two sequences of the same length can differ several-fold. SAB costs each sequence with the CostModel at its *expected*
-budget, then bin-packs with Karmarkar-Karp across DP ranks and then across each
+s: two sequences of the same length can differ several-fold. SAB costs each sequence with the CostModel at its
+*expected* budget, then bin-packs with Karmarkar-Karp across DP ranks and then across each
 rank's micro-batches, inside the global batch only (no reordering across global batches, which would
 change what the optimiser sees per step).
 
 SAB never sees a sequence's sensitivity: it averages the kept fraction over the planner's belief
 (sim.estimate). The expected budget is an exponential moving average, per length bucket, of the budgets
 the paired sparsity policy gave recently: the drivers (sim.run, runner.train) plan through
-``sim.planner.Planner``, which shows every step's outcome, with the Plan that ran, to ``observe``. The EMA is policy state
-carried across steps: the same seed and config replay the same sequence of
+``sim.planner.Planner``, which shows every step's outcome, with the Plan that ran, to ``observe``. The EMA is policy
+state carried across steps: the same seed and config replay the same sequence of
 plans. Buckets never seen yet take the mean of the seen ones, and before the first step everything
 takes ``prior_p`` (1.0: dense, so step 0 is plain LBB).
 

@@ -28,7 +28,8 @@ from sparsebalance.sim.workload import Request
 class TokenCap(Verl):
     @dataclass(frozen=True)
     class Params(Verl.Params):
-        max_tokens_per_rank: int = 32768  # tokens per GPU and micro-batch (verl max_token_len, Megatron max_seqlen_per_dp_cp_rank)
+        # tokens per GPU and micro-batch (verl max_token_len, Megatron max_seqlen_per_dp_cp_rank)
+        max_tokens_per_rank: int = 32768
         min_micro_batches: Optional[int] = None  # None: the pipeline depth (capped at the layout's micro-batches)
         same_count_in_dp: bool = True  # every DP rank runs the largest count any of them needs
 
@@ -46,4 +47,5 @@ class TokenCap(Verl):
         if self.params.same_count_in_dp:
             need = [max(need)] * len(ranks)
         least = layout.pp if self.params.min_micro_batches is None else self.params.min_micro_batches
-        return [max(1, min(layout.micro_batches, max(n, least), len(members))) for n, members in zip(need, ranks)]
+        return [max(1, min(layout.micro_batches, max(n, least), len(members)))
+                for n, members in zip(need, ranks, strict=True)]

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_edges(edges: list[int]) -> None:
-    if edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+    if edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
         raise ConfigError(f"--length-edges {','.join(map(str, edges))}: edges must be positive and strictly ascending")
 
 
@@ -58,7 +58,8 @@ def run_names(runs: list[Path]) -> list[str]:
 
 def concatenated(runs: list[Path], names: list[str], file: str) -> pd.DataFrame | None:
     """One file of every run that has it, the run's label first; None when no run has it."""
-    frames = [pd.read_csv(run / file).assign(run=name) for run, name in zip(runs, names) if (run / file).is_file()]
+    frames = [pd.read_csv(run / file).assign(run=name)
+              for run, name in zip(runs, names, strict=True) if (run / file).is_file()]
     if not frames:
         return None
     table = pd.concat(frames, ignore_index=True)

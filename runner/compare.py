@@ -227,9 +227,9 @@ def profile_for(run_dir: Path, device: str, profile: str | None) -> str:
         return profile or DEFAULT_PROFILE
     if profile is None:
         raise ConfigError(f"{run_dir} ran on the CPU (summary.json device={device!r}), and no cost profile describes a "
-                          f"CPU: {DEFAULT_PROFILE} prices an H200, so its errors would measure the CPU against that GPU; "
-                          "allowed: a run on a GPU, or a GPU's profile named to price this one anyway (runner.compare "
-                          "--profile PATH: a check of the pipeline, not of the cost model)")
+                          f"CPU: {DEFAULT_PROFILE} prices an H200, so its errors would measure the CPU against that "
+                          "GPU; allowed: a run on a GPU, or a GPU's profile named to price this one anyway "
+                          "(runner.compare --profile PATH: a check of the pipeline, not of the cost model)")
     print(f"note: {run_dir} ran on the CPU, which no cost profile describes: priced by {profile}, its errors measure "
           "the CPU against that profile's GPU, not the cost model", file=sys.stderr)
     return profile
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     for summary in summaries:
         summary["measured_speedup_vs_first"] = base["measured_step_ms_median"] / summary["measured_step_ms_median"]
         summary["sim_speedup_vs_first"] = base["sim_step_ms_median"] / summary["sim_step_ms_median"]
-    for run_dir, (table, memory, summary) in zip(args.run_dirs, replayed):
+    for run_dir, (table, memory, summary) in zip(args.run_dirs, replayed, strict=True):
         if not args.out:
             _write_csv(table, run_dir / "compare.csv")
             _write_csv(memory, run_dir / "memory.csv")

@@ -33,7 +33,8 @@ class LRSchedule(str, Enum):
 class RunnerSettings:
     device: str = "auto"  # auto: cuda when available, else cpu
     attention: str = "kernel"  # runner.attention.BACKENDS
-    data_parallel: str = "ddp"  # runner.parallel.DATA_PARALLEL: ddp (DistributedDataParallel) | fsdp (FSDP2 fully_shard)
+    # runner.parallel.DATA_PARALLEL: ddp (DistributedDataParallel) | fsdp (FSDP2 fully_shard)
+    data_parallel: str = "ddp"
     lr: float = bounded(1e-3, POSITIVE)
     weight_decay: float = bounded(0.0, NON_NEGATIVE)
     lr_schedule: LRSchedule = LRSchedule.constant

@@ -78,7 +78,7 @@ class Shards:
         index, offsets = [], []
         for r in range(cp):
             parts, local = [], [0]
-            for start, end in zip(cu, cu[1:]):
+            for start, end in zip(cu, cu[1:], strict=False):
                 cuts = start + shard_bounds(end - start, cp)
                 for j in (r, 2 * cp - 1 - r):
                     parts.append(np.arange(cuts[j], cuts[j + 1], dtype=np.int64))
@@ -139,8 +139,8 @@ class Geometry:
         for r in range(shards.cp):
             pos, off = shards.positions(r), shards.offsets[r]
             # blocks start at each sequence's first token: a token's block inside its sequence is position // B
-            positions.append(tuple(pos[a:b].to(device) for a, b in zip(off, off[1:])))
-            blocks.append(tuple((pos[a:b] // block_size).to(device) for a, b in zip(off, off[1:])))
+            positions.append(tuple(pos[a:b].to(device) for a, b in zip(off, off[1:], strict=False)))
+            blocks.append(tuple((pos[a:b] // block_size).to(device) for a, b in zip(off, off[1:], strict=False)))
         rows, row_of, owned = [], [], []
         for d in range(shards.num_docs):
             mine = blocks[shards.rank][d]
@@ -250,7 +250,7 @@ def merge_pieces(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Te
     lse = torch.stack(lses)
     total = torch.logsumexp(lse, dim=0)
     share = torch.exp(lse - total)
-    return sum(s[..., None] * o for s, o in zip(share, outs))
+    return sum(s[..., None] * o for s, o in zip(share, outs, strict=True))
 
 
 # ---------------------------------------------------------------------- selection

@@ -18,8 +18,8 @@ heads) as the kernel's selection puts it on the zigzag shards, against ``sim.cp_
 include the shards' block rounding, which the cost model leaves in its dense price).
 
 Writes ``--out`` (CSV): length, cp, budget, kept fraction, both attentions' measured and the predicted forward
-and backward ms, their ratios, the kernel's whole-sequence times and the kept-work shares. Overrides are ``sim.run``'s config
-(model, cost, block size).
+and backward ms, their ratios, the kernel's whole-sequence times and the kept-work shares. Overrides are ``sim.run``'s
+config (model, cost, block size).
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def shares(sel, shards: Shards, block_size: int, length: int) -> tuple[list[floa
     measured = rank_shares(sel.q2k_cnt.double().mean(0).cpu(), shards, block_size)
     dense = rank_shares(torch.arange(1, sel.q2k_cnt.shape[1] + 1, dtype=torch.float64), shards, block_size)
     shift = kept_share_shift([length], [float(sel.kept_fraction[0])], shards.cp, block_size)[:, 0]
-    return measured, [d + x for d, x in zip(dense, shift.tolist())]
+    return measured, [d + x for d, x in zip(dense, shift.tolist(), strict=True)]
 
 
 def time_kernel_rank(q, k, v, cu, sel, shards: Shards, device, repeats: int) -> tuple[float, float]:
@@ -122,7 +122,7 @@ def measure(length: int, cp: int, budget: dict, shape, block_size: int, device, 
     grad = torch.randn_like(ql)
 
     def forward():
-        pieces = [attention_piece(ql, kk, vv, m, scale) for (kk, vv), m in zip(kv, masks)]
+        pieces = [attention_piece(ql, kk, vv, m, scale) for (kk, vv), m in zip(kv, masks, strict=True)]
         return merge_pieces([o for o, _ in pieces], [lse for _, lse in pieces]).to(dtype)
 
     def backward():

@@ -55,7 +55,7 @@ class CPGroups:
         units = plan_units(plan, self.layout)
         mine = []
         for u, (mb, first, size) in enumerate(zip(units.micro_batch.tolist(), units.first.tolist(),
-                                                  units.size.tolist())):
+                                                  units.size.tolist(), strict=True)):
             if first <= self.domain_rank < first + size:
                 mine.append((mb, self.ring(first, size), np.flatnonzero(units.row_unit == u)))
         return mine

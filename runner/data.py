@@ -54,12 +54,13 @@ def pack(assignments: tuple[Assignment, ...], truth: Mapping[int, float], task: 
     examples = [make_example(task, vocab_size, seed, a.seq_id, a.length, truth[a.seq_id]) for a in assignments]
     offsets = np.cumsum([0] + [a.length for a in assignments])
     tokens = np.concatenate([e.tokens for e in examples])
-    positions = np.concatenate([o + e.answer_positions for o, e in zip(offsets, examples)])
+    positions = np.concatenate([o + e.answer_positions for o, e in zip(offsets, examples, strict=True)])
     answers = np.concatenate([e.answers for e in examples])
     fixed = [a.budget.kept_fraction for a in assignments]
     top_k = [a.budget.top_k for a in assignments]
     floors = [a.budget.p_floor for a in assignments]
-    families = {"kept_fraction" if f is not None else "top_k" if k is not None else "p" for f, k in zip(fixed, top_k)}
+    families = {"kept_fraction" if f is not None else "top_k" if k is not None else "p"
+                for f, k in zip(fixed, top_k, strict=True)}
     if len(families) > 1:
         raise ValueError(f"a micro-batch mixes budget families ({', '.join(sorted(families))}); the kernel takes "
                          "one per call")

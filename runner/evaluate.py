@@ -11,8 +11,8 @@ is dense).
 Written into the run dir (or ``--out``), both at once after every forward has run:
 * ``eval.csv``: per (length, p, sequence): items (pairs or chains), answers, correct answers, accuracy,
   and the kernel's kept fraction and coverage for the sequence, averaged over the layers;
-* ``eval_summary.csv``, also printed: per (length, p), with the steps trained: accuracy over all answers with its 95% Wilson
-  interval (scipy; answers counted as independent trials), mean kept fraction and coverage, ``chance``
+* ``eval_summary.csv``, also printed: per (length, p), with the steps trained: accuracy over all answers with its 95%
+  Wilson interval (scipy; answers counted as independent trials), mean kept fraction and coverage, ``chance``
   (one over the number of values) and ``item_chance``, what answering with the value of a random one of
   the sequence's own items scores (one over its items, a little more where values repeat): a model
   above ``chance`` but not above ``item_chance`` has learnt which tokens answer, not the lookup.
@@ -167,7 +167,7 @@ def evaluate(model: TinyLlama, task: TaskConfig, sequences: list[Sequence], ps: 
             answers = [task.queries(s.sensitivity) for s in batch]
             per_seq = np.split(right, np.cumsum(answers)[:-1])
             for s, n, r, kept, cov in zip(batch, answers, per_seq, out.kept_fraction.cpu().tolist(),
-                                          out.coverage.cpu().tolist()):
+                                          out.coverage.cpu().tolist(), strict=True):
                 rows.append({"length": s.length, "p": p, "seq_id": s.id, "sensitivity": s.sensitivity,
                              "items": task.n_pairs(s.sensitivity), "answers": n, "correct": int(r.sum()),
                              "accuracy": float(r.mean()),

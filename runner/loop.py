@@ -231,7 +231,7 @@ class Trainer:
                     loss_sum += float(loss)
                     correct += int(right)
                 # Under CP every rank of the replica has the whole sequences' stats; the first one records them.
-                for a, k, c in zip(assigned[mb] if self.comm.cp_rank == 0 else (), kept, cov):
+                for a, k, c in zip(assigned[mb] if self.comm.cp_rank == 0 else (), kept, cov, strict=False):
                     sequences.append(asdict(SequenceRecord(
                         step=step, seq_id=a.seq_id, dp_rank=dp_rank, micro_batch=mb, length=a.length,
                         sensitivity=truth[a.seq_id], p=a.budget.p if a.budget.p_floor is None else a.budget.p_floor,
@@ -262,8 +262,8 @@ class Trainer:
         kept = np.array([s["kept_fraction"] for s in sequences])
         coverage = np.array([s["coverage"] for s in sequences])
         step_ms = max(g["end_wall"] for g in gathered) - min(g["start_wall"] for g in gathered)
-        idle = [g["idle_ms"] + wait for g, wait in zip(gathered, waits)]
-        busy = max(g["compute_ms"] + i for g, i in zip(gathered, idle))
+        idle = [g["idle_ms"] + wait for g, wait in zip(gathered, waits, strict=True)]
+        busy = max(g["compute_ms"] + i for g, i in zip(gathered, idle, strict=True))
         flops = training_flops(lengths, kept, self.cfg.model, self.block_size)
         peaks = [r["peak_memory_gb"] for g in gathered for r in g["rows"] if not math.isnan(r["peak_memory_gb"])]
         step_peak = most(*(g["peak_bytes"] for g in gathered))
@@ -324,7 +324,7 @@ class Trainer:
         results = self._results
         # Steps recorded since the last write join the Results (rows are appended in step order).
         rows = pd.DataFrame(h["micro_batches"][self._rows_written:])
-        for record, plan in zip(h["steps"][len(results.steps):], h["plans"][len(results.steps):]):
+        for record, plan in zip(h["steps"][len(results.steps):], h["plans"][len(results.steps):], strict=True):
             mine = rows[rows["step"] == record["step"]].sort_values(["dp_rank", "micro_batch", "stage"])
             results.add(StepRecord(**record), {c: mine[c].to_numpy() for c in mine.columns}, plan)
         self._rows_written = len(h["micro_batches"])

@@ -99,7 +99,7 @@ class Replicated:
                        optim_state_dict={"state": state, "param_groups": groups}, options=FULL)
         # set_state_dict hands back lists where the optimiser keeps tuples (AdamW's betas): restored, the
         # resumed optimiser's param groups are the uninterrupted run's, field for field
-        for group, keys in zip(optimizer.param_groups, tuples):
+        for group, keys in zip(optimizer.param_groups, tuples, strict=True):
             group.update({k: tuple(group[k]) for k in keys})
 
 

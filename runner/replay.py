@@ -3,7 +3,8 @@ every GPU of a layout, timed on the one local device, composed into steps by the
 
 For a config of ``sim.run`` (the same overrides) each policy's Plans are made exactly as ``sim.run`` makes them
 (``sim.setup.make_planner``), step by step, each planner shown what the kernel reported of the steps before
-(its kept fraction and coverage per sequence) and the replayed step time. Then, on this one device, every DP rank's micro-batches and,
+(its kept fraction and coverage per sequence) and the replayed step time. Then, on this one device, every DP rank's
+micro-batches and,
 with pipeline stages, every stage's share of the layers run one after another: the forward through the stages
 in order, the backward in reverse, each stage's forward and backward timed apart (CUDA events; the host clock
 on the CPU) after ``--warmup`` untimed runs of the same micro-batch, which compile the kernels' specialisations
@@ -200,7 +201,8 @@ def policy_list(cfg: RunConfig, policies: str | None) -> list[tuple[str, PolicyC
     else:
         specs = names(policies)
         if not specs:
-            raise ConfigError(f"--policies={policies!r}: names no policy; allowed: {', '.join(group_options('policy'))}")
+            raise ConfigError(f"--policies={policies!r}: names no policy; "
+                              f"allowed: {', '.join(group_options('policy'))}")
         for spec in specs:
             if spec.split(":")[0] not in group_options("policy"):
                 raise ConfigError(f"--policies={policies}: {spec.split(':')[0]!r} is not a policy; "
@@ -210,7 +212,7 @@ def policy_list(cfg: RunConfig, policies: str | None) -> list[tuple[str, PolicyC
     if len(set(labels)) < len(labels):
         raise ConfigError(f"--policies={policies}: a policy is named twice; allowed: each policy once")
     typed = [(name, OmegaConf.to_object(p) if isinstance(p, DictConfig) else p) for name, p in chosen]
-    for name, policy in typed:
+    for _name, policy in typed:
         make_planner(*policy_setup(cfg, policy))  # its parameters and estimator (the replay has no oracle), checked now
     return typed
 
@@ -266,7 +268,8 @@ def run_replay(inputs: Inputs, out: Path, warmup: int, deadline_s: float | None,
         truth = truth_of(batch)
         for replay in replays:
             plan = replay.planner.plan(requests(batch), step)
-            measured = replay_step(staged, replay.name, plan, layout.pp, clock, warmup, lambda a: packer(a, truth))
+            measured = replay_step(staged, replay.name, plan, layout.pp, clock, warmup,
+                                   lambda a, truth=truth: packer(a, truth))
             step_ms = compose(replay, engine, plan, measured, truth)
             replay.planner.observe(plan, [measured.kept[a.seq_id] for a in plan.assignments],
                                    [measured.coverage[a.seq_id] for a in plan.assignments], step_ms,
@@ -346,7 +349,8 @@ def write_all(out: Path, replays: list[PolicyReplay], table: pd.DataFrame, gains
             "compute": f"measured ({clock_name(clock)})", "warmup_runs": warmup, "baselines": inputs.baselines,
             "policies": table.to_dict(orient="records"), "speedups": gains.to_dict(orient="records"),
             "steps": {r.name: [{"step": int(s.step), "replay_ms": float(s.step_ms), "sim_ms": sim, "sim_kf_ms": kf}
-                               for s, sim, kf in zip(r.results.steps, r.sim_ms, r.sim_kf_ms)] for r in replays},
+                               for s, sim, kf in zip(r.results.steps, r.sim_ms, r.sim_kf_ms, strict=True)]
+                      for r in replays},
         })
         if out.exists():
             out.rmdir()  # empty (check_out)

@@ -43,7 +43,7 @@ def run_accuracy(run: Path) -> pd.DataFrame:
         summary = json.loads((run / "summary.json").read_text())
         table = pd.read_csv(run / "eval_summary.csv")
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{run}: not an evaluated run dir ({exc}); needs summary.json and eval_summary.csv")
+        raise ConfigError(f"{run}: not an evaluated run dir ({exc}); needs summary.json and eval_summary.csv") from exc
     table["correct"] = table["accuracy"] * table["answers"]
     pooled = table.groupby("p").agg(steps=("steps", "first"), correct=("correct", "sum"),
                                     answers=("answers", "sum")).reset_index()

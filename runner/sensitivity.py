@@ -141,7 +141,7 @@ def held_out(trained: Trained, lengths: list[int], per_length: int) -> list[Held
     workload = Workload(_structured(WorkloadConfig, cfg["workload"]), int(cfg["model"]["max_context"]), trained.seed)
     all_lengths = np.repeat(np.asarray(lengths, dtype=np.int64), per_length)
     sens = workload.sensitivities(all_lengths, np.random.default_rng([trained.seed, HELD_OUT]))
-    return [HeldOut(HELD_OUT + i, int(n), float(s)) for i, (n, s) in enumerate(zip(all_lengths, sens))]
+    return [HeldOut(HELD_OUT + i, int(n), float(s)) for i, (n, s) in enumerate(zip(all_lengths, sens, strict=True))]
 
 
 def check_lengths(lengths: list[int], trained: Trained) -> None:
@@ -186,16 +186,18 @@ def measure_sequence(trained: Trained, seq: HeldOut, modes: dict[str, list[float
                      max_tokens: int) -> list[dict]:
     """The rows of one sequence: every layer at every budget of every mode."""
     layers = [int(name) for name in trained.model.blocks]
-    tokens = make_example(trained.task, trained.vocab, trained.seed, seq.seq_id, seq.length, seq.data_sensitivity).tokens
+    tokens = make_example(trained.task, trained.vocab, trained.seed, seq.seq_id, seq.length,
+                          seq.data_sensitivity).tokens
     per_forward = max(1, max_tokens // seq.length)
     rows = []
     for mode, budgets in modes.items():
         for start in range(0, len(budgets), per_forward):
             chunk = budgets[start:start + per_forward]
             calls = forward_copies(trained, tokens, mode, chunk, attend, device)
-            for layer, (kept, coverage) in zip(layers, calls):
+            for layer, (kept, coverage) in zip(layers, calls, strict=True):
                 rows.extend({**asdict(seq), "task": trained.task.name, "layer": layer, "mode": mode, "budget": b,
-                             "kept_fraction": float(k), "coverage": float(c)} for b, k, c in zip(chunk, kept, coverage))
+                             "kept_fraction": float(k), "coverage": float(c)}
+                            for b, k, c in zip(chunk, kept, coverage, strict=True))
     return rows
 
 
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         # will use, e.g. a small model trained at block 32 measured at the production kernel's 128.
         trained = replace(trained, block_size=args.block_size)
     check_lengths(args.lengths, trained)
-    modes = {mode: budgets for mode, budgets in zip(MODES, (args.p, args.kept)) if budgets}
+    modes = {mode: budgets for mode, budgets in zip(MODES, (args.p, args.kept), strict=True) if budgets}
     attend = make_attention(args.attention, trained.block_size)
     command = shlex.join(["python", "-m", "runner.sensitivity", *(sys.argv[1:] if argv is None else argv)])
     write_json_atomic(raw_meta_path(args.out), run_facts(args, trained, device, command))

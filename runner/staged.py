@@ -205,6 +205,6 @@ def replay_step(staged: StagedModel, name: str, plan: Plan, pp: int, clock: Cloc
         (fwd if phase == "F" else bwd)[rank, mb, stage] = ms
     kept, coverage = {}, {}
     for assignments, kf, cov in stats:
-        for a, k, c in zip(assignments, kf.cpu().tolist(), cov.cpu().tolist()):
+        for a, k, c in zip(assignments, kf.cpu().tolist(), cov.cpu().tolist(), strict=True):
             kept[a.seq_id], coverage[a.seq_id] = k, c
     return Measured(fwd, bwd, kept, coverage)

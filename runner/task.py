@@ -144,13 +144,13 @@ def make_example(task: TaskConfig, vocab_size: int, seed: int, seq_id: int, leng
     # Records go on a grid of RECORD-token cells over the haystack so that they never overlap.
     haystack_cells = (length - 1 - RECORD * n_q) // RECORD
     cells = np.sort(rng.choice(haystack_cells, size=len(records), replace=False))
-    for cell, (k, v) in zip(cells, records):
+    for cell, (k, v) in zip(cells, records, strict=True):
         at = 1 + cell * RECORD
         tokens[at:at + RECORD] = (KEY, k, VAL, v)
 
     asked = rng.choice(n_pairs, size=n_q, replace=False)
     tail = length - RECORD * n_q
     answer_positions = tail + RECORD * np.arange(n_q, dtype=np.int64) + 2
-    for at, (k, v) in zip(answer_positions - 2, items[asked]):
+    for at, (k, v) in zip(answer_positions - 2, items[asked], strict=True):
         tokens[at:at + RECORD] = (QUERY, k, ANS, v)
     return Example(tokens, answer_positions, items[asked][:, 1])

@@ -162,16 +162,18 @@ def advise(cfg: DictConfig, out: Path) -> tuple[Advice, list]:
         f"starting point: {' '.join(overrides) or 'conf/config.yaml'}",
         f"prior: {prior_of(base)}; blind planning (the online estimator, never the data's truth)",
         f"space: {len(space.candidates) + sum(space.pruned.values())} candidates, {len(space.candidates)} can run; "
-        f"left out: " + "; ".join(f"{n} {reason} (e.g. {space.examples[reason]})" for reason, n in space.pruned.items()),
+        "left out: " + "; ".join(f"{n} {reason} (e.g. {space.examples[reason]})"
+                                 for reason, n in space.pruned.items()),
         f"rung 0: the planner's price of {len(space.candidates)} candidates over {cfg.search.cheap_steps} batches"
         + (f", {len(failed)} of them refused by the memory model's check of their plans" if failed else ""),
         *[f"rung {i}: {len(h)} candidates simulated, {r.steps} steps x {r.seeds} seeds"
-          for i, (h, r) in enumerate(zip(history[1:], rungs), start=1)],
+          for i, (h, r) in enumerate(zip(history[1:], rungs, strict=True), start=1)],
         f"coverage floor: {floor:.4f} ({'min_coverage' if cfg.min_coverage is not None else ref_name})",
         (f"machine load (1-min average) {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
          f"{os.cpu_count()} cores; CPU time {cpu_s(own_cpu, search_cpu, cfg.search.jobs):.0f} s"),
     ]
-    return Advice(rank([*history[-1], ref_run], floor), ref_run, ref_name, floor, overrides, facts, time.monotonic() - start), history
+    return Advice(rank([*history[-1], ref_run], floor), ref_run, ref_name, floor, overrides, facts,
+                  time.monotonic() - start), history
 
 
 def cpu_s(own_start: float, search: float, jobs: int) -> float:
@@ -196,7 +198,8 @@ def composed_outside(overrides: list[str]) -> DictConfig:
 def prior_of(base: DictConfig) -> str:
     workload = base.workload
     if workload.sensitivity_profile:
-        return f"the measured profile {workload.sensitivity_profile} (task {workload.sensitivity_task or 'its only one'})"
+        return (f"the measured profile {workload.sensitivity_profile} "
+                f"(task {workload.sensitivity_task or 'its only one'})")
     return f"Beta({workload.sensitivity_a:g}, {workload.sensitivity_b:g}) for every length (workload.sensitivity_a/b)"
 
 

@@ -94,7 +94,8 @@ def read_user_trace(path: str, length_column: str, task_column: str | None, out_
     frame = _trace_frame(path, file)
     for key, column in (("trace.length_column", length_column), ("trace.task_column", task_column)):
         if column is not None and column not in frame.columns:
-            raise ConfigError(f"{key}={column!r} is not a column of {path!r}; allowed: {', '.join(map(str, frame.columns))}")
+            raise ConfigError(f"{key}={column!r} is not a column of {path!r}; "
+                              f"allowed: {', '.join(map(str, frame.columns))}")
     tasks = frame[task_column].astype(str).value_counts().to_dict() if task_column else {}
     if file.suffix != ".parquet" and length_column == "length":
         return Trace(path, read_trace(path), tasks)

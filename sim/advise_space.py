@@ -72,7 +72,8 @@ def enumerate_space(space: DictConfig, base: DictConfig) -> Space:
     policies = list(space.policy) if space.policy is not None else group_options("policy")
     unknown = [p for p in policies if p not in group_options("policy")]
     if unknown:
-        raise ConfigError(f"space.policy: {unknown[0]!r} is not a policy; allowed: {', '.join(group_options('policy'))}")
+        raise ConfigError(f"space.policy: {unknown[0]!r} is not a policy; "
+                          f"allowed: {', '.join(group_options('policy'))}")
     longest = longest_length(typed)
     out, reasons = Space([], Counter(), {}), {}
     for policy in policies:
@@ -104,7 +105,7 @@ def policy_candidates(policy: str, space: DictConfig, gpus: int) -> list[Candida
     degrees = [f"layout.{d}" for d in space.degrees]
     out = []
     for values in itertools.product(*grid.values()):
-        chosen = dict(zip(grid, values))
+        chosen = dict(zip(grid, values, strict=True))
         used = math.prod(int(chosen.get(d, 1)) for d in degrees)
         dp = gpus // used if gpus % used == 0 else 0  # 0: the degrees do not divide the GPUs (refused below)
         out.append(Candidate(policy, (("layout.dp", dp), *chosen.items())))

@@ -40,7 +40,8 @@ SPARSE_KEY = "sparse"  # a ``backends`` entry's flag: true for a sparse peer, mi
 
 def grouped_dense(per_seq: dict, groups, pair_flops: float, heads: int, kv_heads: int,
                   cp: int = 1) -> dict[str, np.ndarray]:
-    """DENSE_FEATURES of the micro-batches of ``groups`` (sim.groups.Groups) from the cost model's per-sequence features (``tokens``,
+    """DENSE_FEATURES of the micro-batches of ``groups`` (sim.groups.Groups) from the cost model's per-sequence
+    features (``tokens``,
     ``blocks``: causal block pairs x heads; ``pair_flops``: FLOPs of one block pair and head). On CP ranks the
     tokens and FLOPs are 1/cp (zigzag sharding balances dense causal work), a rank still holds a share of every
     document, and each micro-batch is one call."""

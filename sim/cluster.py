@@ -106,7 +106,8 @@ class Cluster:
     @classmethod
     def from_config(cls, cfg: ClusterConfig) -> Cluster:
         validate(cfg, "cluster.")
-        tiers = {name: Tier(getattr(cfg, name).bandwidth_gbps, getattr(cfg, name).latency_us) for name in ("intra", "inter")}
+        tiers = {name: Tier(getattr(cfg, name).bandwidth_gbps, getattr(cfg, name).latency_us)
+                 for name in ("intra", "inter")}
         return cls(cfg.gpus_per_node, tiers["intra"], tiers["inter"], cfg.peak_tflops, cfg.hbm_tbps, cfg.grad_bytes,
                    cfg.grad_bucket_mb)
 

@@ -100,7 +100,8 @@ def seed_runs(base: DictConfig, seed: int, policies: tuple[str, ...], baselines:
     variants.update({f"oracle: {name}": OmegaConf.merge(policy_variant(name, "--oracles"), {"estimator": "oracle"})
                      for name in oracles})  # every name checked before anything runs
     outputs = {name: simulate(cfg, variant, progress=True) for name, variant in variants.items()}
-    labels = {**{name: label(name) for name in policies}, **{f"oracle: {name}": f"oracle: {label(name)}" for name in oracles}}
+    labels = {**{name: label(name) for name in policies},
+              **{f"oracle: {name}": f"oracle: {label(name)}" for name in oracles}}
     if matched is not None:
         k = matched_k(cfg, outputs[matched].summary["attention_coverage"])
         outputs[FIXED_K] = simulate(cfg, policy_variant(f"verl:sparsity.params.top_k={k}"), progress=True)
@@ -187,7 +188,7 @@ def balance_bounds(cfg: DictConfig, plans: list[str], kept_per_step: list[np.nda
     engine = Engine(layout, cost, cluster)
     slots = layout.dp * layout.micro_batches
     evens, bounds = [], []
-    for text, kept in zip(plans, kept_per_step):
+    for text, kept in zip(plans, kept_per_step, strict=True):
         plan = Plan.from_json(text)
         length = plan.lengths
         group = plan.dp_ranks * layout.micro_batches + plan.micro_batch_ids
@@ -229,9 +230,9 @@ def formatted(table: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame({"policy": table["policy"]})
     for col in [c for c in table.columns if c != "policy" and not c.endswith("_std")]:
         places = digits.get(col, 4)
-        text = table[col].map(lambda v: "-" if pd.isna(v) else f"{v:.{places}f}")
+        text = table[col].map(lambda v, places=places: "-" if pd.isna(v) else f"{v:.{places}f}")
         if f"{col}_std" in table:
-            text = text + table[f"{col}_std"].map(lambda v: "" if pd.isna(v) else f" +- {v:.{places}f}")
+            text = text + table[f"{col}_std"].map(lambda v, places=places: "" if pd.isna(v) else f" +- {v:.{places}f}")
         out[col] = text
     return out
 
@@ -316,7 +317,8 @@ def shown_baselines(policies: tuple[str, ...]) -> tuple[str, ...]:
 def main() -> None:
     parser = ArgumentParser(prog="python -m sim.compare", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("overrides", nargs="*", help="experiment=<name> and Hydra overrides")
-    parser.add_argument("--policies", help=f"comma-separated; `speedup` is over the first (default {','.join(POLICIES)})")
+    parser.add_argument("--policies",
+                        help=f"comma-separated; `speedup` is over the first (default {','.join(POLICIES)})")
     parser.add_argument("--baselines", help=f"`vs_best` is over the fastest of these (default {','.join(BASELINES)}; "
                                             "verl_dense where the profile prices a dense backend; with --policies, "
                                             "the baselines among them, else the first)")
@@ -327,9 +329,9 @@ def main() -> None:
                         help="bound rows 'oracle: <policy>': the policy planning with the data's true sensitivities")
     parser.add_argument("--ablation", action="store_true", help="the mechanisms one by one instead of --policies")
     parser.add_argument("--fixed-k-of", default=None,
-                        help=f"add the baseline {FIXED_K}: verl at the fewest top-k blocks, one for the whole run, whose "
-                             f"attention-weighted coverage reaches this policy's (default {MATCHED} where it runs; '' "
-                             "for none)")
+                        help=f"add the baseline {FIXED_K}: verl at the fewest top-k blocks, one for the whole run, "
+                             f"whose attention-weighted coverage reaches this policy's (default {MATCHED} where it "
+                             "runs; '' for none)")
     try:
         args = parser.parse_intermixed_args()  # overrides may come before or after the options
         register()

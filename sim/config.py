@@ -375,7 +375,8 @@ class MemoryConfig:
 
 
 # A run on more GPUs than this, or larger than this many simulated GPU-steps (GPUs x steps) or sequences
-# (global batch x steps), takes many minutes to hours and gigabytes; it needs ``force=true``. The simulator runs ~50,000 GPU-steps/s.
+# (global batch x steps), takes many minutes to hours and gigabytes; it needs ``force=true``. The simulator runs
+# ~50,000 GPU-steps/s.
 MAX_GPUS = 131_072
 MAX_GPU_STEPS = 5_000_000
 MAX_SEQUENCES = 2_000_000

@@ -1,5 +1,6 @@
 """What every package of the project uses: the bad-input error, the one-line CLI wrapper around it and an
-argparse parser that raises it, atomic file writes, paths relative to the project, and composing the Hydra config outside an app.
+argparse parser that raises it, atomic file writes, paths relative to the project, and composing the Hydra config
+outside an app.
 
 It sits at the bottom of the stack (standard library, Hydra and OmegaConf only), so that ``sim``, the
 policies, calibration, the runner and the figures share one definition of each.

@@ -195,7 +195,8 @@ def sparse_features(lengths, kept_fractions, model: ModelConfig, block_size: int
     (sim.backends.grouped_sparse), which a sparse peer's terms are priced on."""
     lengths = np.asarray(lengths, dtype=np.float64)
     per_seq = _sequence_attention(lengths, np.asarray(kept_fractions, dtype=np.float64), model, block_size)
-    feats = grouped_sparse(per_seq, Groups(np.zeros(lengths.size, dtype=np.int64), 1), per_seq["flops"].sum(keepdims=True),
+    feats = grouped_sparse(per_seq, Groups(np.zeros(lengths.size, dtype=np.int64), 1),
+                           per_seq["flops"].sum(keepdims=True),
                            block_size, model.heads, model.kv_heads)
     return {k: float(feats[k][0]) for k in DENSE_FEATURES}
 
@@ -413,7 +414,7 @@ class CostModel(ABC):
             return times
         eff = tp_split.gemm_efficiency(layer["tokens"], self.model, layout, self.cluster, self.tp_efficiency)
         return tuple(tp_split.split_ms(t, self.launch_ms(term, layer["const"]), layout.tp, eff)
-                     for t, term in zip(times, ("layer_fwd", "layer_bwd")))
+                     for t, term in zip(times, ("layer_fwd", "layer_bwd"), strict=True))
 
     @staticmethod
     def _priced(ran, options: dict) -> np.ndarray:

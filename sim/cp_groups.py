@@ -129,7 +129,7 @@ def run_units(fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray, units: Units, l
     by_mb = [[] for _ in range(m)]
     for u, mb in enumerate(units.micro_batch.tolist()):
         by_mb[mb].append(u)
-    spans = [slice(f, f + c) for f, c in zip(units.first.tolist(), units.size.tolist())]
+    spans = [slice(f, f + c) for f, c in zip(units.first.tolist(), units.size.tolist(), strict=True)]
     fwd_t, bwd_t = np.ascontiguousarray(fwd.T), np.ascontiguousarray(bwd.T)  # [U, S]: one row per op
     hop = p2p.tolist()
     if pp == 1:

@@ -181,7 +181,8 @@ class Engine:
         if layout.dynamic:
             units = plan_units(plan, layout)
             costs, p2p = unit_costs(cost, units, np.tile(plan.lengths, s), kept.ravel(), layout, s)
-            timeline = run_units(costs.fwd_ms.reshape(s, -1), costs.bwd_ms.reshape(s, -1), p2p[: units.count], units, layout)
+            timeline = run_units(costs.fwd_ms.reshape(s, -1), costs.bwd_ms.reshape(s, -1), p2p[: units.count], units,
+                                 layout)
             finish, last = timeline.finish_ms, timeline.last_bwd_ms
             return float(np.maximum(finish.max(axis=(-1, -2)), self.reduced_all_ms(finish - last, last)).mean())
         rows = 1 if (kept == kept[:1]).all() else s  # rows alike (top-k budgets) are priced once
@@ -286,7 +287,9 @@ class Engine:
             peak_memory_gb=float(memory_gb.max(initial=0.0)) if memory_gb is not None else float("nan"),
             predicted_ms=predicted_ms,
         )
-        by_axis = lambda per_rank, how: getattr(per_rank.reshape(layout.dp, layout.cp, m, -1), how)(axis=1).reshape(-1)
+        def by_axis(per_rank, how):
+            return getattr(per_rank.reshape(layout.dp, layout.cp, m, -1), how)(axis=1).reshape(-1)
+
         busy = np.repeat(unit_rows(units, layout, costs.fwd_ms + costs.bwd_ms)[..., None], pp, axis=2)
         hops = np.array([(stage > 0) + (stage < pp - 1) for stage in range(pp)], dtype=np.float64)
         comm = (unit_rows(units, layout, costs.cp_comm_ms + costs.tp_comm_ms)[..., None]
@@ -298,7 +301,8 @@ class Engine:
                                   else np.full(rows["step"].size, np.nan))
         return StepOutcome(record, rows, Timeline(timeline.idle_ms, finish, []), kept, coverage)
 
-    def _rows(self, step, group, kept, coverage, mb_cost, compute, p2p, timeline, dynamic=None) -> dict[str, np.ndarray]:
+    def _rows(self, step, group, kept, coverage, mb_cost, compute, p2p, timeline,
+              dynamic=None) -> dict[str, np.ndarray]:
         """MicroBatchRecord columns, ordered (dp_rank, micro_batch, stage)."""
         dp, m, pp = self.layout.dp, self.layout.micro_batches, self.layout.pp
         n = dp * m
@@ -316,7 +320,7 @@ class Engine:
             costs, axis_mb, comm, idle = dynamic
             tokens = np.bincount(axis_mb, weights=costs.tokens, minlength=n).astype(np.int64)
             names: list[list[str]] = [[] for _ in range(n)]
-            for where, name in zip(axis_mb.tolist(), costs.backend.tolist()):
+            for where, name in zip(axis_mb.tolist(), costs.backend.tolist(), strict=True):
                 names[where] += [] if name in names[where] else [name]
             backend = np.array(["+".join(sorted(found)) or OURS for found in names])
         cols = {

@@ -35,7 +35,8 @@ def schedule(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
         for stage, queue in enumerate(queues):
             while queue:
                 is_fwd, mb = queue[0]
-                dep = (stage - 1, True, mb) if is_fwd else ((stage, True, mb) if stage == pp - 1 else (stage + 1, False, mb))
+                dep = ((stage - 1, True, mb) if is_fwd
+                       else (stage, True, mb) if stage == pp - 1 else (stage + 1, False, mb))
                 if (is_fwd and stage == 0) or dep in done:
                     queue.pop(0)
                     done.add((stage, is_fwd, mb))

@@ -94,7 +94,7 @@ class BudgetArrays:
     def put(self, index, rows: BudgetArrays) -> BudgetArrays:
         """A copy with the rows at ``index`` replaced by ``rows``."""
         columns = [getattr(self, f.name).copy() for f in fields(self)]
-        for column, f in zip(columns, fields(self)):
+        for column, f in zip(columns, fields(self), strict=True):
             column[index] = getattr(rows, f.name)
         return BudgetArrays(*columns)
 
@@ -105,7 +105,7 @@ class BudgetArrays:
                                                                                          self.p_floor))
         made: dict[tuple, Budget] = {}
         out = []
-        for row in zip(self.p.tolist(), kept, top_k, p_floor):
+        for row in zip(self.p.tolist(), kept, top_k, p_floor, strict=True):
             budget = made.get(row)
             if budget is None:
                 budget = made[row] = Budget(*row)
@@ -177,11 +177,13 @@ class Plan:
                              f"{', '.join(self.columns)} and budgets need one row per sequence")
         if self.dynamic_cp:
             size, first = self.cp_size, self.cp_first
-            bad = np.flatnonzero((size < 1) | (size & (size - 1) != 0) | (first < 0) | (first % np.maximum(size, 1) != 0))
+            bad = np.flatnonzero((size < 1) | (size & (size - 1) != 0) | (first < 0)
+                                 | (first % np.maximum(size, 1) != 0))
             if bad.size:
                 i = int(bad[0])
                 raise ValueError(f"sequence {int(self.seq_ids[i])} has the CP group of {int(size[i])} ranks from "
-                                 f"domain rank {int(first[i])}; allowed: a power of two of ranks from a rank it divides")
+                                 f"domain rank {int(first[i])}; allowed: a power of two of ranks from a rank it "
+                                 "divides")
 
     @property
     def dynamic_cp(self) -> bool:
@@ -203,7 +205,7 @@ class Plan:
         cp_first = cp_size = None
         if groups == {False}:
             cp_first, cp_size = (np.array(column, dtype=np.int64).reshape(-1)
-                                 for column in zip(*(group_span(a) for a in rows)))
+                                 for column in zip(*(group_span(a) for a in rows), strict=True))
         return cls(step, dp, micro_batches,
                    np.fromiter((a.seq_id for a in rows), dtype=np.int64, count=n),
                    np.fromiter((a.length for a in rows), dtype=np.int64, count=n),
@@ -225,7 +227,7 @@ class Plan:
     @cached_property
     def assignments(self) -> tuple[Assignment, ...]:
         """The rows as Assignments, in plan order (built once, on first use)."""
-        groups = ([tuple(range(f, f + c)) for f, c in zip(self.cp_first.tolist(), self.cp_size.tolist())]
+        groups = ([tuple(range(f, f + c)) for f, c in zip(self.cp_first.tolist(), self.cp_size.tolist(), strict=True)]
                   if self.dynamic_cp else [None] * len(self))
         return tuple(map(Assignment, self.seq_ids.tolist(), self.lengths.tolist(), self.dp_ranks.tolist(),
                          self.micro_batch_ids.tolist(), self.budgets.budgets(), groups))
@@ -240,7 +242,8 @@ class Plan:
         """The sequence ids of each (rank, micro-batch), ``[rank][micro_batch]``, in execution order: what
         verl-style trainers take (with plain lengths planned at step 0, an id is the length's index)."""
         out: list[list[list[int]]] = [[[] for _ in range(self.micro_batches)] for _ in range(self.dp)]
-        for seq_id, rank, mb in zip(self.seq_ids.tolist(), self.dp_ranks.tolist(), self.micro_batch_ids.tolist()):
+        for seq_id, rank, mb in zip(self.seq_ids.tolist(), self.dp_ranks.tolist(), self.micro_batch_ids.tolist(),
+                                    strict=True):
             out[rank][mb].append(seq_id)
         return out
 
@@ -266,9 +269,9 @@ class Plan:
         rows = [{"budget": budget, "dp_rank": rank, "length": length, "micro_batch": mb, "seq_id": seq_id}
                 for seq_id, length, rank, mb, budget in zip(
                     self.seq_ids.tolist(), self.lengths.tolist(), self.dp_ranks.tolist(),
-                    self.micro_batch_ids.tolist(), _budget_objects(self.budgets))]
+                    self.micro_batch_ids.tolist(), _budget_objects(self.budgets), strict=True)]
         if self.dynamic_cp:
-            for row, first, size in zip(rows, self.cp_first.tolist(), self.cp_size.tolist()):
+            for row, first, size in zip(rows, self.cp_first.tolist(), self.cp_size.tolist(), strict=True):
                 row["cp_ranks"] = list(range(first, first + size))
         raw = {"assignments": rows, "dp": self.dp, "micro_batches": self.micro_batches, "step": self.step}
         return json.dumps(raw, sort_keys=True, separators=(",", ":"))

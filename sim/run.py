@@ -59,7 +59,8 @@ class RunOutput:
     kept: list  # per step, each sequence's kept fraction in plan order (what the kernel reported)
 
 
-def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | None = None, progress: bool = False) -> RunOutput:
+def simulate(cfg: RunConfig | DictConfig, policy: PolicyConfig | DictConfig | None = None,
+             progress: bool = False) -> RunOutput:
     """Run ``cfg.steps`` steps of one policy (default ``cfg.policy``) in memory."""
     # Plain dataclasses from here on: attribute access on DictConfig is ~50x slower in the step loop.
     cfg = OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg

@@ -149,7 +149,7 @@ def _values_problem(entry: dict, where: str) -> str | None:
 def _knots_problem(lengths, where: str) -> str | None:
     if (not isinstance(lengths, list) or not lengths
             or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
-            or any(a >= b for a, b in zip(lengths, lengths[1:]))):
+            or any(a >= b for a, b in zip(lengths, lengths[1:], strict=False))):
         return f"{where}={lengths!r}: must be increasing whole lengths >= 1 (the knots)"
     return None
 

@@ -70,9 +70,9 @@ def check_profile_gpu(cfg: RunConfig, cost: CostModel) -> None:
     """A calibrated cost's profile must be measured on the cluster's GPU (where the cluster names one)."""
     measured = getattr(cost, "profile", {}).get("gpu")
     if cfg.cluster.gpu is not None and measured is not None and measured != cfg.cluster.gpu:
-        raise ConfigError(f"cost.profile={cfg.cost.profile!r} was measured on {measured}, but cluster={cfg.cluster.name} "
-                          f"is {cfg.cluster.gpu}; allowed: a profile of {cfg.cluster.gpu} (the cluster's own: "
-                          f"{cfg.cluster.profile})")
+        raise ConfigError(f"cost.profile={cfg.cost.profile!r} was measured on {measured}, but "
+                          f"cluster={cfg.cluster.name} is {cfg.cluster.gpu}; allowed: a profile of {cfg.cluster.gpu} "
+                          f"(the cluster's own: {cfg.cluster.profile})")
 
 
 def make_policy(policy: PolicyConfig):

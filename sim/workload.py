@@ -167,5 +167,6 @@ class Workload:
         sens = self.sensitivities(lengths, rng)
         first = step * self.cfg.global_batch
         return [
-            Sequence(first + i, length, s) for i, (length, s) in enumerate(zip(lengths.tolist(), sens.tolist()))
+            Sequence(first + i, length, s)
+            for i, (length, s) in enumerate(zip(lengths.tolist(), sens.tolist(), strict=True))
         ]

@@ -138,7 +138,8 @@ def test_no_import_circle_between_modules():
 
 
 def test_no_package_imports_one_above_it_or_beside_it_in_the_two_lowest_layers():
-    """``policies`` and ``model`` build on ``kernels`` and ``sim`` only; ``calibrate`` may use ``runner``'s attention."""
+    """``policies`` and ``model`` build on ``kernels`` and ``sim`` only; ``calibrate`` may use ``runner``'s
+    attention."""
     bad = [
         via for (src, dst), vias in package_edges().items() for via in vias
         if LAYER[dst] > LAYER[src] or (LAYER[dst] == LAYER[src] <= 1)

@@ -74,7 +74,7 @@ def test_an_installed_wheel_runs_the_main_job_from_another_directory_beside_a_ke
     assert shown[0] == "True" and all(path.startswith(str(site)) for path in shown[1:])
     run_dir = work / "run"
     proc = subprocess.run([str(site / "bin" / "sparsebalance-sim"), "policy=sparsebalance", "steps=2",
-                           "workload.global_batch=16", "layout.micro_batches=2", f"hydra.run.dir={run_dir}"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=300)
+                           "workload.global_batch=16", "layout.micro_batches=2", f"hydra.run.dir={run_dir}"], cwd=work,
+                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert {"summary.json", "steps.csv", "micro_batches.csv"} <= {p.name for p in run_dir.iterdir()}

@@ -64,7 +64,8 @@ def calibration_frame(profile_path: str | Path) -> pd.DataFrame:
     csv = raw_csv_of(profile_path, profile)
     if profile.get("provisional") or not csv.is_file():
         raise PlotError(
-            f"{profile_path}: no measurements to compare with ({'provisional profile, ' if profile.get('provisional') else ''}"
+            f"{profile_path}: no measurements to compare with "
+            f"({'provisional profile, ' if profile.get('provisional') else ''}"
             f"no {csv.name}); measure with `python -m calibrate.run` on a GPU, then `python -m calibrate.fit`"
         )
     meta = meta_path(csv)
@@ -140,9 +141,9 @@ def plot_calibration(frame: pd.DataFrame, profile: dict, model: str | None = Non
     cmap = viridis(len(fractions))
     fig = Figure(figsize=(max(9.0, 3.4 * len(terms) + 2.0), 4.4), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(terms)))
-    for ax, term in zip(axes, terms):
+    for ax, term in zip(axes, terms, strict=True):
         sub = singles[singles["term"] == term]
-        for colour, kf in zip(cmap, fractions):
+        for colour, kf in zip(cmap, fractions, strict=True):
             pts = sub[sub["budget"] == kf].sort_values("tokens")
             if pts.empty:
                 continue
@@ -167,7 +168,7 @@ def plot_residuals(frame: pd.DataFrame, profile: dict) -> Figure:
     # those points either); their -100% would only squash the axis, so they are counted, not drawn.
     zero = frame["predicted_ms"] <= 0
     frame = frame[~zero]
-    colours = dict(zip(sorted(frame["term"].unique()), OKABE_ITO[1:] * 2))
+    colours = dict(zip(sorted(frame["term"].unique()), OKABE_ITO[1:] * 2, strict=False))
     markers = {"fit": "o", "heldout": "^", "validate": "s", "benchmark": "D"}
     fig = Figure(figsize=(8.5, 4.8), layout="constrained")
     ax = fig.subplots()

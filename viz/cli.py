@@ -42,11 +42,11 @@ def destinations(paths: list[Path], out: Path | None) -> list[tuple[Path, str]]:
     names = [path.resolve().name if path.is_dir() else path.stem for path in paths]
     keys = [d.resolve() for d in dirs]
     shared = Counter(keys)
-    for (key, name), count in Counter(zip(keys, names)).items():
+    for (key, name), count in Counter(zip(keys, names, strict=True)).items():
         if count > 1:
             raise ConfigError(f"{count} inputs named {name!r} would write the same figures into {key}; allowed: "
                               "inputs of distinct names, or one at a time with its own --out")
-    return [(d, f"{n}-" if shared[k] > 1 else "") for d, k, n in zip(dirs, keys, names)]
+    return [(d, f"{n}-" if shared[k] > 1 else "") for d, k, n in zip(dirs, keys, names, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             check_writable(out, "--out", directory=True)
         # Every figure is made before any is written: a bad input leaves no figures of the good ones.
         made = []
-        for path, (out, prefix) in zip(args.paths, places):
+        for path, (out, prefix) in zip(args.paths, places, strict=True):
             with warnings.catch_warnings(record=True) as skipped:  # one line each, not Python's two
                 warnings.simplefilter("always")
                 figures = figures_for(path, args.step, args.skip, args.profile)

@@ -71,7 +71,8 @@ def _compare_table(run: Run, skip: int | None, profile: str | None) -> pd.DataFr
             raise PlotError(str(exc)) from None
     missing = [c for c in ("step", "measured_ms", "sim_ms", "sim_plan_ms") if c not in table.columns]
     if missing:
-        raise PlotError(f"{run.path}/compare.csv: unknown schema (no column {', '.join(missing)}); re-run runner.compare")
+        raise PlotError(f"{run.path}/compare.csv: unknown schema (no column {', '.join(missing)}); "
+                        "re-run runner.compare")
     table = table[table["step"] >= table["step"].min() + skip]
     return pd.DataFrame({"group": run.policy, "step": table["step"], "measured_ms": table["measured_ms"],
                          "predicted_ms": table["sim_ms"], "plan_ms": table["sim_plan_ms"]})
@@ -114,7 +115,8 @@ def plot_fidelity(frame: pd.DataFrame, what: str, title: str) -> Figure:
                    label=f"{group} (median |error| {_median_ape(sub['predicted_ms'], sub['measured_ms']):.1f}%)")
         if "plan_ms" in sub:
             ax.scatter(sub["measured_ms"], sub["plan_ms"], facecolors="none", edgecolors=colours[group], s=28,
-                       zorder=3, label=f"{group}, Plan budgets ({_median_ape(sub['plan_ms'], sub['measured_ms']):.1f}%)")
+                       zorder=3,
+                       label=f"{group}, Plan budgets ({_median_ape(sub['plan_ms'], sub['measured_ms']):.1f}%)")
     if log:
         ax.set_xscale("log")
         ax.set_yscale("log")

@@ -28,7 +28,7 @@ def results_figures(path: Path, step: int, skip: int | None = None, profile: str
         figures["frontier"] = plot_frontier(simulated)
     if simulated:
         chosen = pick_timeline_runs(simulated)
-        labels = dict(zip(map(id, simulated), settings(simulated)))
+        labels = dict(zip(map(id, simulated), settings(simulated), strict=True))
         traces = [replay_step(r, step, label=" ".join(filter(None, (r.policy, labels[id(r)])))) for r in chosen]
         figures["timeline"] = plot_timeline(traces)
     measured = [r for r in runs if r.summary.get("source") == "runner"]

@@ -53,10 +53,10 @@ def read_benchmark(path: str | Path) -> pd.DataFrame:
 
 def plot_kernel_comparison(bench: pd.DataFrame, title: str = "") -> Figure:
     """Forward+backward time over kept fraction per case: our kernel vs FlexAttention vs dense cuDNN."""
-    cases = list(dict.fromkeys(zip(bench["case"], bench["T"])))
+    cases = list(dict.fromkeys(zip(bench["case"], bench["T"], strict=True)))
     fig = Figure(figsize=(3.4 * len(cases) + 1, 4.2), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(cases)))
-    for ax, (case, T) in zip(axes, cases):
+    for ax, (case, T) in zip(axes, cases, strict=True):
         sub = bench[(bench["case"] == case) & (bench["T"] == T)]
         for impl, (label, colour, marker) in IMPLS.items():
             pts = sub[sub["impl"] == impl].sort_values("kept_fraction")
@@ -94,10 +94,10 @@ def fair_ratios(path: str | Path) -> pd.DataFrame:
 def plot_fair(ratios: pd.DataFrame) -> Figure:
     """Each peer's fwd+bwd time over ours per sparsity, a panel per head layout (above 1: ours is faster)."""
     layouts = list(dict.fromkeys(ratios["heads"]))
-    colours = dict(zip(dict.fromkeys(ratios["impl"]), OKABE_ITO[1:] * 2))
+    colours = dict(zip(dict.fromkeys(ratios["impl"]), OKABE_ITO[1:] * 2, strict=False))
     fig = Figure(figsize=(3.8 * len(layouts) + 1, 4.2), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(layouts), sharey=True))
-    for ax, heads in zip(axes, layouts):
+    for ax, heads in zip(axes, layouts, strict=True):
         for impl, pts in ratios[ratios["heads"] == heads].groupby("impl", sort=False):
             pts = pts.sort_values("sparsity")
             ax.plot(pts["sparsity"], pts["ratio"], color=colours[impl], marker="o", label=impl)
@@ -116,5 +116,5 @@ def shared_legend(fig: Figure, axes) -> None:
     """One legend below the panels, each label once, whichever panel has it."""
     entries = {}
     for ax in axes:
-        entries.update(zip(*reversed(ax.get_legend_handles_labels())))
+        entries.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
     fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=3, fontsize=8)

@@ -38,7 +38,7 @@ def plot_policies(runs: list[Run]) -> Figure:
         pos = x - 0.4 + (i + 0.5) * width
         ax_speed.bar(pos, sub["speedup"], width, color=colours[policy], label=policy)
         ax_bubble.bar(pos, 100 * sub["bubble_fraction"], width, color=colours[policy], label=policy)
-        for p, v in zip(pos, sub["speedup"]):
+        for p, v in zip(pos, sub["speedup"], strict=True):
             if np.isfinite(v):
                 ax_speed.annotate(f"{v:.2f}×", (p, v), ha="center", va="bottom", fontsize=8)
     ax_speed.axhline(1.0, color="0.4", lw=0.8, ls="--")
@@ -66,7 +66,7 @@ def pareto(points: pd.DataFrame) -> pd.DataFrame:
     ordered = points.sort_values(["step_ms", "mean_coverage"], ascending=[True, False])
     best = -np.inf
     keep = []
-    for idx, cov in zip(ordered.index, ordered["mean_coverage"]):
+    for idx, cov in zip(ordered.index, ordered["mean_coverage"], strict=True):
         if cov > best:
             keep.append(idx)
             best = cov

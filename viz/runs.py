@@ -144,10 +144,10 @@ def summary_frame(runs: list[Run]) -> pd.DataFrame:
         "mean_coverage": r.summary["mean_coverage"],
         "speedup": r.summary.get("speedup_vs_baseline"),
         "path": str(r.path),
-    } for r, setting in zip(runs, settings(runs))]
+    } for r, setting in zip(runs, settings(runs), strict=True)]
     frame = pd.DataFrame(rows)
     base_ms = {(r["policy"], r["setting"]): r["step_ms"] for r in rows}
-    in_sweep = [base_ms.get((b, s), np.nan) for b, s in zip(frame["baseline"], frame["setting"])]
+    in_sweep = [base_ms.get((b, s), np.nan) for b, s in zip(frame["baseline"], frame["setting"], strict=True)]
     frame["speedup"] = (pd.Series(in_sweep) / frame["step_ms"]).fillna(frame["speedup"].astype(float))
     return frame
 

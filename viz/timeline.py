@@ -91,11 +91,11 @@ def _draw_trace(ax, trace: StepTrace, label_mbs: bool) -> None:
     for kind, colour in (("F", FORWARD), ("B", BACKWARD)):
         sel = trace.ops["kind"] == kind
         for row, group in trace.ops[sel].groupby(row_of[sel]):
-            spans = list(zip(group["start_ms"], group["end_ms"] - group["start_ms"]))
+            spans = list(zip(group["start_ms"], group["end_ms"] - group["start_ms"], strict=True))
             ax.broken_barh(spans, (row - 0.4, 0.8), facecolor=colour, edgecolor="white", linewidth=0.6)
     if label_mbs:  # micro-batch numbers where they fit
         min_width = 0.025 * trace.step_ms
-        for op, row in zip(trace.ops.itertuples(), row_of):
+        for op, row in zip(trace.ops.itertuples(), row_of, strict=True):
             if op.end_ms - op.start_ms >= min_width:
                 ax.text((op.start_ms + op.end_ms) / 2, row, str(op.micro_batch), ha="center", va="center",
                         fontsize=6, color="black" if op.kind == "F" else "white")
@@ -117,7 +117,7 @@ def plot_timeline(traces: list[StepTrace], label_mbs: bool = True) -> Figure:
     # At least 11 inches: the four-entry legend and the title need it even for a single panel.
     fig = Figure(figsize=(max(11.0, 6.0 * len(traces) + 1), 1.2 + 0.32 * rows), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(traces), sharex=True, sharey=True))
-    for ax, trace in zip(axes, traces):
+    for ax, trace in zip(axes, traces, strict=True):
         _draw_trace(ax, trace, label_mbs)
     axes[0].set_ylabel("DP rank" if traces[0].pp == 1 else "DP rank / pipeline stage")
     legend = [
@@ -136,11 +136,12 @@ def plot_timeline(traces: list[StepTrace], label_mbs: bool = True) -> Figure:
 def pick_timeline_runs(runs: list[Run]) -> list[Run]:
     """Two runs of one setting to set side by side: baseline and sparsebalance if a setting has both, else
     the first setting's baseline (or first run) and its fastest other policy."""
-    replayable = [r for r in runs if r.summary.get("source") != "runner" and (r.path / ".hydra" / "config.yaml").is_file()]
+    replayable = [r for r in runs
+                  if r.summary.get("source") != "runner" and (r.path / ".hydra" / "config.yaml").is_file()]
     if not replayable:
         raise PlotError("no sim.run runs (with .hydra/config.yaml) to draw a timeline from")
     by_setting: dict[str, dict[str, Run]] = {}
-    for run, setting in zip(replayable, settings(replayable)):
+    for run, setting in zip(replayable, settings(replayable), strict=True):
         by_setting.setdefault(setting, {}).setdefault(run.policy, run)
     for group in by_setting.values():
         if {"baseline", "sparsebalance"} <= set(group):

@@ -16,7 +16,7 @@ from .common import cu_from_lens, log, make_qkv, write_csv
 def rel_errors(outs, refs) -> list[float]:
     """Max abs error over max abs reference, per tensor (inf where not finite)."""
     errs = []
-    for a, b in zip(outs, refs):
+    for a, b in zip(outs, refs, strict=True):
         e = (a.float() - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
         errs.append(e if math.isfinite(e) else float("inf"))
     return errs
@@ -33,7 +33,7 @@ def against_reference(q, k, v, cu, sel, options: KernelOptions, det: bool):
     if det:
         g2 = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=poison),
                                  (q, k, v), do)
-        same = all(torch.equal(a, b) for a, b in zip(g, g2))
+        same = all(torch.equal(a, b) for a, b in zip(g, g2, strict=True))
     qf, kf, vf = [x.detach().float().requires_grad_() for x in (q, k, v)]
     ref = sparse_attention_naive(qf, kf, vf, cu, sel)
     gr = torch.autograd.grad(ref, (qf, kf, vf), do.float())
@@ -57,7 +57,7 @@ def check(args):
                     q, k, v = make_qkv(T, Hq, Hkv, hd, dtype, seed=hd + bs)
                     sel = select_blocks(q, k, cu, block_size=bs, **budget, options=options)
                     errs, det = against_reference(q, k, v, cu, sel, options, det=True)
-                    errs = dict(zip(("o", "dq", "dk", "dv"), errs))
+                    errs = dict(zip(("o", "dq", "dk", "dv"), errs, strict=True))
                     ft, gt = CHECK_TOL[dtype]
                     ok = errs["o"] <= ft and max(errs["dq"], errs["dk"], errs["dv"]) <= gt and det
                     row = dict(dtype=str(dtype).split(".")[-1], D=hd, B=bs, Hq=Hq, Hkv=Hkv, budget=str(budget),

@@ -40,14 +40,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--fair", action="store_true",
-                    help="the fair comparison on a packed 64K batch, MHA and GQA 32:4: FlexAttention on the token-level "
-                         "document mask, on whole-block (aligned) documents with exactly our kept blocks, on padded "
-                         "documents, its FLASH backend, cuDNN dense (the README's table: --table of its CSV)")
+                    help="the fair comparison on a packed 64K batch, MHA and GQA 32:4: FlexAttention on the "
+                         "token-level document mask, on whole-block (aligned) documents with exactly our kept blocks, "
+                         "on padded documents, its FLASH backend, cuDNN dense (the README's table: --table of its CSV)")
     ap.add_argument("--fair-heads", type=number_list(str, lambda x: x in FAIR_HEADS, ", ".join(FAIR_HEADS)),
                     default=",".join(FAIR_HEADS),
                     help="--fair's head configurations, in this order (to split the grid over calls)")
     ap.add_argument("--fair-sparsities", type=number_list(float, lambda x: 0 <= x < 1, "sparsities in [0, 1)"),
-                    default=None, help="--fair's sparsities for both head configurations (default: MHA 0,0.75,0.9,0.95, "
+                    default=None,
+                    help="--fair's sparsities for both head configurations (default: MHA 0,0.75,0.9,0.95, "
                                        "GQA 0,0.5,0.9); 0, where the dense backends are timed, always runs")
     ap.add_argument("--fair-impls", type=number_list(str, lambda x: x in FAIR_IMPLS, ", ".join(FAIR_IMPLS)),
                     default=",".join(FAIR_IMPLS), help="--fair's implementations (ours always runs)")
@@ -106,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "correctness tests are `python -m pytest tests/kernels`)")
     args.tune_cands = {k: [tuple(c) for c in v] for k, v in TUNE_CANDS.items()}
     configs = json.loads(args.config) if args.config else {}
-    args.options = tiles_option({kind: dict(zip(CONFIG_KEYS, c)) for kind, c in configs.items() if c})
+    args.options = tiles_option({kind: dict(zip(CONFIG_KEYS, c, strict=False)) for kind, c in configs.items() if c})
     return args
 
 

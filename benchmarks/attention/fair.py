@@ -60,7 +60,7 @@ def fair_lengths(total: int = 65536, seed: int = 0) -> tuple[list[int], list[int
         aligned[aligned.index(max(aligned))] -= B
     g = torch.Generator().manual_seed(seed + 1)
     cut = torch.randint(0, B, (len(aligned),), generator=g).tolist()
-    return aligned, [n - min(c, n - 1) for n, c in zip(aligned, cut)]
+    return aligned, [n - min(c, n - 1) for n, c in zip(aligned, cut, strict=True)]
 
 
 def padded_tensors(pos: torch.Tensor, T_pad: int, q, k, v, do):

@@ -3,6 +3,7 @@ FlexAttention on the same selection and cuDNN dense, and the selection's cost.""
 from __future__ import annotations
 
 import json
+from functools import partial
 import time
 import traceback
 
@@ -34,9 +35,9 @@ def selection_cost(emit, options: KernelOptions, lengths=(32768,), repeats=1):
                 for mode, kw, c in (("kept_fraction=0.1", dict(kept_fraction=0.1), cu.cpu()),
                                     ("kept_fraction=0.1,cu_seqlens_on_gpu", dict(kept_fraction=0.1), cu),
                                     ("p=0.9", dict(p=0.9), cu.cpu())):
-                    s_ms = bench(lambda: select_blocks(q, k, c, block_size=B, **kw))
+                    s_ms = bench(partial(select_blocks, q, k, c, block_size=B, **kw))
                     sel = select_blocks(q, k, cu, block_size=B, **kw)
-                    fb_ms = bench(lambda: torch.autograd.grad(
+                    fb_ms = bench(lambda q=q, k=k, v=v, cu=cu, sel=sel, do=do: torch.autograd.grad(
                         sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=options), (q, k, v),
                         do))
                     emit(dict(case=f"selection_{L // 1024}k", T=L, ndocs=1,

@@ -3,6 +3,7 @@ kernel's times at a few grid points."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import torch
 
@@ -66,7 +67,7 @@ def quick_case_rows(options: KernelOptions, case: str, lens: list, sparsities):
     for sp in sparsities:
         for mode in ("kept_fraction", "torch_select") if (T == 32768 and sp == 0.9) else ("kept_fraction",):
             select_opts = TORCH_SELECTION if mode == "torch_select" else KernelOptions()
-            s_ms = bench(lambda: select_blocks(q, k, cu, kept_fraction=1 - sp, block_size=B, options=select_opts))
+            s_ms = bench(partial(select_blocks, q, k, cu, kept_fraction=1 - sp, block_size=B, options=select_opts))
             sel = select_blocks(q, k, cu, kept_fraction=1 - sp, block_size=B)
             fwd, fwdbwd = sparse_pair(q, k, v, do, cu, sel, options)
             f_ms = bench(fwd)

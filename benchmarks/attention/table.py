@@ -39,7 +39,8 @@ def read_results(path: str):
 
 
 def results_table(path: str) -> str:
-    """Markdown of a grid CSV (of a --fair CSV: :func:`fair_table`): our fwd+bwd ms and FlexAttention's time over ours per case and sparsity (by
+    """Markdown of a grid CSV (of a --fair CSV: :func:`fair_table`): our fwd+bwd ms and FlexAttention's time over ours
+    per case and sparsity (by
     ``do_bench``, and by CUDA-graph replay where the grid has it), the dense point against cuDNN, and the
     selection's cost."""
     df = read_results(path)
@@ -64,9 +65,11 @@ def results_table(path: str) -> str:
 
 
 FAIR_COLUMNS = (("flex_token_mask", "Flex, token-level document mask"), ("flex_padded", "Flex, documents padded"),
-                ("flex_exact", "Flex, aligned, exact blocks"), ("flex_flash_exact", "Flex FLASH, aligned, exact blocks"),
+                ("flex_exact", "Flex, aligned, exact blocks"),
+                ("flex_flash_exact", "Flex FLASH, aligned, exact blocks"),
                 ("cudnn_per_document_dense", "cuDNN dense, a call per document"),
-                ("fa4_varlen_dense", "FlashAttention-4 dense varlen"), ("fa3_varlen_dense", "FlashAttention-3 dense varlen"),
+                ("fa4_varlen_dense", "FlashAttention-4 dense varlen"),
+                ("fa3_varlen_dense", "FlashAttention-3 dense varlen"),
                 ("fa4_sparse", "FlashAttention-4 block-sparse, our blocks, documents padded"))
 
 
@@ -91,10 +94,10 @@ def fair_table(df) -> str:
     for (heads, sp), g in timed.groupby(["heads", "sparsity"], sort=False):
         g = g.set_index("impl")
 
-        def ours(impl):
+        def ours(impl, g=g):
             return f"{g.fwdbwd_ms[impl]:.2f} ({g.fwdbwd_tflops[impl]:.0f})" if impl in g.index else "-"
 
-        def peer(impl):
+        def peer(impl, g=g, heads=heads):
             ms = g.fwdbwd_ms[impl] if impl in g.index else dense.get((heads, impl), float("nan"))
             return "-" if math.isnan(ms) or ours_of[impl] not in g.index else \
                 f"{ms:.2f} ({ms / g.fwdbwd_ms[ours_of[impl]]:.2f}x)"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 
 import torch
 
@@ -37,7 +38,7 @@ def tune(args):
         low = {n: min(res[(kind, c)][n] for c in ok) for n in names}
         scored = sorted((sum(res[(kind, c)][n] / low[n] for n in names), c) for c in ok)
         log(f"TUNE_RANK {kind} " + " ".join(f"{c}:{sc:.3f}" for sc, c in scored))
-        best[kind] = dict(zip(CONFIG_KEYS, scored[0][1]))
+        best[kind] = dict(zip(CONFIG_KEYS, scored[0][1], strict=False))
     log("TUNE_BEST", json.dumps(best))
     return best
 
@@ -67,9 +68,9 @@ def tune_shape(args, res: dict, cls: str, name: str, lens, kf):
         base = kind.split("_")[0]
         for cand in cands:
             compiled = {}
-            opts = KernelOptions(tiles={(B, D): {kind: dict(zip(CONFIG_KEYS, cand))}}, compiled=compiled)
+            opts = KernelOptions(tiles={(B, D): {kind: dict(zip(CONFIG_KEYS, cand, strict=False))}}, compiled=compiled)
             try:
-                ms = bench(lambda: launchers[base](opts))
+                ms = bench(partial(launchers[base], opts))
                 info = f"regs={compiled[base].n_regs} spills={compiled[base].n_spills}"
             except Exception as e:  # noqa: BLE001
                 ms, info = float("nan"), repr(e)[:200]
@@ -116,7 +117,7 @@ def short_vs_long(args):
         do = torch.randn_like(o)
         row = dict(Hq=Hq, Hkv=Hkv, T=sum(lens), ndocs=len(lens), kf=kf, row_tokens=sel.row_blocks * B)
         for name, opts in (("short", KernelOptions()), ("long", as_long)):
-            row[f"fwd_{name}"] = round(bench(lambda: forward.sparse_attn_fwd(q, k, v, sel, scale, opts)), 4)
-            row[f"bwd_{name}"] = round(bench(lambda: backward.sparse_attn_bwd(do, q, k, v, o, lse, sel, scale,
-                                                                              opts)), 4)
+            row[f"fwd_{name}"] = round(bench(partial(forward.sparse_attn_fwd, q, k, v, sel, scale, opts)), 4)
+            row[f"bwd_{name}"] = round(bench(partial(backward.sparse_attn_bwd, do, q, k, v, o, lse, sel, scale, opts)),
+                                       4)
         log("SHORT_VS_LONG", json.dumps(row))

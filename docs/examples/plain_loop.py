@@ -81,7 +81,7 @@ def main(steps: int = 3, seed: int = 0, policy: str = "sparsebalance", reports: 
                 x = torch.randn(int(cu_seqlens[-1]), HEADS * HEAD_DIM)
                 out, selection = model(x, cu_seqlens, kernel_budget(seqs))
                 out.pow(2).mean().backward()
-                for a, k, c in zip(seqs, selection.kept_fraction.tolist(), selection.coverage.tolist()):
+                for a, k, c in zip(seqs, selection.kept_fraction.tolist(), selection.coverage.tolist(), strict=True):
                     kept[a.seq_id], coverage[a.seq_id] = k, c
         optimizer.step()
         optimizer.zero_grad()

@@ -21,11 +21,11 @@ def per_document(q, k, v, spans: Sequence[int], sdpa_backend):
     from torch.nn.attention import sdpa_kernel
 
     gqa = q.shape[1] != k.shape[1]
-    sizes = [e - s for s, e in zip(spans, spans[1:])]
+    sizes = [e - s for s, e in zip(spans, spans[1:], strict=False)]
     outs = []
     # split, not slices: its backward concatenates the documents' gradients once, where each slice's backward
     # would write a whole-batch gradient per document (documents x tokens of memory traffic)
-    for n, qd, kd, vd in zip(sizes, *(x.split(sizes) for x in (q, k, v))):
+    for n, qd, kd, vd in zip(sizes, *(x.split(sizes) for x in (q, k, v)), strict=True):
         qd, kd, vd = (x.transpose(0, 1)[None] for x in (qd, kd, vd))
         with sdpa_kernel(sdpa_backend) if n > 1 else contextlib.nullcontext():
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)

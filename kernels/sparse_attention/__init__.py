@@ -47,6 +47,7 @@ from .rules import RowRule, keeps_every_block, row_rule
 from .selection import BlockSelection, SelectionFallbackWarning, restrict_rows, selection_from_mask
 
 __all__ = ["BLOCK_SIZES", "sparse_attention", "select_blocks", "BlockSelection", "BlockLayout", "block_layout",
-           "selection_from_mask", "restrict_rows", "sparse_attention_naive", "dense_causal_varlen", "select_blocks_naive",
+           "selection_from_mask", "restrict_rows", "sparse_attention_naive", "dense_causal_varlen",
+           "select_blocks_naive",
            "validate_inputs", "KernelOptions", "SelectionFallbackWarning", "VarlenBatch", "compile_count",
            "compiled_variants", "RowRule", "row_rule", "keeps_every_block"]

@@ -34,7 +34,7 @@ def check_offsets(cu_seqlens) -> list[int]:
     vals = cu_seqlens.detach().cpu().tolist()
     if vals[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {vals[0]}")
-    for i, (a, b) in enumerate(zip(vals, vals[1:])):
+    for i, (a, b) in enumerate(zip(vals, vals[1:], strict=False)):
         if b <= a:
             raise ValueError(f"cu_seqlens must be strictly increasing, got cu_seqlens[{i}]={a} >= "
                              f"cu_seqlens[{i + 1}]={b}")

@@ -67,7 +67,7 @@ def dense_causal_varlen(q, k, v, cu_seqlens, softmax_scale=None) -> torch.Tensor
     G = Hq // k.shape[1]
     cu = cu_seqlens.tolist()
     outs = []
-    for s, e in zip(cu[:-1], cu[1:]):
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
         qd = q[s:e].float().transpose(0, 1)[None]
         kd = _expand_kv(k[s:e].float(), G).transpose(0, 1)[None]
         vd = _expand_kv(v[s:e].float(), G).transpose(0, 1)[None]

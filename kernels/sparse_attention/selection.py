@@ -196,11 +196,11 @@ def _topk_host_bounds(lay: BlockLayout, kfs: list[float]) -> tuple[int, int, int
     list width, kept-entry bound per KV head, kept entries per KV head, exact for counts and estimated for
     kept fractions). A row of n causal blocks keeps round(kf * n) or min(k, n) of them, more only on exact
     score ties, and the kernel never stores more than the width; the bound sums min(n, width) over every row."""
-    kmax = max(_row_keeps(kf, nb) for kf, nb in zip(kfs, lay.doc_nblocks))
+    kmax = max(_row_keeps(kf, nb) for kf, nb in zip(kfs, lay.doc_nblocks, strict=True))
     # 16 slots of slack for ties (the kernel keeps the diagonal last if a row overflows anyway)
     wout = min(lay.max_doc_blocks, kmax + 16)
     bound = est = 0
-    for kf, nb in zip(kfs, lay.doc_nblocks):
+    for kf, nb in zip(kfs, lay.doc_nblocks, strict=True):
         m = min(nb, wout)
         bound += m * (m + 1) // 2 + (nb - m) * wout
         est += _topk_kept(kf, nb)
@@ -331,7 +331,7 @@ def _select_fused_where_it_builds(q, k, lay: BlockLayout, budget, topp: bool, sc
     except (OutOfResources, PTXASError) as e:
         reason = (str(e).splitlines() or [""])[0][:200]
         warnings.warn(f"the fused Triton selection cannot run on this GPU ({type(e).__name__}: {reason}); this "
-                      "call uses the torch selection", SelectionFallbackWarning)
+                      "call uses the torch selection", SelectionFallbackWarning, stacklevel=1)
         return None
 
 

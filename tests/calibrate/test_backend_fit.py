@@ -44,7 +44,7 @@ SPARSE_TRUE = {"attn_fwd": {"const": 0.3, "tokens": 2e-6, "head_tokens": 2e-8, "
 def realised(lengths, budgets):
     """Kept fractions a selection realises for these budgets: not the budgets (the diagonal blocks, rounding), so
     a fit that priced the budgets instead would miss."""
-    return tuple(min(1.0, f * 1.1 + 256 / n) for n, f in zip(lengths, budgets))
+    return tuple(min(1.0, f * 1.1 + 256 / n) for n, f in zip(lengths, budgets, strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,6 @@ def test_longest_row_and_busiest_key_block_follow_the_kernels_selection(kv_heads
         rows.append(int(sel.q2k_cnt.max()))
         busiest.append(int((ptr[1:] - ptr[:-1]).max()))
         modelled.append(_sequence_attention(np.array([length]), sel.kept_fraction.numpy().astype(float), model, 128))
-    assert all(abs(m["row"][0] - r) <= 1.0 for m, r in zip(modelled, rows))
+    assert all(abs(m["row"][0] - r) <= 1.0 for m, r in zip(modelled, rows, strict=True))
     expected = np.mean([m["busiest"][0] for m in modelled])
     assert 0.9 <= expected / np.mean(busiest) <= 1.3, (expected, busiest)

@@ -75,7 +75,8 @@ def test_time_budget_stops_starting_points(tmp_path, points, capsys):
     assert measured <= 1
     # off a terminal: plain lines, never a progress bar's carriage-return redraws
     err = capsys.readouterr().err
-    assert "\r" not in err and err.endswith(f"time budget of 0s spent; {len(points) - measured} points left for a rerun\n")
+    assert "\r" not in err
+    assert err.endswith(f"time budget of 0s spent; {len(points) - measured} points left for a rerun\n")
 
 
 def test_csv_with_foreign_columns_is_refused(tmp_path, capsys):
@@ -129,11 +130,13 @@ def test_dry_run_prints_estimate_and_writes_nothing(tmp_path, capsys):
     (["--models"], "--models: no model named; allowed: one or more of llama3-8b, qwen2.5-3b, tiny"),
     (["--max-tokens", "0"], "--max-tokens 0: must be a finite number > 0"),
     (["--min-tokens", "-1"], "--min-tokens -1: must be a finite number > 0"),
-    (["--min-tokens", "8192", "--max-tokens", "4096"], "--min-tokens 8192: above --max-tokens 4096; allowed: at most it"),
+    (["--min-tokens", "8192", "--max-tokens", "4096"],
+     "--min-tokens 8192: above --max-tokens 4096; allowed: at most it"),
     (["--time-budget-s", "-5"], "--time-budget-s -5.0: must be a finite number > 0"),
     (["--time-budget-s", "nan"], "--time-budget-s nan: must be a finite number > 0"),
     (["--time-budget-s", "inf"], "--time-budget-s inf: must be a finite number > 0"),
-], ids=["unknown-model", "block-size", "no-model", "max-tokens", "min-tokens", "min-above-max", "time-budget", "time-budget-nan", "time-budget-inf"])
+], ids=["unknown-model", "block-size", "no-model", "max-tokens", "min-tokens", "min-above-max", "time-budget",
+        "time-budget-nan", "time-budget-inf"])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
         run.main(["--csv", str(tmp_path / "raw.csv"), "--dry-run", *args])

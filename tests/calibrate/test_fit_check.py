@@ -60,7 +60,8 @@ def test_every_dense_backend_is_held_to_the_same_targets(tmp_path, capsys):
     path.write_text(json.dumps(profile))
     code, out, err = check(capsys, path)
     assert code == 1 and "held-out attn_fwd+bwd max, cudnn: 9.00% (target within 10%) ok" in out
-    assert err.splitlines()[0].endswith("error targets missed: held-out attn_fwd+bwd median, fa4 +3.4% (target within 3%)")
+    assert err.splitlines()[0].endswith("error targets missed: held-out attn_fwd+bwd median, fa4 +3.4% "
+                                        "(target within 3%)")
 
 
 def set_validation_error(value):

@@ -65,7 +65,8 @@ def test_a_tiny_random_model_yields_a_profile_the_simulator_reads(tmp_path):
     cfg = OmegaConf.load(CONF_DIR / "advise.yaml")
     cfg.sensitivity_profile = str(path)
     cfg.overrides = ["model=tiny", "cost=roofline", "cost.block_size=16", "cluster.gpus_per_node=2",
-                     "workload.global_batch=4", "layout.micro_batches=2", "workload.min_len=64", "workload.max_len=128", "workload.median=96",
+                     "workload.global_batch=4", "layout.micro_batches=2", "workload.min_len=64", "workload.max_len=128",
+                     "workload.median=96",
                      "model.max_context=256", "steps=2", "policy=verl_topk"]
     overrides, _ = base_overrides(cfg, tmp_path)
     base = compose_config(overrides)

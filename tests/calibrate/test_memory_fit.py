@@ -63,7 +63,8 @@ def test_written_profile_is_what_the_simulator_reads(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert "held-out peak |error| %" in stdout and "first_principles_err_%" in stdout
     profile = json.loads(out.read_text())
-    assert profile["gpu"] == "NVIDIA H200" and profile["meta"]["fit_command"].startswith("python -m calibrate.memory --fit")
+    assert profile["gpu"] == "NVIDIA H200"
+    assert profile["meta"]["fit_command"].startswith("python -m calibrate.memory --fit")
     qwen = ModelConfig(name="qwen2.5-3b", layers=36, vocab=151936, max_context=32768, **SHAPES["qwen2.5-3b"])
     terms = load_profile_terms(str(out), qwen)
     assert terms["checkpointed"].transient == pytest.approx(TRUE[("qwen2.5-3b", 1)].transient, rel=1e-6)

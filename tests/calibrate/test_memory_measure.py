@@ -71,7 +71,8 @@ def test_rows_are_relative_to_the_bytes_before_the_point(measurer):
         row = measurer.measure(point)
         assert set(row) == set(COLUMNS)
         # input and output are both [tokens, hidden]: the stage's input counts as much as its output does not
-        assert (row["base_bytes"], row["held_bytes"], row["forward_peak_bytes"], row["peak_bytes"]) == (1000, 300, 350, 900)
+        got = (row["base_bytes"], row["held_bytes"], row["forward_peak_bytes"], row["peak_bytes"])
+        assert got == (1000, 300, 350, 900)
         assert row["lengths"].count(";") == 3 and row["tokens"] == 64
 
 

@@ -70,7 +70,8 @@ CASES = [
 
 def sim_run(profile: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    command = [sys.executable, "-m", "sparsebalance.sim.run", f"cost.profile={profile}", f"hydra.run.dir={run_dir}", *overrides]
+    command = [sys.executable, "-m", "sparsebalance.sim.run", f"cost.profile={profile}", f"hydra.run.dir={run_dir}",
+               *overrides]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -47,7 +47,7 @@ def check_against_naive(q, k, v, cu, sel, atol, options=POISON):
     ref = sparse_attention_naive(qf, kf, vf, cu, sel)
     gr = torch.autograd.grad(ref, (qf, kf, vf), do.float())
     torch.testing.assert_close(o.float(), ref, atol=atol, rtol=0, msg="output")
-    for name, a, b in zip(("dq", "dk", "dv"), g, gr):
+    for name, a, b in zip(("dq", "dk", "dv"), g, gr, strict=True):
         assert torch.isfinite(a).all(), f"{name}: missed write"
         torch.testing.assert_close(a.float(), b, atol=atol, rtol=0, msg=name)
     return o, g

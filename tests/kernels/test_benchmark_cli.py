@@ -101,7 +101,7 @@ def test_flex_variants_cover_every_mode_and_tile_option():
     fns = flex_variants.flex_variant_fns({mode: stub(mode) for mode in common.FLEX_MODES}, batch, "mask", G=8)
     assert sorted(fns) == sorted([f"flex_{m}" for m in common.FLEX_MODES]
                                  + [f"flex_default_{n}" for n in flex_variants.FLEX_KERNEL_OPTIONS])
-    for name, (fwd, fwdbwd) in fns.items():
+    for name, (_fwd, fwdbwd) in fns.items():
         seen.clear()
         grads = fwdbwd()
         mode = "default" if name.startswith("flex_default") else name[len("flex_"):]
@@ -118,7 +118,8 @@ def test_grid_cases_packed_first_or_left_out():
     assert grid.grid_cases([131072], packed=False) == [("single", [131072])]
 
 
-GRID_CSV = """case,T,ndocs,sparsity,kept_fraction,impl,fwd_ms,fwdbwd_ms,speedup_vs_flex_fwdbwd,fwdbwd_graph_ms,speedup_vs_flex_fwdbwd_graph,error
+GRID_CSV = """case,T,ndocs,sparsity,kept_fraction,impl,fwd_ms,fwdbwd_ms,speedup_vs_flex_fwdbwd,fwdbwd_graph_ms,\
+speedup_vs_flex_fwdbwd_graph,error
 selection_32k,32768,1,0.9,0.1,select[kept_fraction=0.1],0.2,4.0,,,,select/attn_fwdbwd=0.050
 selection_32k,32768,1,0.9,0.1,select[kept_fraction=0.1],0.4,4.0,,,,select/attn_fwdbwd=0.100
 packed64k,65536,3,0.5,0.5,flex,1.0,6.0,,,,block_mask_build_s=0.00
@@ -167,16 +168,18 @@ def test_fair_table_from_a_fair_csv(tmp_path, capsys):
     path.write_text(FAIR_CSV)
     cli.main(["--table", str(path)])
     lines = capsys.readouterr().out.splitlines()
-    assert "cuDNN" not in lines[0] and lines[0].endswith("| FlashAttention-4 dense varlen | FlashAttention-3 dense varlen |")
-    assert lines[2] == ("| 16:16 | 0.9 | 0.100 | 2.00 (250) | 2.10 (240) | 8.00 (4.00x) | 2.20 (1.10x) | 2.10 (1.00x) | - "
-                        "| 6.00 (3.00x) | - |")
+    assert "cuDNN" not in lines[0]
+    assert lines[0].endswith("| FlashAttention-4 dense varlen | FlashAttention-3 dense varlen |")
+    assert lines[2] == ("| 16:16 | 0.9 | 0.100 | 2.00 (250) | 2.10 (240) | 8.00 (4.00x) | 2.20 (1.10x) "
+                        "| 2.10 (1.00x) | - | 6.00 (3.00x) | - |")
     assert lines[3] == "| 16:16 | 0 | 1.000 | 8.00 (360) | - | - | - | - | - | 6.00 (0.75x) | - |"
     assert lines[5:] == ["* Flex FLASH, aligned, exact blocks: absent: ModuleNotFoundError('flash_attn')",
                          "* FlashAttention-3 dense varlen: absent: BackendAbsent('fa3: absent (ModuleNotFoundError)')",
                          "* padded batch: 65536 tokens for 62567 (4.7% more), 49 documents"]
 
 
-FAIR_HYBRID_CSV = """case,heads,T,ndocs,padded_T,sparsity,kept_fraction,impl,fwd_ms,fwdbwd_ms,fwd_tflops,fwdbwd_tflops,error,backend
+FAIR_HYBRID_CSV = """case,heads,T,ndocs,padded_T,sparsity,kept_fraction,impl,fwd_ms,fwdbwd_ms,fwd_tflops,\
+fwdbwd_tflops,error,backend
 packed64k,16:16,62567,49,,0.0,1.0,triton_sparse,2.0,8.0,300,360,,
 packed64k,16:16,62567,49,,0.0,1.0,fa4_varlen_dense,1.5,6.0,400,480,,
 packed64k,16:16,62567,49,,0.0,1.0,cudnn_per_document_dense,1.6,6.4,380,450,,
@@ -376,7 +379,8 @@ def test_fair_flex_constructions_attend_exactly_our_kept_blocks(gqa):
         assert torch.equal(blocks, sel.to_dense_mask().repeat_interleave(gqa, dim=0))
         eager = BlockMask.from_kv_blocks(
             mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, BLOCK_SIZE=common.B,
-            mask_mod=lambda b, h, qi, ki: mask.mask_mod(b, h, qi, ki) & blocks[h, qi // common.B, ki // common.B],
+            mask_mod=lambda b, h, qi, ki, mask=mask, blocks=blocks: (
+                mask.mask_mod(b, h, qi, ki) & blocks[h, qi // common.B, ki // common.B]),
             seq_lengths=mask.seq_lengths)
         qb, kb, vb = [x.detach() for x in (qb, kb, vb)]  # no Flex backward on a CPU
         o = flex_attention(qb, kb, vb, block_mask=eager, enable_gqa=gqa > 1)[0].transpose(0, 1)[pos]
@@ -397,13 +401,14 @@ def test_heads_first_gives_leaves_for_qkv_and_a_plain_copy_of_do():
     out = common.heads_first(q, k, v, do)
     assert [tuple(x.shape) for x in out] == [(1, 4, 5, 3), (1, 2, 5, 3), (1, 2, 5, 3), (1, 4, 5, 3)]
     assert [x.requires_grad for x in out] == [True, True, True, False]
-    assert all(x.is_contiguous() and torch.equal(x[0].transpose(0, 1), y) for x, y in zip(out, (q, k, v, do)))
+    assert all(x.is_contiguous() and torch.equal(x[0].transpose(0, 1), y)
+               for x, y in zip(out, (q, k, v, do), strict=True))
 
 
 def test_fair_lengths_pad_back_to_the_aligned_batch():
     aligned, unaligned = fair.fair_lengths()
     assert sum(aligned) == 65536 and all(n % common.B == 0 for n in aligned)
-    assert all(0 < u <= a < u + common.B for a, u in zip(aligned, unaligned))
+    assert all(0 < u <= a < u + common.B for a, u in zip(aligned, unaligned, strict=True))
     assert padded_documents(unaligned, common.B, "cpu").padded_tokens == 65536
 
 

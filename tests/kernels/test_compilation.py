@@ -118,7 +118,8 @@ def long_tail_lengths(g: torch.Generator, tokens: int, longest: int) -> list[int
     """Lognormal document lengths in [1, longest] summing to ``tokens``."""
     lens = []
     while sum(lens) < tokens:
-        lens.append(max(1, min(longest, int(math.exp(math.log(longest) / 2 + 1.5 * torch.randn(1, generator=g).item())))))
+        drawn = math.exp(math.log(longest) / 2 + 1.5 * torch.randn(1, generator=g).item())
+        lens.append(max(1, min(longest, int(drawn))))
     lens[-1] -= sum(lens) - tokens
     return [n for n in lens if n > 0]
 
@@ -155,7 +156,8 @@ def train_step(g, tokens: int, longest: int, heads: tuple, D: int, B: int, dtype
 
 
 def assert_no_compiles(before: dict, after: dict, what: str):
-    new = {name: after.get(name, 0) - before.get(name, 0) for name in after if after.get(name, 0) != before.get(name, 0)}
+    new = {name: after.get(name, 0) - before.get(name, 0)
+           for name in after if after.get(name, 0) != before.get(name, 0)}
     assert not new, f"{what} compiled new kernel variants: {new}"
 
 

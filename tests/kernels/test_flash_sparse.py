@@ -65,7 +65,7 @@ def test_the_selection_padded_matches_our_reference(lengths, hq, hkv, block, kep
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     grad_out = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), grad_out)):
+    for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), grad_out), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -169,5 +169,6 @@ def test_fa4_sparse_on_the_gpu_matches_our_kernel(lengths, hq, hkv, kept):
     ref = sparse_attention(q, k, v, docs.batch, selection=sel)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     grad_out = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
-    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out)):
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out),
+                         strict=True):
         torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)

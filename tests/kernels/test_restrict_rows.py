@@ -42,7 +42,7 @@ def test_rows_outside_keep_their_diagonal_and_kept_rows_attend_as_before(lengths
     got = [sparse_attention(q, k, v, cu, selection=cut)]
     got += torch.autograd.grad(got[0], (q, k, v), grad)
     torch.testing.assert_close(got[0][mine], want[0][mine], rtol=0, atol=1e-6)
-    for g, w in zip(got[1:], want[1:]):
+    for g, w in zip(got[1:], want[1:], strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
 
 

@@ -34,7 +34,7 @@ def _check_lists(sel: BlockSelection) -> dict:
     """The selection's structural invariants; returns its forward rows."""
     rows = _rows(sel)
     doc = sel.layout.block_doc.tolist()
-    for (h, g), lst in rows.items():
+    for (_h, g), lst in rows.items():
         assert lst == sorted(lst) and len(set(lst)) == len(lst), "ascending, no duplicates"
         assert lst[-1] == g, "diagonal kept, and last"
         assert all(c <= g and doc[c] == doc[g] for c in lst), "causal, within the document"

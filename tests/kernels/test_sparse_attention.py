@@ -85,7 +85,7 @@ def test_tma_and_pointer_tiles_agree():
         o = sparse_attention(qq, kk, vv, cu, selection=sel, backend="triton", options=poisoned({(B, D): over}))
         out.append((o, *torch.autograd.grad(o, (qq, kk, vv), do)))
     for other in out[1:]:
-        for a, b in zip(out[0], other):
+        for a, b in zip(out[0], other, strict=True):
             torch.testing.assert_close(a, b, atol=ATOL[torch.float16], rtol=0)
 
 
@@ -112,7 +112,7 @@ def test_documents_never_read_each_other(dtype):
     g = torch.autograd.grad(o, (qn, kn, vn), don)
     keep = torch.ones(sum(lens), dtype=torch.bool, device=DEV)
     keep[bad] = False
-    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, *g), (clean, *g_clean)):
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, *g), (clean, *g_clean), strict=True):
         torch.testing.assert_close(a[keep], b[keep], atol=0, rtol=0, msg=name)
 
 
@@ -142,7 +142,7 @@ def test_fwd_bwd_as_the_first_cuda_work_of_a_thread():
     t.start()
     t.join()
     assert "error" not in result, result.get("error")
-    for a, b in zip(result["grads"], ref):
+    for a, b in zip(result["grads"], ref, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
@@ -229,7 +229,7 @@ def test_explicit_selection_from_mask_and_determinism():
     g2 = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
     g3 = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel, backend="triton", options=POISON),
                              (q, k, v), torch.ones_like(o))
-    assert all(torch.equal(a, b) for a, b in zip(g2, g3)), "backward is not deterministic"
+    assert all(torch.equal(a, b) for a, b in zip(g2, g3, strict=True)), "backward is not deterministic"
 
 
 @settings(max_examples=6, suppress_health_check=[HealthCheck.too_slow])
@@ -302,7 +302,7 @@ def test_overlapped_backward_matches_sequential(monkeypatch):
         assert backward.overlap_backward(q, k, sel) == (name == "overlap")
         grads[name] = torch.autograd.grad(sparse_attention(q, k, v, cu, selection=sel, options=POISON), (q, k, v),
                                           do)
-    for a, b in zip(grads["sequential"], grads["overlap"]):
+    for a, b in zip(grads["sequential"], grads["overlap"], strict=True):
         torch.testing.assert_close(a, b, atol=ATOL[torch.float16], rtol=0)
 
 

@@ -56,7 +56,7 @@ def closed_form(lens, top_k, block):
     """Kept share of each document's causal blocks without a floor: row r keeps min(k, r + 1) blocks."""
     ks = top_k if isinstance(top_k, list) else [top_k] * len(lens)
     out = []
-    for length, k in zip(lens, ks):
+    for length, k in zip(lens, ks, strict=True):
         nb = -(-length // block)
         out.append(sum(min(k, r + 1) for r in range(nb)) / (nb * (nb + 1) / 2))
     return torch.tensor(out)
@@ -125,7 +125,8 @@ def test_fused_selection_sizes_its_lists_from_the_counts():
     top_k = torch.tensor([1, 3, 9, 4])
     sel = select_blocks(q.detach(), k.detach(), cu_of(lens), top_k=top_k, block_size=block, options=TRITON)
     nbs = [-(-n // block) for n in lens]
-    assert sel.row_blocks == max(min(kk, nb) for kk, nb in zip(top_k.tolist(), nbs)) == int(sel.q2k_cnt.max())
+    longest_row = max(min(kk, nb) for kk, nb in zip(top_k.tolist(), nbs, strict=True))
+    assert sel.row_blocks == longest_row == int(sel.q2k_cnt.max())
     assert sel.kept_entries == int(sel.q2k_cnt.sum()) == int(sel.k2q_ptr[-1])
 
 
@@ -145,7 +146,7 @@ def reference_attention(q, k, v, cu, block, budget):
     hq, hkv = q.shape[1], k.shape[1]
     outs, first = [], 0
     bounds = cu.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
         tb = torch.arange(e - s) // block
         nb = int(tb[-1]) + 1
         mask = torch.zeros(hkv, nb, nb, dtype=torch.bool)
@@ -178,7 +179,7 @@ def test_forward_and_backward_match_the_reference(lens, hq, hkv, block, top_k, f
     ref = reference_attention(q, k, v, cu, block, budget)
     want = torch.autograd.grad(ref, (q, k, v), do)
     torch.testing.assert_close(o, ref, atol=ATOL, rtol=0, msg="output")
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=name)
 
 

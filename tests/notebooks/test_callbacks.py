@@ -54,7 +54,8 @@ def test_bad_input_with_plot_leaves_nothing(tmp_path):
 def test_figures_without_plans_are_refused_before_the_run(tmp_path):
     done = sim_run("plot=true", "write_plans=false", "steps=1", "baseline=null", f"hydra.run.dir={tmp_path / 'run'}")
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines() == ["error: plot=true needs write_plans=true (the timeline replays the Plans)"]
+    assert done.stderr.strip().splitlines() == [
+        "error: plot=true needs write_plans=true (the timeline replays the Plans)"]
     assert not (tmp_path / "run").exists()
 
 

@@ -41,7 +41,8 @@ def test_notebook_is_stored_without_outputs(path):
 def test_notebook_runs_and_draws_figures(path):
     book = nbformat.read(path, as_version=4)
     # A notebook directory as the working dir, as when opened in Jupyter; the notebooks find the repo themselves.
-    NotebookClient(book, kernel_name="python3", timeout=180, resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(book, kernel_name="python3", timeout=180,
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
     images = [o for c in book.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     figure_cells = [c for c in book.cells if c.cell_type == "code" and FIGURE_CALL.search(c.source)]
     assert figure_cells and len(images) == len(figure_cells), f"{path.name}: a figure cell drew nothing"

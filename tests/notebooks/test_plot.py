@@ -58,7 +58,7 @@ def test_policy_figures(sweep, make, tmp_path):
 def test_timeline_replays_the_recorded_step(sweep):
     runs = pick_timeline_runs(read_runs(sweep))
     traces = [replay_step(r, step=1) for r in runs]
-    for trace, run in zip(traces, runs):
+    for trace, run in zip(traces, runs, strict=True):
         assert trace.step_ms == pytest.approx(run.steps.loc[1, "step_ms"], rel=1e-6)
         assert set(trace.ops["kind"]) == {"F", "B"}
         assert len(trace.ops) == 2 * trace.dp * trace.pp * run.summary["micro_batches"]

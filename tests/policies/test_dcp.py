@@ -44,12 +44,12 @@ def test_megatrons_degrees_fit_the_tokens_and_groups_do_not_overlap(name, cost):
     plan = make_batching(name, {"max_seq_len_per_rank": 8192}).plan(batch(), LAYOUT, cost, 0, oracle(sequences()))
     assert sorted(plan.seq_ids.tolist()) == list(range(len(LENGTHS)))
     least = {i: max(1, 2 ** int(np.ceil(np.log2(n / 8192)))) for i, n in enumerate(LENGTHS)}
-    for seq, size in zip(plan.seq_ids.tolist(), plan.cp_size.tolist()):
+    for seq, size in zip(plan.seq_ids.tolist(), plan.cp_size.tolist(), strict=True):
         assert size >= least[seq] and size & (size - 1) == 0  # widened groups may be larger, never smaller
     for mb in range(LAYOUT.micro_batches):
         taken = np.zeros(LAYOUT.domain, dtype=int)
         for first, size in {(f, c) for f, c, m in zip(plan.cp_first.tolist(), plan.cp_size.tolist(),
-                                                       plan.micro_batch_ids.tolist()) if m == mb}:
+                                                       plan.micro_batch_ids.tolist(), strict=True) if m == mb}:
             taken[first:first + size] += 1
         assert taken.max() <= 1  # the groups of one micro-batch are disjoint
     outcome = Engine(LAYOUT, cost, cost.cluster).step(plan, truth_of(sequences()))

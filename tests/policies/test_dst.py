@@ -29,13 +29,13 @@ def world():
 
 def plan_for(lengths, sens, layout, cost, batching="sequential"):
     """The batch's plan and the belief that knows each sequence's sensitivity (DST then plans on the truth)."""
-    batch = [Sequence(i, int(n), float(s)) for i, (n, s) in enumerate(zip(lengths, sens))]
+    batch = [Sequence(i, int(n), float(s)) for i, (n, s) in enumerate(zip(lengths, sens, strict=True))]
     belief = oracle(batch)
     return make_batching(batching, {}).plan(requests(batch), layout, cost, step=0, belief=belief), belief
 
 
 def barrier_ms(plan, belief, layout, cost, cluster):
-    truth = dict(zip(belief.ids.tolist(), belief.samples[0].tolist()))
+    truth = dict(zip(belief.ids.tolist(), belief.samples[0].tolist(), strict=True))
     return float(Engine(layout, cost, cluster).step(plan, truth).timeline.finish_ms.max())
 
 
@@ -49,7 +49,8 @@ budgets = st.tuples(st.floats(0.5, 1.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0
 @given(st.integers(1, 8), st.integers(1, 6), st.data())
 def test_pipeline_estimate_is_the_engine_schedule(pp, m, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    fwd, bwd, p2p = rng.random((3, m)) * 5, rng.random((3, m)) * 9, rng.random((3, m)) * data.draw(st.sampled_from([0.0, 1.0]))
+    fwd, bwd = rng.random((3, m)) * 5, rng.random((3, m)) * 9
+    p2p = rng.random((3, m)) * data.draw(st.sampled_from([0.0, 1.0]))
     expected = run_pipeline(fwd, bwd, p2p, pp).finish_ms.max(axis=1)
     np.testing.assert_allclose(pipeline_ms(fwd, bwd, p2p, pp), expected, rtol=1e-12)
 
@@ -97,7 +98,8 @@ def mean_coverage(plan, belief, cost, weight="attention"):
     constraint is (its default: attention work)."""
     lengths = np.array([a.length for a in plan.assignments], dtype=np.float64)
     sens = belief.at([a.seq_id for a in plan.assignments])[0]
-    kept = [cost.kept_fraction(Sequence(a.seq_id, a.length, s), a.budget.p) for a, s in zip(plan.assignments, sens)]
+    kept = [cost.kept_fraction(Sequence(a.seq_id, a.length, s), a.budget.p)
+            for a, s in zip(plan.assignments, sens, strict=True)]
     coverage = cost.coverages(sens, np.array(kept))
     weights = {"sequence": np.ones_like(lengths), "token": lengths, "attention": lengths**2}[weight]
     return float(np.average(coverage, weights=weights))
@@ -134,7 +136,9 @@ def test_zero_heterogeneity_is_a_no_op(world, layout_dims, per_mb, length, sens,
     dst = make_sparsity("dst", {"p": p, "floor": floor, "cap": cap})
     # Where selection costs more than sparsity saves (short documents), a higher budget is also faster:
     # DST rightly takes that, so the no-op claim is about costs that grow with the budget.
-    rank_ms = LevelTable.build(plan, layout, cost, level_budgets(dst.params, cost.block_size, max(a.length for a in plan.assignments))[0], belief).rank_ms[:, 0]
+    rank_ms = LevelTable.build(plan, layout, cost,
+                               level_budgets(dst.params, cost.block_size, max(a.length for a in plan.assignments))[0],
+                               belief).rank_ms[:, 0]
     assume(np.all(np.diff(rank_ms) >= 0))
     tuned, fixed = dst.tune(plan, layout, cost, belief), uniform_budget_plan(plan, Budget(p=p))
     if pp == 1:
@@ -229,7 +233,7 @@ def test_under_hybrid_dst_plans_dense_where_sparsity_buys_no_time():
     np.testing.assert_allclose(tables["hybrid"].coverage[:, 1], tables["dense_best"].coverage[:, 1], rtol=1e-12)
     assert (tables["hybrid"].coverage[0, 1] > tables["ours"].coverage[0, 1]).all()  # every block kept
     tuned = make_sparsity("dst", {}).tune(plan, layout, costs["hybrid"], belief)
-    truth = dict(zip(belief.ids.tolist(), belief.samples[0].tolist()))
+    truth = dict(zip(belief.ids.tolist(), belief.samples[0].tolist(), strict=True))
     step = Engine(layout, costs["hybrid"], cluster).step(tuned, truth)
     short = step.rows["dp_rank"] == 1
     assert (step.rows["attention_backend"][short] == "fa4").all()

@@ -85,7 +85,8 @@ def test_sim_run_reports_sparsebalance_against_the_baseline(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["experiment=nope"], "unknown experiment 'nope'; allowed: paper, paper_4nodes,"),  # the simulator's presets
-    (["experiment=paper", "--baselines", "verl,nope"], "--baselines 'nope': no policy 'nope' in conf/policy/; allowed: baseline,"),
+    (["experiment=paper", "--baselines", "verl,nope"],
+     "--baselines 'nope': no policy 'nope' in conf/policy/; allowed: baseline,"),
     (["experiment=paper", "--bounds", "nope"], "--bounds 'nope': no policy 'nope'"),
     (["experiment=paper", "--policies", "sparsebalance,nope"], "--policies 'nope': no policy 'nope'"),
 ])

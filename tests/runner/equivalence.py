@@ -138,7 +138,7 @@ def first_step_selection(plan: Plan, truth: dict[int, float]) -> dict[int, tuple
                 continue
             b = pack(assigned, truth, task, cfg.model.vocab, cfg.seed, torch.device("cpu"))
             out = model(b.tokens, b.cu_seqlens, (b.p, b.kept_fraction), b.target_positions, attend)
-            for a, kept, coverage in zip(assigned, out.kept_fraction.tolist(), out.coverage.tolist()):
+            for a, kept, coverage in zip(assigned, out.kept_fraction.tolist(), out.coverage.tolist(), strict=True):
                 stats[a.seq_id] = (kept, coverage)
     return stats
 

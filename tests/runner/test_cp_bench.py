@@ -39,6 +39,7 @@ def test_rank_shares_count_every_token_of_every_rank(length, cp):
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("keep", [lambda r, c: True, lambda r, c: c == r], ids=["dense", "diagonal"])
 def test_the_model_matches_the_selection_where_it_is_exact(length, cp, keep):
-    measured, model = shares(selection(length, keep), Shards.build(torch.tensor([0, length], dtype=torch.int32), cp, 0), B, length)
+    measured, model = shares(selection(length, keep), Shards.build(torch.tensor([0, length], dtype=torch.int32), cp, 0),
+                             B, length)
     np.testing.assert_allclose(model, measured, atol=1e-9)
     assert sum(measured) == pytest.approx(1.0)

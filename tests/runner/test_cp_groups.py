@@ -60,7 +60,7 @@ def test_each_unit_runs_on_its_plans_cp_group_and_matches_one_process(tmp_path):
     assert groups == {0: [(0, (0, 1)), (1, (0, 1, 2, 3))], 1: [(0, (0, 1)), (1, (0, 1, 2, 3))],
                       2: [(0, (2,)), (1, (0, 1, 2, 3))], 3: [(0, (3,)), (1, (0, 1, 2, 3))]}
     for rank in range(4):
-        for mb, ranks, lengths, mine, o in runs[rank]:
+        for mb, _ranks, lengths, mine, o in runs[rank]:
             q, k, v, cu = inputs(lengths)
             want = sparse_attention(q, k, v, cu, p=torch.ones(len(lengths)), block_size=BLOCK, backend="naive")
             torch.testing.assert_close(o, want[mine], rtol=0, atol=2e-6, msg=f"rank {rank}, micro-batch {mb}")

@@ -43,7 +43,8 @@ def test_a_sequence_the_device_cannot_hold_is_refused_in_one_line_naming_it_and_
         check(TOO_LONG, Device("cpu", 11.4e9, "the test's"))
     message = str(exc.value)
     assert message.startswith("step 0: sequence ") and "\n" not in message, message
-    assert " tokens) needs " in message and "GB on cpu alone in a micro-batch (the PyTorch reference attention" in message
+    assert " tokens) needs " in message
+    assert "GB on cpu alone in a micro-batch (the PyTorch reference attention" in message
     assert "above the 11.40 GB available there (the test's); allowed: shorter sequences (workload.max_len)" in message
 
 
@@ -69,8 +70,8 @@ def test_one_rank_of_a_layout_for_two_is_checked_before_the_memory():
 @pytest.mark.slow
 def test_the_preset_trains_under_torchrun_and_prints_its_summary_and_run_dir(tmp_path):
     run_dir = tmp_path / "smoke"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sparsebalance.runner.train",
-           *SMOKE, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "sparsebalance.runner.train", *SMOKE, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

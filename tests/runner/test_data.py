@@ -34,7 +34,7 @@ def records_of(tokens: np.ndarray) -> dict[int, int]:
     """key token -> the token after its VAL, for every KEY record in the haystack."""
     starts = np.flatnonzero(tokens == KEY)
     assert (tokens[starts + 2] == VAL).all()
-    return dict(zip(tokens[starts + 1].tolist(), tokens[starts + 3].tolist()))
+    return dict(zip(tokens[starts + 1].tolist(), tokens[starts + 3].tolist(), strict=True))
 
 
 @settings(max_examples=200)
@@ -50,7 +50,7 @@ def test_answers_follow_from_the_records(case):
     assert (tokens[ex.answer_positions + 1] == ex.answers).all()  # the answer is the next token
     assert len(set(tokens[ex.answer_positions - 1].tolist())) == len(ex.answers)  # distinct items asked
     values = range(N_SPECIAL + task.n_keys, N_SPECIAL + task.n_keys + task.n_values)
-    for key, answer in zip(tokens[ex.answer_positions - 1].tolist(), ex.answers.tolist()):
+    for key, answer in zip(tokens[ex.answer_positions - 1].tolist(), ex.answers.tolist(), strict=True):
         found = records[key]
         if task.kind is TaskKind.multihop:
             assert found not in values  # the first hop reads a key ...

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ["+experiment=learning"]
 # The script's runs: the multihop task under baseline, the retrieval task under both policies.
 # The multihop run is the script's clock: more steps than its time limit allows (inside the runner's size guard).
-RUNS = [["runner.task.kind=multihop", "policy=baseline", "steps=20000"], ["runner.task.kind=retrieval", "policy=baseline"],
-        ["runner.task.kind=retrieval", "policy=sparsebalance"]]
+RUNS = [["runner.task.kind=multihop", "policy=baseline", "steps=20000"],
+        ["runner.task.kind=retrieval", "policy=baseline"], ["runner.task.kind=retrieval", "policy=sparsebalance"]]
 CPU = ["runner.device=cpu", "workload.max_len=512", "workload.median=256", "workload.global_batch=4", "steps=2",
        "runner.checkpoint_every=2", "write_plans=false"]
 

@@ -38,7 +38,7 @@ def test_warmup_rises_linearly_to_the_peak_then_the_cosine_falls_to_the_floor():
     assert factor[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]  # the last warmup step and the first cosine step: the peak
     assert factor[8] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
     assert factor[12] == pytest.approx(0.1)  # the floor, at the end of the run
-    assert all(a > b for a, b in zip(factor[4:], factor[5:]))
+    assert all(a > b for a, b in zip(factor[4:], factor[5:], strict=False))
     assert min(factor[4:]) >= 0.1
 
 

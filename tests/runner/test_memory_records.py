@@ -46,8 +46,9 @@ def cpu_run(once) -> Path:
 def _train(run_dir: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    proc = subprocess.run([sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *TINY_ONE_RANK,
-                           f"steps={STEPS}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}",
+                           *TINY_ONE_RANK, f"steps={STEPS}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -43,7 +43,8 @@ def test_one_process_plans_are_the_layouts(pp2xdp2):
     plan = plans_of(pp2xdp2)[0]
     # one row per (replica, micro-batch) of the whole model; no waits on other replicas or stages (the
     # replicas ran one after another), only the microseconds between the clock's own marks
-    assert sorted(zip(rows["dp_rank"], rows["micro_batch"])) == [(r, m) for r in range(2) for m in range(2)]
+    assert sorted(zip(rows["dp_rank"], rows["micro_batch"], strict=True)) == [(r, m) for r in range(2)
+                                                                              for m in range(2)]
     assert (rows["stage"] == 0).all() and (rows["idle_ms"] < 1.0).all()
     sequences = pd.read_csv(pp2xdp2 / "sequences.csv")
     assert sorted(sequences["seq_id"]) == sorted(a.seq_id for a in plan.assignments)
@@ -82,9 +83,9 @@ def test_plain_runs_side_by_side_take_their_own_ports(tmp_path):
     """Without torchrun a run is a world of one and picks a free port: two at once do not collide."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={tmp_path / str(i)}", *SHARED,
-                               *RUNNER, "cluster.gpus_per_node=1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={tmp_path / str(i)}",
+                               *SHARED, *RUNNER, "cluster.gpus_per_node=1"], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]

@@ -33,8 +33,8 @@ RUNNER = ["runner.task.n_keys=16", "runner.task.n_values=16", "runner.task.max_p
 
 
 def launch(run_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", "-m", "sparsebalance.runner.train",
-           f"hydra.run.dir={run_dir}", *PAPER, *TINY, *RUNNER]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", "-m",
+           "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *PAPER, *TINY, *RUNNER]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

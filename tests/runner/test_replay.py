@@ -173,7 +173,8 @@ def test_per_stage_times_compose_through_the_engines_schedule(tmp_path, layout):
         expected = composed_ms(engine, fwd, bwd, p2p, pp)
         assert step_ms[plan.step] == float(FLOAT_FORMAT % expected)
         if pp > 1:  # the stages' own times matter: the same work with every stage at its mean differs
-            mean = composed_ms(engine, fwd.mean(axis=2)[..., None].repeat(pp, 2), bwd.mean(axis=2)[..., None].repeat(pp, 2),
+            mean = composed_ms(engine, fwd.mean(axis=2)[..., None].repeat(pp, 2),
+                               bwd.mean(axis=2)[..., None].repeat(pp, 2),
                                p2p, pp)
             assert abs(mean - expected) > 1e-6
 

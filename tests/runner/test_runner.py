@@ -24,7 +24,8 @@ from sparsebalance.sim.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
-FAULT_TIMEOUT_S = 5  # short, yet well above the skew of two healthy ranks on a loaded 2-core machine (the CP test's too)
+# Short, yet well above the skew of two healthy ranks on a loaded 2-core machine (the CP test's too).
+FAULT_TIMEOUT_S = 5
 
 # The same overrides drive runner.train and sim.run: a tiny model, short sequences, 2 GPUs of 2 micro-batches.
 SHARED = [
@@ -173,6 +174,7 @@ def test_a_failed_rank_ends_the_job_within_the_timeout(tmp_path, kind, layout):
     if kind == "hang":
         line = one_error_line(proc)
         assert line.startswith(f"error: rank 0: step 1 failed or timed out after {FAULT_TIMEOUT_S} s"), line
-        assert line.endswith(f"Ranks 1 failed to pass monitoredBarrier in {DIAGNOSIS_TIMEOUTS * FAULT_TIMEOUT_S * 1000} ms"), line
+        waited_ms = DIAGNOSIS_TIMEOUTS * FAULT_TIMEOUT_S * 1000
+        assert line.endswith(f"Ranks 1 failed to pass monitoredBarrier in {waited_ms} ms"), line
     else:
         assert "exitcode  : 17" in proc.stderr

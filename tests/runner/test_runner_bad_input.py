@@ -106,7 +106,8 @@ def test_good_runner_values_pass():
 
 @pytest.mark.slow
 def test_the_cli_answers_a_bad_runner_value_in_one_line_and_makes_no_run_dir(tmp_path):
-    cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={tmp_path / 'run'}", *OVERRIDES, "runner.timeout_s=0"]
+    cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={tmp_path / 'run'}", *OVERRIDES,
+           "runner.timeout_s=0"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2

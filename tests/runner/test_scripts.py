@@ -60,8 +60,8 @@ def test_an_unknown_attention_backend_is_one_line_before_anything_runs(tmp_path)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_fidelity.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines() == ["error: BACKENDS=ours flash: flash is no cost.attention_backend; allowed: ours, "
-                                        "hybrid, dense_best"]
+    assert proc.stderr.splitlines() == ["error: BACKENDS=ours flash: flash is no cost.attention_backend; "
+                                        "allowed: ours, hybrid, dense_best"]
     assert list(tmp_path.iterdir()) == []
 
 

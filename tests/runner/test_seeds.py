@@ -19,7 +19,8 @@ def write_run(root, policy, seed, correct, steps=100):
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"policy": policy, "seed": seed, "steps": steps}))
     rows = [{"steps": steps, "length": length, "p": p, "answers": 100, "accuracy": c / 100}
-            for p, per_length in zip((1.0, 0.9), correct) for length, c in zip((128, 512), per_length)]
+            for p, per_length in zip((1.0, 0.9), correct, strict=True)
+            for length, c in zip((128, 512), per_length, strict=True)]
     pd.DataFrame(rows).to_csv(run / "eval_summary.csv", index=False)
     return run
 

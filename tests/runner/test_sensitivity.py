@@ -52,8 +52,9 @@ def checkpoint_dir(once) -> Path:
 def _train(run_dir: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    proc = subprocess.run([sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *OVERRIDES, "steps=1",
-                           "runner.checkpoint_every=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *OVERRIDES,
+                           "steps=1", "runner.checkpoint_every=1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -179,7 +180,8 @@ def test_a_checkpoint_whose_history_an_older_runner_wrote_is_measured(checkpoint
     (lambda d, t: t / "missing.pt", [], "missing.pt: no such file"),
     (lambda d, t: t, [], "checkpoint.pt: no such file"),
     (lambda d, t: _garbage(t), [], "not a torch checkpoint"),
-    (lambda d, t: _edited(d, t, lambda c: c.update(version=1)), [], "checkpoint version 1; this runner reads version 2"),
+    (lambda d, t: _edited(d, t, lambda c: c.update(version=1)), [],
+     "checkpoint version 1; this runner reads version 2"),
     (lambda d, t: _edited(d, t, lambda c: c["config"].pop("runner.task")), [], "its config lacks runner.task"),
     (lambda d, t: _edited(d, t, lambda c: c["model"].popitem()), [], "its weights do not fit its model config"),
     (lambda d, t: d, ["--lengths", "1024"], "--lengths: 1024 is outside [25, 512]"),
@@ -219,8 +221,9 @@ def test_checkpoint_to_simulator(checkpoint_dir, tmp_path, capsys):
     model = load_sensitivity_profile(str(profile))
     assert model.task == "retrieval" and model.lengths[0] == 128 and model.lengths[-1] == 256
     run_dir = tmp_path / "sim"
-    sim = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", f"hydra.run.dir={run_dir}", *PINNED_OVERRIDES, "steps=2", "layout.micro_batches=2",
-                          "workload.global_batch=16", f"workload.sensitivity_profile={profile}", "baseline=null"],
+    sim = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", f"hydra.run.dir={run_dir}", *PINNED_OVERRIDES,
+                          "steps=2", "layout.micro_batches=2", "workload.global_batch=16",
+                          f"workload.sensitivity_profile={profile}", "baseline=null"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr
     # the sequences the run simulated: its workload's draws (Plans carry lengths, not sensitivities)

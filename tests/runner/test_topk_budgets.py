@@ -44,7 +44,7 @@ FLOOR = 0.6
 
 
 def assignments(budgets, lengths=(64, 100, 150)):
-    return tuple(Assignment(i, n, 0, 0, b) for i, (n, b) in enumerate(zip(lengths, budgets)))
+    return tuple(Assignment(i, n, 0, 0, b) for i, (n, b) in enumerate(zip(lengths, budgets, strict=True)))
 
 
 def packed(budgets, lengths=(64, 100, 150)):
@@ -85,7 +85,8 @@ def test_cp_shards_keep_the_micro_batchs_top_k():
 
 # ---------------------------------------------------------------------- the runner end to end
 def train(run_dir: Path, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *TINY, *ONE_PROCESS, *overrides]
+    cmd = [sys.executable, "-m", "sparsebalance.runner.train", f"hydra.run.dir={run_dir}", *TINY, *ONE_PROCESS,
+           *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -82,7 +82,7 @@ def train(cfg, run_layer_of=None, ring: Ring | None = None) -> dict:
             loss = F.cross_entropy(fwd.logits, b.targets, reduction="sum")
             (loss / n).backward()
             total += float(cp_sum(loss.detach(), ring))
-            for a, kept, cov in zip(assigned, fwd.kept_fraction.tolist(), fwd.coverage.tolist()):
+            for a, kept, cov in zip(assigned, fwd.kept_fraction.tolist(), fwd.coverage.tolist(), strict=True):
                 out["stats"][a.seq_id] = (kept, cov)
         for p in model.parameters():
             cp_sum(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, ring)

@@ -21,8 +21,9 @@ from sparsebalance.sim.run import simulate
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
 # A 2-GPU run of a tiny model on the roofline cost model: seconds, not minutes.
-TINY = ["model=tiny", "cost=roofline", "cluster.gpus_per_node=2", "workload.global_batch=8", "layout.micro_batches=2", "workload.min_len=128",
-        "workload.max_len=1024", "workload.median=256", "model.max_context=1024", "cost.block_size=32", "steps=3"]
+TINY = ["model=tiny", "cost=roofline", "cluster.gpus_per_node=2", "workload.global_batch=8", "layout.micro_batches=2",
+        "workload.min_len=128", "workload.max_len=1024", "workload.median=256", "model.max_context=1024",
+        "cost.block_size=32", "steps=3"]
 
 
 @pytest.mark.parametrize("name, preset", [("qwen2.5-3b", "qwen2.5-3b"), ("llama3.1-8b", "llama3-8b")])
@@ -125,7 +126,8 @@ def scored(name: str, times: list[float], coverage: float) -> Scored:
 def test_ranking_puts_what_reaches_the_floor_first_then_the_least_coverage_lost():
     fast_short, slow_ok, faster_ok, close_short = (scored("a", [1.0], 0.80), scored("b", [3.0], 0.91),
                                                    scored("c", [2.0], 0.90), scored("d", [0.5], 0.89))
-    assert [s.candidate.policy for s in rank([fast_short, slow_ok, faster_ok, close_short], 0.9)] == ["c", "b", "d", "a"]
+    assert [s.candidate.policy for s in rank([fast_short, slow_ok, faster_ok, close_short],
+                                             0.9)] == ["c", "b", "d", "a"]
 
 
 def test_a_gap_within_the_paired_seed_spread_is_a_tie_and_one_beyond_it_is_not():

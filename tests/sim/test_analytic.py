@@ -53,7 +53,8 @@ def hand_seq_ms(length, cfg):
 def hand_allreduce_ms(cfg, n):
     m, tier = cfg.model, cfg.cluster.intra
     embeddings = (1 if m.tie_embeddings else 2) * m.vocab * m.hidden  # Qwen2.5-3B ties them: one matrix
-    params = m.layers * (2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn) + embeddings
+    per_layer = 2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn
+    params = m.layers * per_layer + embeddings
     nbytes = params * cfg.cluster.grad_bytes
     return 2 * (n - 1) * tier.latency_us / 1e3 + 2 * (n - 1) / n * nbytes / (tier.bandwidth_gbps * 1e9 / 1e3)
 

@@ -97,7 +97,8 @@ def test_choose_takes_the_fastest_allowed_option_and_the_first_on_a_tie():
 
 @pytest.mark.parametrize("mode", ["ours", "dense_best", "hybrid"])
 def test_the_engine_records_which_backend_ran_each_micro_batch(mode):
-    small = ["steps=2", "workload.global_batch=8", "layout.micro_batches=1", f"cost.profile={BACKENDS_PROFILE}", f"cost.attention_backend={mode}"]
+    small = ["steps=2", "workload.global_batch=8", "layout.micro_batches=1", f"cost.profile={BACKENDS_PROFILE}",
+             f"cost.attention_backend={mode}"]
     rows = simulate(compose_config(small)).results.micro_batches().query("tokens > 0")
     ran = set(rows.attention_backend)
     assert ran == {"ours"} if mode == "ours" else ran <= {"ours", "cudnn", "fa4"}
@@ -155,7 +156,8 @@ def _with_backends(**change):
     ({"name": "ours"}, "backends.ours: not a peer backend's name"),
     ({"name": "FA 4"}, "backends.FA 4: not a peer backend's name"),
     ({"version": ""}, "backends.fa4.version='': must be a non-empty string"),
-    ({"drop_feature": "docs"}, "backends.fa4.terms.attn_fwd=.* must map exactly the features const, tokens, head_tokens, docs, doc_heads"),
+    ({"drop_feature": "docs"},
+     "backends.fa4.terms.attn_fwd=.* must map exactly the features const, tokens, head_tokens, docs, doc_heads"),
     ({"terms": {"attn_fwd": {}}}, "backends.fa4.terms=.*exactly attn_fwd, attn_bwd"),
 ])
 def test_profile_backends_section_is_checked(change, message):
@@ -189,7 +191,8 @@ def test_verl_dense_trains_dense_on_the_fastest_dense_backend():
     ours_dense = simulate(compose_config(small), OmegaConf.merge(policy, {"attention_backend": None}))
     assert dense < ours_dense.summary["step_ms"]  # the fixture's dense backends beat our kernel dense
     with pytest.raises(ConfigError, match="cost.attention_backend=dense_best"):
-        simulate(compose_config(["steps=1", "workload.global_batch=8", "layout.micro_batches=1", f"cost.profile={PINNED_PROFILE}"]), policy)
+        simulate(compose_config(["steps=1", "workload.global_batch=8", "layout.micro_batches=1",
+                                 f"cost.profile={PINNED_PROFILE}"]), policy)
 
 
 def test_compare_counts_verl_dense_only_where_the_profile_prices_a_dense_backend():

@@ -47,7 +47,8 @@ CONFIG_CASES = [
     (["workload.median=0"], "workload.median=0.0 is out of range; allowed: > 0"),
     (["workload.sensitivity_a=nan"], "workload.sensitivity_a=nan is not allowed"),
     (["workload.sensitivity_b=-1"], "workload.sensitivity_b=-1.0 is out of range; allowed: > 0"),
-    (["workload=bimodal", "workload.long_fraction=2"], "workload.long_fraction=2.0 is out of range; allowed: in [0, 1]"),
+    (["workload=bimodal", "workload.long_fraction=2"],
+     "workload.long_fraction=2.0 is out of range; allowed: in [0, 1]"),
     (["workload.global_batch=4"], "workload.global_batch=4 is smaller than the DP degree 8"),
     (["workload.global_batch=100000000"], "2e+09 sequences, above the limit 2e+06"),
     (["model.hidden=-1"], "model.hidden=-1 is out of range; allowed: >= 1"),
@@ -83,7 +84,8 @@ TRACE_CASES = [
     ("abc.csv", "length\n100\nabc\n", "row 2 has length 'abc'; allowed: a whole number of tokens >= 1"),
     ("fraction.csv", "length\n100\n4096.7\n", "row 2 has length '4096.7'"),
     ("negative.csv", "length\n-5\n", "row 1 has length '-5'"),
-    ("overflow.csv", "length\n99999999999999999999999\n", "length 99999999999999999999999 is outside the allowed range"),
+    ("overflow.csv", "length\n99999999999999999999999\n",
+     "length 99999999999999999999999 is outside the allowed range"),
     ("fraction.jsonl", '{"length": 5}\n{"length": 3.5}\n', "row 2 has length 3.5"),
     ("long.jsonl", '{"length": 100}\n{"length": 50000}\n', "length 50000 is outside the allowed range [1, 32768]"),
     ("nolength.csv", "tokens\n100\n", "needs a non-empty 'length' column, found ['tokens']"),
@@ -96,8 +98,8 @@ TRACE_CASES = [
 
 def run_cli(*args, cwd=ROOT):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", *args], cwd=cwd, capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", *args], cwd=cwd, capture_output=True,
+                          text=True, env=env, timeout=120)
 
 
 def assert_one_line(proc, needle):
@@ -160,12 +162,14 @@ def test_a_run_or_sweep_directory_that_is_a_file_is_one_line(tmp_path, mode):
 def test_one_bad_job_stops_a_sweep_before_any_job_runs(tmp_path):
     proc = run_cli("-m", f"hydra.sweep.dir={tmp_path / 'multirun'}", "steps=2", "policy=kk,baseline",
                    "workload.sigma=1,-1", cwd=tmp_path)
-    assert_one_line(proc, "workload.sigma=-1.0 is out of range; allowed: >= 0 (in the sweep job: steps=2 policy=kk workload.sigma=-1)")
+    assert_one_line(proc, "workload.sigma=-1.0 is out of range; allowed: >= 0 "
+                          "(in the sweep job: steps=2 policy=kk workload.sigma=-1)")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_force_lifts_the_size_guard_but_not_the_range_checks(tmp_path):
-    check_composition(["cluster.nodes=100000", "force=true", "workload.global_batch=800000", "layout.micro_batches=1", "steps=1"])
+    check_composition(["cluster.nodes=100000", "force=true", "workload.global_batch=800000", "layout.micro_batches=1",
+                       "steps=1"])
     with pytest.raises(ConfigError, match="workload.sigma=nan"):
         check_composition(["force=true", "workload.sigma=nan"])
 

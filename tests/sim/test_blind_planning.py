@@ -63,7 +63,7 @@ def test_observe_reaches_the_estimator_and_both_policies_every_step(monkeypatch)
                 seen[_part].append(observation)
                 if _original is not None:
                     _original(observation)
-            setattr(obj, "observe", observe)
+            obj.observe = observe
         plan = planner.plan
         planner.plan = lambda batch, step: plans.append(plan(batch, step)) or plans[-1]
         return planner
@@ -73,7 +73,7 @@ def test_observe_reaches_the_estimator_and_both_policies_every_step(monkeypatch)
     for part, observations in seen.items():
         assert [o.plan for o in observations] == plans, part
     kept = out.kept
-    for observation, step_kept in zip(seen["estimator"], kept):
+    for observation, step_kept in zip(seen["estimator"], kept, strict=True):
         np.testing.assert_array_equal(observation.kept_fraction, step_kept)
         assert ((observation.coverage > 0) & (observation.coverage <= 1)).all()
 

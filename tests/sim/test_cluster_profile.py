@@ -32,8 +32,10 @@ def test_a_profile_of_another_gpu_is_refused_in_one_line():
 
 
 def test_the_summary_records_the_profile_and_its_hash():
-    summary = simulate(config("cluster=h100", "steps=1", "workload.global_batch=16", "layout.micro_batches=2", "baseline=null")).summary
+    summary = simulate(config("cluster=h100", "steps=1", "workload.global_batch=16", "layout.micro_batches=2",
+                              "baseline=null")).summary
     digest = hashlib.sha256(resolve_path("calibrate/profiles/h100.json").read_bytes()).hexdigest()
     assert (summary["profile"], summary["profile_sha256"]) == ("calibrate/profiles/h100.json", digest)
-    roofline = simulate(config("cost=roofline", "steps=1", "workload.global_batch=16", "layout.micro_batches=2", "baseline=null")).summary
+    roofline = simulate(config("cost=roofline", "steps=1", "workload.global_batch=16", "layout.micro_batches=2",
+                               "baseline=null")).summary
     assert (roofline["profile"], roofline["profile_sha256"]) == (None, None)

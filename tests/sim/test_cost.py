@@ -98,7 +98,7 @@ def test_launch_features_follow_the_kernels_grids():
     assert long["dq_path"] == long["fwd_path"] > 0.0
     paths = [attention_features([8192], [kf], model, 128) for kf in np.linspace(2 / 65, 1.0, 40)]
     for key in ("fwd_path", "dkdv_path"):
-        assert all(a[key] <= b[key] * (1 + 1e-12) for a, b in zip(paths, paths[1:])), key
+        assert all(a[key] <= b[key] * (1 + 1e-12) for a, b in zip(paths, paths[1:], strict=False)), key
 
 
 ROOFLINE = cost_for("cost=roofline")

@@ -44,7 +44,7 @@ def counted_shift(length: int, kept: float, cp: int, block_size: int) -> list[fl
                 tokens = max(0, min(cuts[chunk + 1], (r + 1) * block_size) - max(cuts[chunk], r * block_size))
                 sparse[rank] += tokens * rows[r]
                 dense[rank] += tokens * (r + 1)
-    return [s / sum(sparse) - d / sum(dense) for s, d in zip(sparse, dense)]
+    return [s / sum(sparse) - d / sum(dense) for s, d in zip(sparse, dense, strict=True)]
 
 
 # ----------------------------------------------------------------------------- shards and rows
@@ -205,7 +205,8 @@ def test_the_slowest_rank_is_the_one_with_the_most_kept_flops():
     cost = cost_for("cost=calibrated")
     cp, kept = 4, np.array([0.05, 0.2, 0.08, 0.1, 0.1, 0.3])
     per_seq = _sequence_attention(BATCH["lengths"], kept, cost.model, cost.block_size)
-    shift = np.array([counted_shift(int(n), kf, cp, cost.block_size) for n, kf in zip(BATCH["lengths"], kept)]).T
+    shift = np.array([counted_shift(int(n), kf, cp, cost.block_size)
+                      for n, kf in zip(BATCH["lengths"], kept, strict=True)]).T
     even = summed(per_seq, BATCH["group"], 3, cp)
     got = costs(cost, kept, cp)
     for term, field in (("attn_fwd", "attn_fwd_ms"), ("attn_bwd", "attn_bwd_ms")):

@@ -46,7 +46,9 @@ def hand_ms(length, cp, cfg):
     mm_rate = cl.peak_tflops * 1e12 * c.matmul_efficiency / 1e3
     weights_ms = layer_params * 2 / (cl.hbm_tbps * 1e12 / 1e3)
     shard = length / cp * m.kv_heads * m.head_dim * 2 * 2  # K and V, bf16
-    hop = lambda nbytes: cl.intra.latency_us / 1e3 + nbytes / (cl.intra.bandwidth_gbps * 1e9 / 1e3)
+    def hop(nbytes):
+        return cl.intra.latency_us / 1e3 + nbytes / (cl.intra.bandwidth_gbps * 1e9 / 1e3)
+
     ring_f, ring_b = (cp - 1) * hop(shard), (cp - 1) * hop(2 * shard)
     fwd = max(attn_flops / attn_rate, ring_f) + max(layer_flops / mm_rate, weights_ms)
     bwd = max(c.attn_bwd_ratio * attn_flops / attn_rate, ring_b) + 2 * max(layer_flops / mm_rate, weights_ms)

@@ -100,7 +100,8 @@ BAD_INPUT = {
     "runner-preset": (RUN, ["+experiment=learning"], "experiment 'learning' is runner.train's preset"),
     "group-misspelt": (RUN, ["polcy=kk"], "(did you mean 'policy'?)"),
     "preset-group-misspelt": (RUN, ["experimnt=paper"], "(did you mean 'experiment'?)"),
-    "option-misspelt": (RUN, ["policy=sparsebalanse"], "unknown policy 'sparsebalanse' (did you mean 'sparsebalance'?)"),
+    "option-misspelt": (RUN, ["policy=sparsebalanse"],
+                        "unknown policy 'sparsebalanse' (did you mean 'sparsebalance'?)"),
     "compare-group-misspelt": (COMPARE, ["polcy=kk"], "(did you mean 'policy'?)"),
     "compare-option-misspelt": (COMPARE, ["--policies", "sparsebalanse"], "(did you mean 'sparsebalance'?)"),
     "compare-runner-preset": (COMPARE, ["experiment=learning"], "is runner.train's preset"),
@@ -271,7 +272,8 @@ def test_ctrl_c_in_a_sweep_keeps_finished_jobs_only(tmp_path):
     sweep = tmp_path / "sweep"
     code, err = interrupt(["sim.run", "-m", f"hydra.sweep.dir={sweep}", "steps=1,30000", "hydra.launcher.n_jobs=2",
                            *pinned()],
-                          ready=lambda _: (sweep / "0" / "summary.json").is_file() and (sweep / "1" / ".hydra").is_dir())
+                          ready=lambda _: ((sweep / "0" / "summary.json").is_file()
+                                           and (sweep / "1" / ".hydra").is_dir()))
     assert code == 130 and err == [f"interrupted; 1 finished job kept in {sweep}"]
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]
     assert (sweep / "0" / "summary.json").is_file() and temporaries(sweep) == []

@@ -30,8 +30,8 @@ def sim_run(*args) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     flags = [a for a in args if a.startswith("-")]  # before the overrides: Hydra's parser wants them there
     overrides = [a for a in args if not a.startswith("-")]
-    return subprocess.Popen([sys.executable, "-m", "sparsebalance.sim.run", *flags, "steps=2", *pinned(overrides)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "sparsebalance.sim.run", *flags, "steps=2", *pinned(overrides)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finished(proc: subprocess.Popen) -> str:
@@ -48,19 +48,22 @@ def test_sweeps_run_on_joblib_unless_told_otherwise():
 def test_the_slurm_launcher_asks_for_a_cpu_job():
     launcher = hydra_config(["hydra/launcher=slurm"]).launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
-    assert (launcher.cpus_per_task, launcher.gpus_per_node, launcher.timeout_min, launcher.partition) == (2, None, 60, None)
+    asked = (launcher.cpus_per_task, launcher.gpus_per_node, launcher.timeout_min, launcher.partition)
+    assert asked == (2, None, 60, None)
     assert hydra_config(["hydra/launcher=slurm", "hydra.launcher.partition=cpu"]).launcher.partition == "cpu"
 
 
 @pytest.mark.slow
 def test_a_submitit_sweep_writes_what_plain_runs_write(tmp_path):
-    sweep = sim_run("-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={tmp_path / 'sweep'}", "policy=kk,baseline")
+    sweep = sim_run("-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                    "policy=kk,baseline")
     plain = {policy: sim_run(f"policy={policy}", f"hydra.run.dir={tmp_path / policy}") for policy in ("kk", "baseline")}
     for proc in (sweep, *plain.values()):
         finished(proc)
     for job, policy in enumerate(plain):
         for name in FILES:
-            assert (tmp_path / "sweep" / str(job) / name).read_bytes() == (tmp_path / policy / name).read_bytes(), (policy, name)
+            swept = (tmp_path / "sweep" / str(job) / name).read_bytes()
+            assert swept == (tmp_path / policy / name).read_bytes(), (policy, name)
     assert json.loads((tmp_path / "sweep" / "0" / "summary.json").read_text())["policy"] == "kk"
     assert len(list((tmp_path / "sweep" / ".submitit").glob("*/*_result.pkl"))) == 2  # both ran through submitit
 
@@ -83,7 +86,8 @@ def test_an_optuna_sweep_is_reproducible_and_reports_its_best_trial(tmp_path):
     assert len(trials) == 3
     best_overrides = {f"{key}={value}" for key, value in best["best_params"].items()}
     (best_job,) = [job for job in trials if best_overrides <= job]
-    assert best["best_value"] == pytest.approx(trials[best_job], rel=1e-8) == pytest.approx(max(trials.values()), rel=1e-8)
+    assert best["best_value"] == pytest.approx(trials[best_job], rel=1e-8)
+    assert best["best_value"] == pytest.approx(max(trials.values()), rel=1e-8)
 
 
 def summary(speedup: float, coverage: float) -> dict:
@@ -119,10 +123,12 @@ def test_the_corners_of_a_search_space_are_its_choices_and_both_ends():
     (["hydra/launcher=nope"], "Could not find 'hydra/launcher/nope'; allowed: basic, joblib, slurm, submitit_local"),
     (["hydra/launcher=slurm", "hydra.launcher.cpus_per_task=two"], "hydra.launcher.cpus_per_task=two"),
     (["hydra/sweeper=nope"], "Could not find 'hydra/sweeper/nope'; allowed: basic, dst_optuna, optuna"),
-    (["hydra/sweeper=dst_optuna", "hydra.sweeper.n_trials=0"], "hydra.sweeper.n_trials=0 is out of range; allowed: >= 1"),
+    (["hydra/sweeper=dst_optuna", "hydra.sweeper.n_trials=0"],
+     "hydra.sweeper.n_trials=0 is out of range; allowed: >= 1"),
     (["hydra/sweeper=dst_optuna", "hydra.sweeper.direction=up"],
      "hydra.sweeper.direction=up is not allowed; allowed: minimize, maximize"),
-    (["hydra/sweeper=dst_optuna", "baseline=null"], "baseline=null: an Optuna trial's value is the speedup over the baseline"),
+    (["hydra/sweeper=dst_optuna", "baseline=null"],
+     "baseline=null: an Optuna trial's value is the speedup over the baseline"),
     (["hydra/sweeper=dst_optuna", "policy.sparsity.params.floor=interval(0.5, 0.95)"],
      "need 0 < floor <= p <= cap <= 1, got floor=0.95, p=0.9, cap=0.95 (at a corner of the search space: "),
     (["hydra/sweeper=dst_optuna", "policy.sparsity.params.nope=choice(1, 2)"],
@@ -131,7 +137,8 @@ def test_the_corners_of_a_search_space_are_its_choices_and_both_ends():
     (["hydra/sweeper=dst_optuna", "policy.sparsity.params.floor=interval(0.5"], "no viable alternative"),
     (["policy=dst", "policy.sparsity.params.floor=interval(0.5, 0.8)"],
      "the basic sweeper runs choices and ranges, not intervals (an Optuna sweeper samples those)"),
-], ids=["launcher", "launcher-option", "sweeper", "n_trials", "direction", "no-baseline", "corner", "unknown-key", "syntax", "basic-interval"])
+], ids=["launcher", "launcher-option", "sweeper", "n_trials", "direction", "no-baseline", "corner", "unknown-key",
+        "syntax", "basic-interval"])
 def test_bad_launcher_and_sweeper_options_are_one_line(args, message):
     with pytest.raises(ConfigError) as error:
         check_composition(["-m", "steps=2", *args])
@@ -139,9 +146,11 @@ def test_bad_launcher_and_sweeper_options_are_one_line(args, message):
 
 
 def test_a_bad_sweeper_option_stops_the_command_before_it_writes(tmp_path):
-    proc = sim_run("-m", "hydra/sweeper=dst_optuna", "hydra.sweeper.n_trials=-1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    proc = sim_run("-m", "hydra/sweeper=dst_optuna", "hydra.sweeper.n_trials=-1",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}")
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and err.splitlines() == ["error: hydra.sweeper.n_trials=-1 is out of range; allowed: >= 1"]
+    assert proc.returncode == 2
+    assert err.splitlines() == ["error: hydra.sweeper.n_trials=-1 is out of range; allowed: >= 1"]
     assert list(tmp_path.iterdir()) == []
 
 

@@ -18,7 +18,8 @@ def test_layout_rejects_bad_degrees(kwargs, needle):
 
 def test_layout_fills_dp():
     cfg = compose_config(["layout.cp=2", "layout.pp=2", "cluster.nodes=4"])
-    assert Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster)) == Layout(dp=8, cp=2, pp=2, micro_batches=8, gpus=32)
+    layout = Layout.from_config(cfg.layout, Cluster.gpus(cfg.cluster))
+    assert layout == Layout(dp=8, cp=2, pp=2, micro_batches=8, gpus=32)
 
 
 def test_tiers_follow_placement():

@@ -214,8 +214,8 @@ def test_sequence_that_fits_under_no_plan_is_named():
 
 def run_cli(*args, cwd):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", *args], cwd=cwd, capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", *args], cwd=cwd, capture_output=True,
+                          text=True, env=env, timeout=120)
 
 
 @pytest.mark.slow
@@ -252,7 +252,8 @@ def profile_for(model: ModelConfig, held_layer=1000.0) -> dict:
     terms = {"held_layer": held_layer, "held_micro_batch": 10.0, "transient": 500.0, "transient_bytes": 1e6}
     shape = {k: getattr(model, k) for k in ("hidden", "heads", "kv_heads", "head_dim", "ffn")}
     return {"schema_version": 1, "gpu": "h200", "meta": {}, "block_size": 128,
-            "shapes": {model.name: {"shape": shape, "modes": {"full": terms, "checkpointed": dict(terms, held_layer=9.0)}}}}
+            "shapes": {model.name: {"shape": shape,
+                                    "modes": {"full": terms, "checkpointed": dict(terms, held_layer=9.0)}}}}
 
 
 def test_profile_terms_replace_first_principles_for_its_shapes(tmp_path):

@@ -79,7 +79,8 @@ def test_the_level_table_from_distinct_pairs_is_the_one_priced_per_sample(family
         lengths, samples[None], cols.p[:, None, None], cols.kept_fraction[:, None, None], cols.top_k[:, None, None],
         cols.p_floor[:, None, None])))
     costs = cost.micro_batch_costs(np.broadcast_to(lengths, (g, s, n)).ravel(), kept.ravel(),
-                                   (np.arange(g * s)[:, None] * dp * m + group[None, :]).ravel(), g * s * dp * m, layout)
+                                   (np.arange(g * s)[:, None] * dp * m + group[None, :]).ravel(), g * s * dp * m,
+                                   layout)
     assert np.array_equal(table.fwd, costs.fwd_ms.reshape(g, s, dp, m))
     assert np.array_equal(table.bwd, costs.bwd_ms.reshape(g, s, dp, m))
     pairs_kept, pairs_coverage, inverse = distinct_outcomes(cost, lengths, samples, cols)

@@ -94,7 +94,7 @@ def test_priced_bytes_are_what_the_fused_selection_allocates():
         pytest.skip("Triton is not installed")
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads(proc.stdout.splitlines()[-1])
-    for case, nbytes in zip(CASES, measured):
+    for case, nbytes in zip(CASES, measured, strict=True):
         n = len(case["lengths"])
         per_layer, shared = selection_bytes(case["lengths"], [case["budget"]] * n, np.zeros(n, dtype=int), 1,
                                             case["kv_heads"], 16, topk=[case["topk"]] * n)

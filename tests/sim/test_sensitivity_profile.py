@@ -177,8 +177,8 @@ def test_a_task_the_profile_lacks_is_one_line(task, needle):
 ])
 def test_the_cli_refuses_in_one_line_and_writes_nothing(tmp_path, overrides, needle):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "sparsebalance.sim.run", f"hydra.run.dir={run_dir}", *overrides],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr

@@ -126,7 +126,8 @@ def test_vs_best_over_a_row_not_shown_names_it():
 
 
 def test_compare_with_chosen_policies_prints_vs_best_over_them(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["sim.compare", *pinned(["steps=1", "workload.global_batch=16", "layout.micro_batches=2"]),
+    monkeypatch.setattr(sys, "argv",
+                        ["sim.compare", *pinned(["steps=1", "workload.global_batch=16", "layout.micro_batches=2"]),
                                       "--policies", "baseline,verl", "--oracles", ""])
     sim_compare.main()
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]

@@ -28,8 +28,8 @@ def test_plot_and_viz_draw_a_simulated_run_where_torch_cannot_be_imported(tmp_pa
     assert python("-c", "import torch", env=env).returncode == 1  # the stub is what the processes import
 
     run_dir = tmp_path / "run"
-    done = python("-m", "sparsebalance.sim.run", "policy=sparsebalance", "steps=2", "plot=true", f"hydra.run.dir={run_dir}",
-                  *PINNED_OVERRIDES, env=env)
+    done = python("-m", "sparsebalance.sim.run", "policy=sparsebalance", "steps=2", "plot=true",
+                  f"hydra.run.dir={run_dir}", *PINNED_OVERRIDES, env=env)
     assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
     assert (run_dir / "figures" / "timeline.png").stat().st_size > 0
 
