@@ -8,8 +8,8 @@ from matplotlib.figure import Figure
 from sparsebalance.sim.core import atomic_path
 from sparsebalance.viz.calibration import (DEFAULT_PROFILE, benchmark_vs_profile, calibration_frame, plot_calibration,
                              plot_residuals, profile_title, read_profile)
-from sparsebalance.viz.fidelity import (fidelity_frame, plot_fidelity, plot_measured_steps, plot_step_fidelity, unpriced,
-                                        validation_frame)
+from sparsebalance.viz.fidelity import (fidelity_frame, plot_fidelity, plot_measured_steps, plot_step_fidelity,
+                                        unpriced, validation_frame)
 from sparsebalance.viz.kernels import fair_ratios, is_fair, plot_fair, plot_kernel_comparison, read_benchmark
 from sparsebalance.viz.learning import is_learning_tables, learning_figures
 from sparsebalance.viz.policies import plot_frontier, plot_policies
