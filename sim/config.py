@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from sparsebalance.sim.core import CONF_DIR, ConfigError, check_bool_overrides, check_group_overrides
+from sparsebalance.sim.core import CONF_DIR, ConfigError, check_bool_overrides, check_group_overrides, refuse_unread
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,7 @@ class WorkloadConfig:
     sensitivity_task: Optional[str] = None  # the profile's task to draw from; null: its only one
 
     def check(self, prefix: str) -> None:
+        self._check_shape_keys(prefix)
         if self.min_len > self.max_len:
             raise ConfigError(
                 f"{prefix}min_len={self.min_len} exceeds {prefix}max_len={self.max_len}; allowed: min_len <= max_len"
@@ -208,6 +209,16 @@ class WorkloadConfig:
         if self.sensitivity_task is not None and not self.sensitivity_profile:
             raise ConfigError(f"{prefix}sensitivity_task={self.sensitivity_task!r} needs {prefix}sensitivity_profile "
                               "(a measured profile); the Beta prior has no tasks")
+
+    def _check_shape_keys(self, prefix: str) -> None:
+        """Each distribution draws lengths from its own shape keys only; a trace, which reads none, refuses none: a
+        preset's shape (paper_64nodes_cp's median) stays under sim.advise's workload=trace."""
+        distribution = LengthDistribution(self.distribution)
+        for name, keys in {"longtail": ("median", "sigma"),
+                           "bimodal": ("short_median", "long_median", "long_fraction")}.items():
+            if name != distribution.value and distribution is not LengthDistribution.trace:
+                refuse_unread(self, keys, prefix, f"under {prefix}distribution={distribution.value} (only {name} "
+                              "draws from it)", f"workload={name} to use it, or leave it out")
 
 
 class AttentionBackend(str, Enum):
@@ -235,6 +246,14 @@ class CostConfig:
     # at least this share; within it the profile's error (the calibration's 3% held-out median target) could
     # decide, and dense attention carries no accuracy question.
     hybrid_margin: float = bounded(0.03, Bound(0, 1, hi_open=True))
+
+    def check(self, prefix: str) -> None:
+        if self.name == "roofline":
+            if self.block_size is None:
+                raise ConfigError(f"{prefix}block_size is not set; cost=roofline needs a block size (allowed: 16 to "
+                                  "1024, conf/cost/roofline.yaml sets 128)")
+            refuse_unread(self, ["profile"], prefix, "by cost=roofline (it prices from the cluster's peak rates)",
+                          f"cost=calibrated {prefix}profile={self.profile}, or leave it out")
 
 
 @dataclass
@@ -372,6 +391,15 @@ class MemoryConfig:
     micro_batch: TokenBytes = field(default_factory=lambda: TokenBytes(head_dim=4.0, const=8.0))
     profile: Optional[str] = None  # measured terms, e.g. calibrate/profiles/h200_memory.json; null: first principles
 
+    def check(self, prefix: str) -> None:
+        if self.profile:
+            refuse_unread(self, ("activations", "checkpointed", "backward", "micro_batch"), prefix,
+                          f"under {prefix}profile={self.profile} (its measured terms replace the per-token counts)",
+                          f"{prefix}profile=null to use the counts, or leave them out")
+        if not self.activation_checkpointing:
+            refuse_unread(self, ["checkpointed"], prefix, f"under {prefix}activation_checkpointing=false (every "
+                          "activation is kept)", f"{prefix}activation_checkpointing=true to use it, or leave it out")
+
 
 # A run on more GPUs than this, or larger than this many simulated GPU-steps (GPUs x steps) or sequences
 # (global batch x steps), takes many minutes to hours and gigabytes; it needs ``force=true``. The simulator runs
@@ -402,8 +430,15 @@ class RunConfig:
     def check(self, prefix: str) -> None:
         self.check_size(prefix)
         self._check_layout(prefix)
+        self._check_hybrid_margin(prefix)
         if self.plot and not self.write_plans:
             raise ConfigError(f"{prefix}plot=true needs {prefix}write_plans=true (the timeline replays the Plans)")
+
+    def _check_hybrid_margin(self, prefix: str) -> None:
+        backends = {AttentionBackend(b) for b in (self.cost.attention_backend, self.policy.attention_backend) if b}
+        if AttentionBackend.hybrid not in backends:
+            refuse_unread(self.cost, ["hybrid_margin"], f"{prefix}cost.", "unless an attention backend is hybrid",
+                          f"{prefix}cost.attention_backend=hybrid to use it, or leave it out")
 
     def _check_layout(self, prefix: str) -> None:
         """What spans the model and workload groups; whether the degrees fit the GPUs is sim.cluster.Layout's

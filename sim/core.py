@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import functools
 import json
@@ -33,6 +34,21 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command ended
 
 class ConfigError(ValueError):
     """Bad user input; the entry point prints its message as one line and exits with EXIT_BAD_INPUT."""
+
+
+def refuse_unread(node: object, names: Sequence[str], prefix: str, why: str, allowed: str) -> None:
+    """One line for the first of ``names`` set away from its schema default where the run does not read it
+    (``why``); nested dataclasses are compared key by key."""
+    for f in (f for f in dataclasses.fields(node) if f.name in names):
+        value = getattr(node, f.name)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(value):
+            changed = [g.name for g in dataclasses.fields(value) if getattr(value, g.name) != getattr(default, g.name)]
+            key, value = (f"{f.name}.{changed[0]}", getattr(value, changed[0])) if changed else (f.name, None)
+        else:
+            key, changed = f.name, value != default
+        if changed:
+            raise ConfigError(f"{prefix}{key}={getattr(value, 'value', value)} is not read {why}; allowed: {allowed}")
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:

@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sparsebalance.sim.core import CONF_DIR, TEMPORARY, ConfigError, hydra_reason
+from sparsebalance.sim.core import CONF_DIR, TEMPORARY, ConfigError, check_writable, hydra_reason
 from sparsebalance.sim.results import FILES
 
 # Launchers whose jobs end with this process (joblib's workers are killed when it is interrupted; the basic
@@ -65,6 +65,7 @@ def pin_output_dir(argv: list[str], fixed: list[str], sweep: bool, config_name: 
     mode = "sweep" if sweep else "run"
     path, launcher = output_dir(fixed, mode, config_name)
     key = f"hydra.{mode}.dir"
+    check_writable(path, key, directory=True)  # the default is under the working directory, which may be read-only
     kept = [a for a in argv if a.split("=", 1)[0].lstrip("+") != key]
     # Among the other overrides, which Hydra's parser takes as one run of arguments; never last, where a flag
     # with an optional value (--info) would take it as its own.

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from sparsebalance.sim.cluster import Cluster, default_kind
 from sparsebalance.sim.config import CostConfig, ModelConfig
-from sparsebalance.sim.core import ArgumentParser, ConfigError, one_line_errors, resolve_path, write_json_atomic
+from sparsebalance.sim.core import (ArgumentParser, ConfigError, check_writable, one_line_errors, resolve_path,
+                                    write_json_atomic)
 from sparsebalance.sim.cost import BF16
 from sparsebalance.sim.profile import PROFILE_FEATURES, PROFILE_SCHEMA_VERSION
 
@@ -75,7 +76,7 @@ def _measured_profile_at(path: Path) -> bool:
 def _write_provisional(out: str, replace_measured: bool) -> None:
     from sparsebalance.sim.config import compose_config
 
-    target = resolve_path(out)
+    target = check_writable(resolve_path(out), "--out")
     if not replace_measured and _measured_profile_at(target):
         raise ConfigError(f"--out={out}: holds a measured (not provisional) profile; pass --replace-measured "
                           "to overwrite it with the roofline-derived one")

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 PINNED_PROFILE = Path(__file__).resolve().parent / "fixtures" / "profile_h200.json"
-PINNED_OVERRIDES = (f"cost.profile={PINNED_PROFILE}",)
+# The cluster's profile, which cost=calibrated reads (cost.profile defaults to it) and cost=roofline does not.
+PINNED_OVERRIDES = (f"cluster.profile={PINNED_PROFILE}",)
 # The pinned profile with made-up dense backends (cudnn, fa4) beside it: what dense_best, hybrid and verl_dense price.
 BACKENDS_PROFILE = PINNED_PROFILE.with_name("profile_h200_backends.json")
 # That profile with a made-up sparse peer (fa4_sparse, "sparse": true) beside its dense backends: what hybrid prices.

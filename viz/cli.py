@@ -6,7 +6,8 @@ the figures the notebooks show. Each PATH is one of:
 * a Results directory (one ``sim.run`` run, a sweep's ``multirun/...`` directory, runner runs): speedup and
   bubble per policy, the speed/coverage frontier, and the per-rank timeline of one step (baseline vs
   sparsebalance, else the fastest other policy) for simulated runs; simulator-predicted vs runner-measured
-  step times for runner runs (runner.compare's replay);
+  step times for runner runs (runner.compare's replay, priced by ``--profile PATH`` where given), and for a run on
+  the CPU without one (no cost profile describes a CPU) its measured step times alone;
 * runner.collect's tables of several runner runs (``results/runner/learning_*``): learning curves (50-step
   mean training accuracy per run, coloured by run name without ``_s<seed>``) and held-out accuracy per run;
 * a cost profile (``calibrate/profiles/<gpu>.json``): its fitted model against the raw measurements beside
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=0, help="the step the timeline shows")
     ap.add_argument("--skip", type=int, default=None,
                     help="runner runs: first steps left out of fidelity (default: runner.compare's, else 1)")
+    ap.add_argument("--profile", default=None,
+                    help="runner runs: the cost profile that prices them (runner.compare --profile); without it a "
+                         "CPU run is drawn from its measured times alone")
     try:
         args = ap.parse_args(argv)
         for flag, value in (("--step", args.step), ("--skip", args.skip)):
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         for path, (out, prefix) in zip(args.paths, places, strict=True):
             with warnings.catch_warnings(record=True) as skipped:  # one line each, not Python's two
                 warnings.simplefilter("always")
-                figures = figures_for(path, args.step, args.skip)
+                figures = figures_for(path, args.step, args.skip, args.profile)
             for w in skipped:
                 print(f"warning: {w.message}", file=sys.stderr)
             made.append(({prefix + name: fig for name, fig in figures.items()}, out))

@@ -32,6 +32,30 @@ def fidelity_frame(runs: list[Run], skip: int | None = None, profile: str | None
     return pd.concat([_compare_table(r, skip, profile) for r in measured], ignore_index=True)
 
 
+def unpriced(run: Run, profile: str | None) -> bool:
+    """A runner run on the CPU that no table or profile prices: no cost profile describes a CPU, so without
+    ``profile`` (a GPU's, named on purpose) it has measured times alone."""
+    on_cpu = str(run.summary.get("device", "")).startswith("cpu")
+    return on_cpu and profile is None and not (run.path / "compare.csv").is_file()
+
+
+def plot_measured_steps(runs: list[Run]) -> Figure:
+    """Each step's measured time per run, for runs that nothing prices (``unpriced``)."""
+    colours = policy_colours([r.policy for r in runs])
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.subplots()
+    for run in runs:
+        ax.plot(run.steps["step"], run.steps["step_ms"], marker="o", color=colours[run.policy],
+                label=f"{run.policy} ({run.path.name})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("measured step time (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Runner-measured step time on the CPU (no cost profile describes a CPU;\n"
+                 "python -m viz --profile <a GPU's profile> prices it anyway)", fontsize=10)
+    return fig
+
+
 def _compare_table(run: Run, skip: int | None, profile: str | None) -> pd.DataFrame:
     """runner.compare's compare.csv, computed now if the run has none."""
     if (run.path / "compare.csv").is_file():

@@ -8,7 +8,8 @@ from matplotlib.figure import Figure
 from sparsebalance.sim.core import atomic_path
 from sparsebalance.viz.calibration import (DEFAULT_PROFILE, benchmark_vs_profile, calibration_frame, plot_calibration,
                              plot_residuals, profile_title, read_profile)
-from sparsebalance.viz.fidelity import fidelity_frame, plot_fidelity, plot_step_fidelity, validation_frame
+from sparsebalance.viz.fidelity import (fidelity_frame, plot_fidelity, plot_measured_steps, plot_step_fidelity,
+                                        unpriced, validation_frame)
 from sparsebalance.viz.kernels import fair_ratios, is_fair, plot_fair, plot_kernel_comparison, read_benchmark
 from sparsebalance.viz.learning import is_learning_tables, learning_figures
 from sparsebalance.viz.policies import plot_frontier, plot_policies
@@ -16,8 +17,9 @@ from sparsebalance.viz.runs import PlotError, read_runs, settings
 from sparsebalance.viz.timeline import pick_timeline_runs, plot_timeline, replay_step
 
 
-def results_figures(path: Path, step: int, skip: int | None = None) -> dict[str, Figure]:
-    """Policy figures (two or more runs) and a timeline for simulated runs, step fidelity for runner runs."""
+def results_figures(path: Path, step: int, skip: int | None = None, profile: str | None = None) -> dict[str, Figure]:
+    """Policy figures (two or more runs) and a timeline for simulated runs, step fidelity for runner runs (priced
+    by ``profile`` where given), measured step times for CPU runs that nothing prices."""
     runs = read_runs(path)
     simulated = [r for r in runs if r.summary.get("source") != "runner"]
     figures = {}
@@ -29,8 +31,12 @@ def results_figures(path: Path, step: int, skip: int | None = None) -> dict[str,
         labels = dict(zip(map(id, simulated), settings(simulated), strict=True))
         traces = [replay_step(r, step, label=" ".join(filter(None, (r.policy, labels[id(r)])))) for r in chosen]
         figures["timeline"] = plot_timeline(traces)
-    if len(simulated) < len(runs):
-        figures["fidelity"] = plot_step_fidelity(fidelity_frame(runs, skip))
+    measured = [r for r in runs if r.summary.get("source") == "runner"]
+    alone = [r for r in measured if unpriced(r, profile)]
+    if alone:
+        figures["step_times"] = plot_measured_steps(alone)
+    if len(alone) < len(measured):
+        figures["fidelity"] = plot_step_fidelity(fidelity_frame([r for r in measured if r not in alone], skip, profile))
     return figures
 
 
@@ -45,12 +51,12 @@ def profile_figures(path: Path) -> dict[str, Figure]:
     }
 
 
-def figures_for(path: Path, step: int, skip: int | None = None) -> dict[str, Figure]:
-    """The figures a path calls for, by what it is."""
+def figures_for(path: Path, step: int, skip: int | None = None, profile: str | None = None) -> dict[str, Figure]:
+    """The figures a path calls for, by what it is; ``profile`` prices runner runs (runner.compare --profile)."""
     if path.is_dir():
         if is_learning_tables(path):
             return learning_figures(path)
-        return results_figures(path, step, skip)
+        return results_figures(path, step, skip, profile)
     if path.suffix == ".json":
         return profile_figures(path)
     if path.suffix == ".csv":

@@ -174,6 +174,23 @@ def test_fidelity_replays_runner_runs(sweep_copy):
     assert sorted(results_figures(sweep_copy, step=0)) == ["fidelity", "timeline"]  # one simulated run
 
 
+def test_a_cpu_runner_run_is_drawn_from_its_measured_times_or_priced_by_a_named_profile(sweep_copy, capsys):
+    """No cost profile describes a CPU: without --profile the run's measured step times alone, with one its
+    fidelity as runner.compare --profile prices it."""
+    fake_runner_run(sweep_copy / "1")
+    summary = json.loads((sweep_copy / "1" / "summary.json").read_text())
+    (sweep_copy / "1" / "summary.json").write_text(json.dumps({**summary, "device": "cpu"}))
+    figures = results_figures(sweep_copy, step=0)
+    assert sorted(figures) == ["step_times", "timeline"]
+    assert_legible(figures["step_times"])
+    assert sorted(results_figures(sweep_copy, step=0, profile=str(PINNED_PROFILE))) == ["fidelity", "timeline"]
+    assert "ran on the CPU, which no cost profile describes" in capsys.readouterr().err
+    for flags, figure in (([], "step_times.png"), (["--profile", str(PINNED_PROFILE)], "fidelity.png")):
+        out = sweep_copy / f"figs{len(flags)}"
+        assert main([str(sweep_copy / "1"), "--out", str(out), *flags]) == 0
+        assert [p.name for p in out.iterdir()] == [figure]
+
+
 def test_fidelity_reads_runner_compare_output(sweep_copy):
     from sparsebalance.runner import compare
 

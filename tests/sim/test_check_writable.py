@@ -1,6 +1,8 @@
 """sim.core.check_writable: an output path is tried before any work runs, and trying it leaves nothing behind."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from sparsebalance.sim.core import ConfigError, check_writable
@@ -45,3 +47,18 @@ def test_a_path_under_a_file_cannot_be_written(tmp_path):
 def test_a_path_the_system_refuses_cannot_be_written():
     with pytest.raises(ConfigError, match=r"^hydra.run.dir='/proc/nope' cannot be written"):
         check_writable("/proc/nope", "hydra.run.dir", directory=True)
+
+
+@pytest.mark.parametrize("sweep", [[], ["-m"]], ids=["run", "sweep"])
+def test_a_read_only_working_directory_is_one_line_before_any_job(monkeypatch, capsys, sweep):
+    """The default run and sweep directories are under the working directory; /proc takes no new file, even
+    for root."""
+    from sparsebalance.sim import run as sim_run
+
+    monkeypatch.chdir("/proc")
+    monkeypatch.setattr(sys, "argv", ["sim.run", *sweep, "steps=1", "layout.micro_batches=1"])
+    with pytest.raises(SystemExit) as exit_:
+        sim_run.cli()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: hydra.{'sweep' if sweep else 'run'}.dir=") and "cannot be written" in err
