@@ -110,6 +110,12 @@ class Cluster:
     @classmethod
     def from_config(cls, cfg: ClusterConfig) -> Cluster:
         validate(cfg, "cluster.")
+        kind = gpu_kinds().get(cfg.gpu)
+        if kind is not None and cfg.sparse_peak_tflops != kind.sparse_peak_tflops:
+            # profiles are checked against the kinds' YAMLs, before any run's cluster exists
+            raise ConfigError(f"cluster.sparse_peak_tflops={cfg.sparse_peak_tflops:g} differs from the {cfg.gpu} "
+                              f"kind's {kind.sparse_peak_tflops:g}, which bounds every profile; allowed: "
+                              f"{kind.sparse_peak_tflops:g} (another GPU is a cluster YAML of its own)")
         tiers = {name: Tier(getattr(cfg, name).bandwidth_gbps, getattr(cfg, name).latency_us)
                  for name in ("intra", "inter")}
         return cls(cfg.gpus_per_node, tiers["intra"], tiers["inter"], cfg.peak_tflops, cfg.hbm_tbps, cfg.grad_bytes,

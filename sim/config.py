@@ -294,6 +294,9 @@ class PriorConfig:
         if self.task is not None and self.profile is None:
             raise ConfigError(f"{prefix}task={self.task!r} needs {prefix}profile (a measured profile); a stated prior "
                               "has no tasks")
+        if self.trend == 0 and "pivot" in changed:
+            raise ConfigError(f"{prefix}pivot={self.pivot} is read only with a trend ({prefix}trend=0 here); allowed: "
+                              f"a nonzero {prefix}trend, or no pivot")
 
 
 @dataclass

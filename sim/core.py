@@ -74,7 +74,8 @@ def refuse_unknown_options(argv: list[str]) -> None:
     """A ConfigError for an option a Hydra app does not take (Hydra would print its usage and the error)."""
     from hydra._internal.utils import get_args_parser
 
-    _, unknown = get_args_parser().parse_known_args(argv)
+    # intermixed: overrides may come before and after an option (``a=1 -m b=2``), as Hydra itself takes them
+    _, unknown = get_args_parser().parse_known_intermixed_args(argv)
     if unknown:
         raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}; allowed: key=value overrides and Hydra's "
                           "options (--help)")

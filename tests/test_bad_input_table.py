@@ -135,7 +135,8 @@ def test_sim_run(inputs, overrides, needle):
 
 @pytest.mark.parametrize("module,argv,needle", COMMANDS, ids=[f"{m} {' '.join(a)}" for m, a, _ in COMMANDS])
 def test_other_commands(inputs, capsys, monkeypatch, module, argv, needle):
-    main = importlib.import_module(f"sparsebalance.{module}" + (".cli" if module == "viz" else "")).main
+    package = "" if module.startswith("benchmarks.") else "sparsebalance."  # benchmarks/ ships in no package
+    main = importlib.import_module(f"{package}{module}" + (".cli" if module == "viz" else "")).main
     argv = [a.format(tmp=inputs) for a in argv]
     monkeypatch.setattr(sys, "argv", [module, *argv])  # sim.compare's main reads its command line
     with pytest.raises(SystemExit) as exit_:

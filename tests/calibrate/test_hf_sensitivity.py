@@ -70,7 +70,9 @@ def test_a_tiny_random_model_yields_a_profile_the_simulator_reads(tmp_path):
                      "model.max_context=256", "steps=2", "policy=verl_topk"]
     overrides, _ = base_overrides(cfg, tmp_path)
     base = compose_config(overrides)
-    assert prior_of(base).startswith(f"the measured profile {path}")
+    # the planners start from the measured profile, and the simulator draws the truth from it too
+    assert prior_of(base) == (f"profile {path} (text); the data's truth drawn from the measured profile {path} "
+                              "(task its only one)")
     run = simulate(base)
     assert 0 < run.summary["attention_coverage"] <= 1
 
