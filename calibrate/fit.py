@@ -21,7 +21,7 @@ from sparsebalance.calibrate.report import (HELDOUT_TARGET_PCT, VALIDATION_TARGE
                                             print_report)
 from sparsebalance.calibrate.run import DEFAULT_CSV, meta_path, read_runs
 from sparsebalance.sim.backends import OURS
-from sparsebalance.sim.cluster import default_kind
+from sparsebalance.sim.gpu_kinds import default_kind
 from sparsebalance.sim.core import ArgumentParser, ConfigError, check_writable, one_line_errors
 from sparsebalance.sim.profile import load_profile
 

@@ -23,7 +23,8 @@ from sparsebalance.calibrate.grid import TERMS as GRID_TERMS
 from sparsebalance.calibrate.grid import GridPoint
 from sparsebalance.calibrate.linear import COLLINEAR, TermFit, fit_term, predict
 from sparsebalance.calibrate.run import read_runs
-from sparsebalance.sim.cluster import Layout, gpu_kind
+from sparsebalance.sim.cluster import Layout
+from sparsebalance.sim.gpu_kinds import gpu_kind
 from sparsebalance.sim.config import ModelConfig
 from sparsebalance.sim.core import ConfigError, write_checked_json
 from sparsebalance.sim.backends import BACKEND_NAME, DENSE_TERMS, OURS

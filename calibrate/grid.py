@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass, replace
 
 from sparsebalance.sim.backends import DENSE_TERMS, OURS
-from sparsebalance.sim.cluster import default_kind
+from sparsebalance.sim.gpu_kinds import default_kind
 from sparsebalance.sim.shapes import ModelShape
 
 K = 1024

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsebalance.calibrate.store import append_rows
+from sparsebalance.sim.gpu_kinds import default_kind
 from sparsebalance.sim.core import check_writable, fail, one_line_errors, write_json_atomic
 from sparsebalance.sim.shapes import ModelShape, load_shapes, model_names
 
@@ -71,10 +72,7 @@ class Point:
 
 
 def default_profile() -> Path:
-    """The default cluster's GPU kind's memory profile; the cluster's config (Hydra) is read only here, so that
-    the measuring side imports without it."""
-    from sparsebalance.sim.cluster import default_kind
-
+    """The default cluster's GPU kind's memory profile."""
     return Path(__file__).resolve().parent / "profiles" / f"{default_kind().gpu}_memory.json"
 
 def build_points(models: list[str], token_counts: tuple[int, ...] = TOKENS) -> list[Point]:

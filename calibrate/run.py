@@ -32,7 +32,7 @@ from sparsebalance.calibrate import grid, store, timing
 from sparsebalance.kernels.backends import BACKENDS, is_sparse_backend, load_all
 from sparsebalance.calibrate.grid import GridPoint, build_grid
 from sparsebalance.sim.backends import OURS
-from sparsebalance.sim.cluster import default_kind
+from sparsebalance.sim.gpu_kinds import default_kind
 from sparsebalance.sim.core import ArgumentParser, ConfigError, number_list, one_line_errors
 from sparsebalance.sim.progress import with_progress
 from sparsebalance.sim.shapes import ModelShape, load_shapes, model_names

@@ -44,7 +44,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sparsebalance.runner.config import TrainConfig
-from sparsebalance.sim.cluster import Cluster, Layout, default_kind
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.gpu_kinds import default_kind
 from sparsebalance.sim.config import CostConfig, compose_config, validate
 from sparsebalance.sim.core import (ArgumentParser, ConfigError, atomic_path, check_writable, group_options,
                                     one_line_errors, write_json_atomic)

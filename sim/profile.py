@@ -6,7 +6,7 @@ import hashlib
 import math
 
 from sparsebalance.sim.backends import backends_problem
-from sparsebalance.sim.cluster import GpuKind, gpu_kinds
+from sparsebalance.sim.gpu_kinds import GpuKind, gpu_kinds
 from sparsebalance.sim.core import read_checked_json, resolve_path
 from sparsebalance.sim.tensor_parallel import efficiency_problem
 

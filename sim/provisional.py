@@ -8,7 +8,8 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from sparsebalance.sim.cluster import Cluster, default_kind
+from sparsebalance.sim.cluster import Cluster
+from sparsebalance.sim.gpu_kinds import default_kind
 from sparsebalance.sim.config import CostConfig, ModelConfig
 from sparsebalance.sim.core import (ArgumentParser, ConfigError, check_writable, one_line_errors, resolve_path,
                                     write_json_atomic)

@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from sparsebalance.calibrate.fitting import FeatureSource, Measurement, load_measurements, term_prediction
 from sparsebalance.calibrate.linear import predict
 from sparsebalance.sim.backends import OURS
-from sparsebalance.sim.cluster import default_kind
+from sparsebalance.sim.gpu_kinds import default_kind
 from sparsebalance.calibrate.grid import GridPoint
 from sparsebalance.calibrate.run import meta_path
 from sparsebalance.sim.core import ConfigError

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-import sparsebalance.sim.cluster as cluster_module
-from sparsebalance.sim.cluster import Cluster, Layout, default_kind, gpu_kind, gpu_kinds
+import sparsebalance.sim.gpu_kinds as kinds_module
+from sparsebalance.sim.cluster import Cluster, Layout
+from sparsebalance.sim.gpu_kinds import default_kind, gpu_kind, gpu_kinds
 from sparsebalance.sim.config import compose_config
 from sparsebalance.sim.core import CONF_DIR, ConfigError, ROOT
 from sparsebalance.sim.cost import attention_features, make_cost
@@ -35,7 +36,7 @@ def with_b200(tmp_path, monkeypatch):
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)
     (conf / "cluster" / "b200.yaml").write_text(B200)
-    monkeypatch.setattr(cluster_module, "CONF_DIR", conf)
+    monkeypatch.setattr(kinds_module, "CONF_DIR", conf)
     gpu_kinds.cache_clear()
     default_kind.cache_clear()
     yield

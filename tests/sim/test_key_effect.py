@@ -37,6 +37,7 @@ ROOFLINE = {"cost": roofline_cost}  # a context value that is callable is called
 TWO_NODES = {"cluster.nodes": 2, "workload.global_batch": 32}
 # Where a change must be made by hand: key -> [(new value, the context both runs share)]. A context shows the
 # key where it is read (the roofline's keys under cost=roofline); under the base they are refused.
+SENSITIVITY_PROFILE = ROOT / "tests/fixtures/sensitivity_profile.json"
 CHANGES: dict[str, list[tuple[object, dict]]] = {
     "policy.name": [("renamed", {})],
     "policy.batching.name": [("lpt", {})],
@@ -57,7 +58,7 @@ CHANGES: dict[str, list[tuple[object, dict]]] = {
     "workload.name": [("renamed", {})],
     "workload.trace_path": [("sim/traces/example.csv", {}),
                             ("sim/traces/example.csv", {"workload.distribution": "trace"})],
-    "workload.sensitivity_profile": [(str(ROOT / "tests/fixtures/sensitivity_profile.json"), {})],
+    "workload.sensitivity_profile": [(str(SENSITIVITY_PROFILE), {})],
     "workload.sensitivity_task": [("retrieval", {})],
     "workload.median": [(2048.0, {}), (2048.0, {"workload.distribution": "bimodal"})],
     "workload.short_median": [(1024.0, {}), (1024.0, {"workload.distribution": "bimodal"})],
@@ -74,9 +75,8 @@ CHANGES: dict[str, list[tuple[object, dict]]] = {
     "cost.hybrid_margin": [(0.5, {}), (0.5, {"cost.attention_backend": "hybrid",
                                              "cost.profile": str(BACKENDS_PROFILE),
                                              "policy.prior.mean": 0.2, "policy.prior.spread": 0.1})],
-    "policy.prior.profile": [(str(ROOT / "tests/fixtures/sensitivity_profile.json"), {})],
-    "policy.prior.task": [("retrieval", {}),
-                          ("retrieval", {"policy.prior.profile": str(ROOT / "tests/fixtures/sensitivity_profile.json")})],
+    "policy.prior.profile": [(str(SENSITIVITY_PROFILE), {})],
+    "policy.prior.task": [("retrieval", {}), ("retrieval", {"policy.prior.profile": str(SENSITIVITY_PROFILE)})],
     "layout.dp": [(4, {})],
     "memory.overflow": [("allow", {"cluster.hbm_gb": 70.0})],
     "memory.margin_gb": [(100.0, {})],
