@@ -40,10 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsebalance.calibrate.store import append_rows
-from sparsebalance.sim.gpu_kinds import default_kind
 from sparsebalance.sim.core import check_writable, fail, one_line_errors, write_json_atomic
+from sparsebalance.sim.gpu_kinds import default_kind
 from sparsebalance.sim.shapes import ModelShape, load_shapes, model_names
 
+# The default cluster's GPU kind's.
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / f"{default_kind().gpu}_memory.json"
 RAW_CSV = "memory_raw.csv"
 TOKENS = (4096, 8192, 16384, 32768, 65536)
 LAYERS = (1, 2)
@@ -69,11 +71,6 @@ class Point:
         half, quarter = self.tokens // 2, self.tokens // 4
         return half, quarter, self.tokens - half - quarter - self.small, self.small
 
-
-
-def default_profile() -> Path:
-    """The default cluster's GPU kind's memory profile."""
-    return Path(__file__).resolve().parent / "profiles" / f"{default_kind().gpu}_memory.json"
 
 def build_points(models: list[str], token_counts: tuple[int, ...] = TOKENS) -> list[Point]:
     """Smallest token count first, every combination within it: a run cut short keeps whole token counts."""
@@ -425,7 +422,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--out", type=Path, help="measure (CUDA): write memory_raw.csv and its .meta.json here")
     what.add_argument("--fit", type=Path, help="fit a measured memory_raw.csv into --profile")
-    ap.add_argument("--profile", type=Path, default=default_profile(), help="the profile --fit writes")
+    ap.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="the profile --fit writes")
     ap.add_argument("--models", nargs="+", default=["qwen2.5-3b", "llama3-8b"], help="conf/model/ names")
     ap.add_argument("--block-size", type=int, default=128, help="kernel block size (the simulator's)")
     ap.add_argument("--time-budget-s", type=float, default=TIME_BUDGET_S, help="start no point after this long")
